@@ -1,0 +1,44 @@
+"""grpo_plus: pluggable GRPO objectives on top of TRL's GRPOTrainer.
+
+The core (`grpo_plus.advantages`, `grpo_plus.losses`) imports only torch; the trainer, config and recipes
+are loaded lazily so `import grpo_plus` stays light.
+"""
+
+from .advantages import available_advantage_normalizers, compute_advantages, register_advantage_normalizer
+from .losses import (
+    AggregationContext,
+    PolicyLossOutput,
+    available_importance_sampling_levels,
+    available_loss_types,
+    compute_policy_loss,
+    register_importance_sampling,
+    register_loss_type,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {"GRPOConfig": ".config", "GRPOTrainer": ".trainer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'grpo_plus' has no attribute {name!r}")
+
+
+__all__ = [
+    "AggregationContext",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "PolicyLossOutput",
+    "available_advantage_normalizers",
+    "available_importance_sampling_levels",
+    "available_loss_types",
+    "compute_advantages",
+    "compute_policy_loss",
+    "register_advantage_normalizer",
+    "register_importance_sampling",
+    "register_loss_type",
+]

@@ -1,0 +1,104 @@
+"""One small generic registry: name -> callable, with aliases and "did you mean" errors."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Entry(Generic[F]):
+    """A registered callable plus the metadata its registrar declared."""
+
+    name: str
+    fn: F
+    aliases: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
+    doc: str = ""
+
+
+@dataclass
+class Registry(Generic[F]):
+    """Maps names (and aliases) to callables; `field` is the config field whose values it holds."""
+
+    kind: str
+    field: str
+    _entries: dict[str, Entry[F]] = field(default_factory=dict)
+    _aliases: dict[str, str] = field(default_factory=dict)
+
+    def register(
+        self,
+        name: str,
+        fn: F | None = None,
+        *,
+        aliases: Iterable[str] = (),
+        requires: Iterable[str] = (),
+        override: bool = False,
+    ) -> Callable[[F], F] | F:
+        """Register `fn` under `name` (usable as a decorator). Re-registering needs `override=True`."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
+        aliases = tuple(aliases)
+
+        def decorator(func: F) -> F:
+            if not callable(func):
+                raise TypeError(f"{self.kind} {name!r} must be callable, got {type(func).__name__}.")
+            taken = [key for key in (name, *aliases) if key in self]
+            if taken and not override:
+                raise ValueError(
+                    f"{self.kind} name(s) {', '.join(map(repr, taken))} already registered; "
+                    "pass override=True to replace."
+                )
+            self._drop(name)
+            for alias in aliases:
+                self._aliases.pop(alias, None)
+                self._aliases[alias] = name
+            self._entries[name] = Entry(name, func, aliases, tuple(requires), (func.__doc__ or "").strip())
+            return func
+
+        return decorator(fn) if fn is not None else decorator
+
+    def _drop(self, name: str) -> None:
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            for alias in entry.aliases:
+                self._aliases.pop(alias, None)
+        self._aliases.pop(name, None)
+
+    def unregister(self, name: str) -> None:
+        """Remove a registered name and its aliases (mainly for tests and plugin reloads)."""
+        self._drop(self.resolve(name))
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._entries or name in self._aliases)
+
+    def names(self, with_aliases: bool = False) -> list[str]:
+        """Registered canonical names (plus aliases if asked), sorted."""
+        return sorted([*self._entries, *self._aliases]) if with_aliases else sorted(self._entries)
+
+    def resolve(self, name: str) -> str:
+        """Canonical name for `name` or an alias; raises ValueError listing what is allowed."""
+        if isinstance(name, str) and name in self._entries:
+            return name
+        if isinstance(name, str) and name in self._aliases:
+            return self._aliases[name]
+        raise ValueError(self.unknown_message(name))
+
+    def entry(self, name: str) -> Entry[F]:
+        return self._entries[self.resolve(name)]
+
+    def get(self, name: str) -> F:
+        return self.entry(name).fn
+
+    def unknown_message(self, name: object) -> str:
+        allowed = self.names(with_aliases=True)
+        close = difflib.get_close_matches(str(name), allowed, n=1, cutoff=0.5)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return (
+            f"Unknown {self.field} {name!r}.{hint} Registered {self.kind} names: {', '.join(allowed)}. "
+            f"Register your own with grpo_plus.register_{self.kind.replace(' ', '_')}(name)."
+        )

@@ -1,0 +1,124 @@
+"""TRL 1.16's own code as the oracle: its `_compute_loss` and advantage block, run on given tensors.
+
+`trl_policy_loss` calls `trl.GRPOTrainer._compute_loss` unbound on a minimal stand-in trainer whose model
+"forward" returns the caller's log-prob tensor, so the loss, gradient and metrics are TRL's, not a re-typing.
+`trl_advantages` runs the advantage block of `GRPOTrainer._generate_and_score_completions` (TRL keeps it
+inline in a 600-line method, so the test extracts that block from TRL's installed source and executes it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+import trl.trainer.grpo_trainer as grpo_module
+from trl import GRPOTrainer
+from trl.trainer.utils import nanstd
+
+
+class _Accelerator:
+    num_processes = 1
+    sync_gradients = True
+
+    @staticmethod
+    def reduce(x, reduction="sum"):
+        return x
+
+    @staticmethod
+    def gather(x):
+        return x
+
+    gather_for_metrics = gather
+
+
+class _StandInTrainer:
+    """Just the attributes `GRPOTrainer._compute_loss` reads."""
+
+    get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
+    get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask
+
+    def __init__(self, logps, entropies=None, **settings):
+        self._logps = logps
+        self._entropies = torch.zeros_like(logps.detach()) if entropies is None else entropies
+        self.loss_type = settings.get("loss_type", "dapo")
+        self.importance_sampling_level = settings.get("importance_sampling_level", "token")
+        self.epsilon_low = settings.get("epsilon", 0.2)
+        eps_high = settings.get("epsilon_high")
+        self.epsilon_high = self.epsilon_low if eps_high is None else eps_high
+        self.beta = settings.get("beta", 0.0)
+        self.max_completion_length = settings.get("max_completion_length")
+        self.current_gradient_accumulation_steps = settings.get("gradient_accumulation_steps", 1)
+        self.top_entropy_quantile = settings.get("top_entropy_quantile", 1.0)
+        self.off_policy_mask_threshold = settings.get("off_policy_mask_threshold")
+        self.use_vllm = False
+        self.vllm_importance_sampling_correction = False
+        self.aux_loss_enabled = False
+        self._entropy_bonus_enabled = False
+        self.accelerator = _Accelerator()
+        self.accelerator.num_processes = settings.get("num_processes", 1)
+        self.model = SimpleNamespace(training=settings.get("training", True))
+        self.args = SimpleNamespace(
+            delta=settings.get("delta"),
+            use_bias_correction_kl=settings.get("use_bias_correction_kl", True),
+            steps_per_generation=settings.get("steps_per_generation", settings.get("gradient_accumulation_steps", 1)),
+        )
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        return self._logps, self._entropies, None
+
+
+def trl_policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, num_items_in_batch=None, **settings):
+    """TRL's loss and logged metrics for these tensors; `logps` should require grad for gradient checks."""
+    stand_in = _StandInTrainer(logps, **settings)
+    batch, length = mask.shape
+    inputs = {
+        "prompt_ids": torch.zeros(batch, 1, dtype=torch.long),
+        "prompt_mask": torch.ones(batch, 1, dtype=torch.long),
+        "completion_ids": torch.zeros(batch, length, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old_logps,
+    }
+    if ref_logps is not None:
+        inputs["ref_per_token_logps"] = ref_logps
+    if num_items_in_batch is not None:
+        inputs["num_items_in_batch"] = torch.as_tensor(num_items_in_batch)
+    loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
+    metrics = {name: values[-1] for name, values in stand_in._metrics["train"].items()}
+    return loss, metrics
+
+
+def _advantage_block_source() -> str:
+    source = textwrap.dedent(inspect.getsource(GRPOTrainer._generate_and_score_completions))
+    start = source.rindex("\n", 0, source.index("unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)")) + 1
+    end = source.rindex("\n", 0, source.index("# Slice to keep only the local part of the data")) + 1
+    return textwrap.dedent(source[start:end])
+
+
+_ADVANTAGE_BLOCK = compile(_advantage_block_source(), "<trl advantage block>", "exec")
+
+
+def trl_advantages(rewards_per_func, num_generations, scale_rewards="group", reward_weights=None):
+    """TRL's advantages for per-function rewards (num_completions, num_funcs), NaN = reward func returned None."""
+    num_funcs = rewards_per_func.shape[1]
+    weights = torch.ones(num_funcs) if reward_weights is None else torch.as_tensor(reward_weights)
+    stand_in = SimpleNamespace(
+        multi_objective_aggregation="sum_then_normalize",
+        reward_weights=weights.to(rewards_per_func.dtype),
+        scale_rewards=scale_rewards,
+        reward_funcs=[None] * num_funcs,
+    )
+    scope = {
+        "self": stand_in,
+        "torch": torch,
+        "nanstd": nanstd,
+        "rewards_per_func": rewards_per_func,
+        "num_generations": num_generations,
+        "device": rewards_per_func.device,
+    }
+    exec(_ADVANTAGE_BLOCK, vars(grpo_module) | scope, scope)
+    return scope["advantages"]
