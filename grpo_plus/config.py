@@ -1,0 +1,141 @@
+"""GRPOConfig: TRL's config, every field unchanged, plus grpo_plus's new concepts and early validation."""
+
+from __future__ import annotations
+
+import difflib
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import trl
+
+from .advantages import ADVANTAGE_NORMALIZERS
+from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from .plugins import load_plugins
+
+# Loss types TRL 1.16 implements and grpo_plus leaves to TRL's own `_compute_loss` (token/sequence levels only).
+TRL_NATIVE_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+TRL_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+_BOOL_STRINGS = {"true": "group", "false": "none"}
+
+
+class ConfigError(ValueError):
+    """A GRPOConfig field has a value that is not allowed."""
+
+
+def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
+    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"{field_name}={value!r} is not registered.{hint} Allowed: {', '.join(allowed)}. {how_to_add}")
+
+
+def validate_grpo_settings(args: trl.GRPOConfig) -> None:
+    """Check the GRPO objective fields of a (grpo_plus or TRL) config; canonicalize aliases in place."""
+    load_plugins(getattr(args, "plugins", None) or ())
+    how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
+
+    loss_types = [*LOSS_TYPES.names(with_aliases=True), *TRL_NATIVE_LOSS_TYPES]
+    if args.loss_type not in loss_types:
+        raise _unknown("loss_type", args.loss_type, loss_types, how.format("loss_type"))
+    trl_native = args.loss_type in TRL_NATIVE_LOSS_TYPES
+    if not trl_native:
+        args.loss_type = LOSS_TYPES.resolve(args.loss_type)
+
+    levels = IMPORTANCE_SAMPLERS.names(with_aliases=True)
+    if args.importance_sampling_level not in levels:
+        raise _unknown("importance_sampling_level", args.importance_sampling_level, levels, how.format("importance_sampling"))
+    args.importance_sampling_level = IMPORTANCE_SAMPLERS.resolve(args.importance_sampling_level)
+
+    if isinstance(args.scale_rewards, bool):
+        args.scale_rewards = "group" if args.scale_rewards else "none"
+    elif isinstance(args.scale_rewards, str) and args.scale_rewards.lower() in _BOOL_STRINGS:
+        args.scale_rewards = _BOOL_STRINGS[args.scale_rewards.lower()]
+    normalizers = ADVANTAGE_NORMALIZERS.names(with_aliases=True)
+    if args.scale_rewards not in normalizers:
+        raise _unknown("scale_rewards", args.scale_rewards, normalizers, how.format("advantage_normalizer"))
+    args.scale_rewards = ADVANTAGE_NORMALIZERS.resolve(args.scale_rewards)
+
+    _check_ranges(args)
+    _check_combinations(args, trl_native)
+
+
+def _check_ranges(args: trl.GRPOConfig) -> None:
+    def fail(name: str, allowed: str) -> None:
+        raise ConfigError(f"{name}={getattr(args, name)!r} is not allowed: {name} must be {allowed}.")
+
+    if args.epsilon < 0:
+        fail("epsilon", ">= 0 (the lower clipping range, 1 - epsilon)")
+    if args.epsilon_high is not None and args.epsilon_high < 0:
+        fail("epsilon_high", ">= 0 or None (None uses epsilon; DAPO's clip-higher uses 0.28)")
+    if args.delta is not None and not args.delta > 1:
+        fail("delta", "> 1 or None (the two-sided bound on the ratio, INTELLECT-2)")
+    dual_clip = getattr(args, "dual_clip", None)
+    if dual_clip is not None and not dual_clip > 1:
+        fail("dual_clip", "> 1 or None (the dual-clip constant c: for A < 0 the loss is capped at c*|A|)")
+    if args.beta < 0:
+        fail("beta", ">= 0 (the KL coefficient; 0 disables the reference model)")
+    if args.num_iterations < 1:
+        fail("num_iterations", ">= 1")
+    if not 0.0 <= args.top_entropy_quantile <= 1.0:
+        fail("top_entropy_quantile", "in [0, 1]")
+    if args.loss_type == "dr_grpo" and args.max_completion_length is None:
+        fail("max_completion_length", "set for loss_type='dr_grpo' (it is Dr. GRPO's constant normalizer L)")
+
+
+def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
+    if trl_native:
+        if args.importance_sampling_level not in TRL_IMPORTANCE_SAMPLING_LEVELS:
+            raise ConfigError(
+                f"importance_sampling_level={args.importance_sampling_level!r} cannot be combined with "
+                f"loss_type={args.loss_type!r}: TRL computes that loss itself and supports only "
+                f"{', '.join(TRL_IMPORTANCE_SAMPLING_LEVELS)}."
+            )
+        if getattr(args, "dual_clip", None) is not None:
+            raise ConfigError(
+                f"dual_clip cannot be combined with loss_type={args.loss_type!r}: it applies to the clipped "
+                f"surrogate of the grpo_plus loss types ({', '.join(LOSS_TYPES.names())})."
+            )
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in ("group", "batch", "none"):
+        raise ConfigError(
+            f"scale_rewards={args.scale_rewards!r} cannot be combined with "
+            "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "
+            "itself and ignores scale_rewards. Use multi_objective_aggregation='sum_then_normalize'."
+        )
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if args.delta is not None and args.delta <= 1 + epsilon_high:
+        warnings.warn(
+            f"delta={args.delta} is not above 1 + epsilon_high = {1 + epsilon_high}; INTELLECT-2 recommends "
+            "delta > 1 + epsilon_high so the bound only caps ratios the clip would not.",
+            stacklevel=3,
+        )
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    r"""[`trl.GRPOConfig`] with every TRL field unchanged, plus grpo_plus's fields.
+
+    `loss_type`, `importance_sampling_level` and `scale_rewards` also accept any name registered with
+    `grpo_plus.register_loss_type`, `register_importance_sampling` and `register_advantage_normalizer`
+    (and the aliases `local` = `group`, `global` = `batch`). Bad values fail here, at construction.
+    """
+
+    dual_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dual-clip constant c > 1 (Ye et al. 2020): for tokens with negative advantage the per-token "
+            "loss is capped at c*|A|, so a huge ratio on a bad token cannot blow up the update. None disables it."
+        },
+    )
+    plugins: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Python modules to import before the config is validated, so modes they register can be named "
+            "in `loss_type`, `importance_sampling_level` or `scale_rewards` (e.g. from a YAML config). Packages can "
+            "instead declare a `grpo_plus.plugins` entry point, which is loaded automatically."
+        },
+    )
+
+    def __post_init__(self):
+        # Validate our fields before TRL/transformers set up devices, so a typo fails in milliseconds.
+        validate_grpo_settings(self)
+        super().__post_init__()

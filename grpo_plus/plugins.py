@@ -1,0 +1,60 @@
+"""Load user modes: modules named in the config and third-party packages' `grpo_plus.plugins` entry points."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Iterable
+from importlib.metadata import entry_points
+
+ENTRY_POINT_GROUP = "grpo_plus.plugins"
+logger = logging.getLogger(__name__)
+_loaded_entry_points: set[str] = set()
+
+
+class PluginError(ImportError):
+    """A plugin module or entry point could not be loaded."""
+
+
+def load_entry_point_plugins() -> list[str]:
+    """Import every `grpo_plus.plugins` entry point once; a callable entry point is called with no arguments.
+
+    A package declares one in its pyproject.toml:
+        [project.entry-points."grpo_plus.plugins"]
+        my_modes = "my_package.modes"           # importing registers its modes
+    """
+    loaded = []
+    for entry_point in entry_points(group=ENTRY_POINT_GROUP):
+        key = f"{entry_point.name}={entry_point.value}"
+        if key in _loaded_entry_points:
+            continue
+        try:
+            target = entry_point.load()
+        except Exception as error:
+            raise PluginError(
+                f"grpo_plus plugin entry point {entry_point.name!r} ({entry_point.value}) failed to load: {error}"
+            ) from error
+        if callable(target):
+            target()
+        _loaded_entry_points.add(key)
+        loaded.append(entry_point.name)
+        logger.info("Loaded grpo_plus plugin %s", key)
+    return loaded
+
+
+def import_plugin_modules(modules: Iterable[str]) -> None:
+    """Import modules that register modes (the config's `plugins` field: `--plugins my_modes`)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            raise PluginError(
+                f"plugins: could not import {module!r} ({error}). Give an importable module name "
+                "(on PYTHONPATH or installed) whose import registers your modes."
+            ) from error
+
+
+def load_plugins(modules: Iterable[str] = ()) -> None:
+    """Entry-point plugins first, then the explicitly named modules."""
+    load_entry_point_plugins()
+    import_plugin_modules(modules)

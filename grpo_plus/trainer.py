@@ -1,0 +1,214 @@
+"""GRPOTrainer: TRL's trainer with the policy loss and the advantages routed through grpo_plus's core.
+
+Everything else (generation incl. vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code.
+Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import trl
+from trl.trainer.utils import nanmax, nanmin
+
+from .advantages import compute_advantages
+from .checkpoints import last_complete_checkpoint
+from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
+from .losses import PolicyLossOutput, compute_policy_loss
+
+# Model inputs TRL's `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models).
+_FORWARD_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over reward functions ignoring NaN; NaN where every function returned None (TRL's rule)."""
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """Drop-in for `trl.GRPOTrainer`: same arguments, same numbers for TRL's modes, plus grpo_plus's modes."""
+
+    def __init__(self, model, reward_funcs=None, args: trl.GRPOConfig | None = None, *pos_args, **kwargs):
+        if args is not None:
+            validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
+        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        self.dual_clip = getattr(self.args, "dual_clip", None)
+        self._rewards_per_func: torch.Tensor | None = None
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """TRL's train; `resume_from_checkpoint=True` picks the newest *complete* checkpoint in output_dir."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint.")
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    # ---- advantages ---------------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL gathers the rewards of all processes here; keep them so our normalizer sees every group whole.
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        normalizer = self.scale_rewards
+        if normalizer not in ("group", "batch", "none"):
+            self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self.scale_rewards = normalizer
+        if self.multi_objective_aggregation == "sum_then_normalize":
+            output["advantages"] = self._local_advantages(len(inputs))
+        return output
+
+    def _local_advantages(self, local_batch_size: int) -> torch.Tensor:
+        """Advantages from the gathered rewards, sliced to this process; the completions log gets them too."""
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards = combine_rewards(self._rewards_per_func, self.reward_weights)
+        advantages = compute_advantages(rewards, num_generations, self.scale_rewards)
+        logged = self._logs["advantages"]
+        for _ in range(min(len(advantages), len(logged))):
+            logged.pop()
+        logged.extend(advantages.tolist())
+        start = self.accelerator.process_index * local_batch_size
+        return advantages[start : start + local_batch_size]
+
+    # ---- loss ---------------------------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        if self.loss_type in TRL_NATIVE_LOSS_TYPES:
+            return super()._compute_loss(model, inputs)
+
+        mode = "train" if self.model.training else "eval"
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
+            model,
+            torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
+            torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in _FORWARD_INPUT_KEYS},
+        )
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        old_per_token_logps = inputs.get("old_per_token_logps")
+        old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        policy_weights = self._policy_weights(inputs, advantages, per_token_logps, old_per_token_logps, mask)
+        if entropy_mask is not None:
+            policy_weights = entropy_mask if policy_weights is None else policy_weights * entropy_mask
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            ratio = inputs["importance_sampling_ratio"]
+            policy_weights = ratio if policy_weights is None else policy_weights * ratio
+
+        accumulation_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items = inputs["num_items_in_batch"]
+        if mode == "train":  # TRL's count spans the generation batch; rescale it to one accumulation window
+            num_items = num_items * accumulation_steps / self.args.steps_per_generation
+
+        out = compute_policy_loss(
+            per_token_logps,
+            old_per_token_logps,
+            advantages,
+            mask,
+            loss_type=self.loss_type,
+            importance_sampling_level=self.importance_sampling_level,
+            epsilon=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=self.args.delta,
+            dual_clip=self.dual_clip,
+            beta=self.beta,
+            ref_logps=inputs.get("ref_per_token_logps"),
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items,
+            num_processes=self.accelerator.num_processes,
+            gradient_accumulation_steps=accumulation_steps,
+            policy_weights=policy_weights,
+        )
+        loss = out.loss
+        if self._entropy_bonus_enabled:
+            effective_mask = mask if entropy_mask is None else mask * entropy_mask
+            loss = loss - self._entropy_bonus(entropies, effective_mask, accumulation_steps, mode)
+            # TRL logs grpo/bnpo/dr_grpo's policy loss before the 1/S accumulation scaling, dapo's as is.
+            policy_loss = out.loss.detach() * (1 if self.loss_type == "dapo" else accumulation_steps)
+            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / accumulation_steps
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        self._log_loss_metrics(out, entropies, mask, mode)
+        return loss
+
+    def _policy_weights(self, inputs, advantages, per_token_logps, old_per_token_logps, mask):
+        """TRL's off-policy sequence mask (DeepSeek-V3.2) as a multiplier on the policy term, or None."""
+        if self.off_policy_mask_threshold is None:
+            return None
+        return self.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=per_token_logps,
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_per_token_logps),
+            mask=mask,
+            off_policy_threshold=self.off_policy_mask_threshold,
+        )
+
+    def _entropy_bonus(self, entropies, effective_mask, accumulation_steps, mode) -> torch.Tensor:
+        """coef * mean token entropy, with TRL's static or adaptive (Skywork-OR1) coefficient."""
+        entropy = (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_steps
+        if self.use_adaptive_entropy:
+            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        else:
+            coef = self.entropy_coef
+        if self.use_adaptive_entropy and mode == "train":
+            self._update_adaptive_entropy(entropies, effective_mask)
+        if mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+        return coef * entropy
+
+    def _update_adaptive_entropy(self, entropies, effective_mask) -> None:
+        stats = torch.stack([(entropies * effective_mask).sum(), effective_mask.sum()]).detach()
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+        if world_entropy <= self.args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
+
+    def _log_loss_metrics(self, out: PolicyLossOutput, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> None:
+        """TRL's metric names (global means over processes) plus grpo_plus's."""
+        metrics = self._metrics[mode]
+        totals = out.metric_totals()
+        totals["entropy"] = torch.stack([(entropies * mask).sum(), mask.sum().to(entropies.dtype)]).detach()
+        names = list(totals)
+        reduced = self.accelerator.reduce(torch.stack([totals[n].float() for n in names]), reduction="sum")
+        for name, (total, count) in zip(names, reduced.tolist(), strict=True):
+            metrics[name].append(total / max(count, 1.0))
+        low, high = out.sequence_clip_fractions()
+        metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(low.float())).item())
+        metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(high.float())).item())

@@ -1,0 +1,23 @@
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+# Nothing in the test suite may reach a model or data hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+warnings.filterwarnings("ignore", category=FutureWarning)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny import save_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama + character tokenizer saved once per session."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+

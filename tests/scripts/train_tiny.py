@@ -1,0 +1,93 @@
+"""Train a tiny local model with grpo_plus (or stock TRL) from the command line; used by subprocess tests.
+
+    accelerate launch --num_processes 2 tests/scripts/train_tiny.py --model_dir DIR --output_dir OUT [GRPOConfig flags]
+    python tests/scripts/train_tiny.py --config run.yaml
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from tiny import digit_reward, length_reward, prompt_dataset, use_row_seeded_sampling  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
+from trl import TrlParser  # noqa: E402
+
+from grpo_plus import GRPOConfig, GRPOTrainer  # noqa: E402
+
+
+@dataclass
+class TinyArgs:
+    model_dir: str = field(metadata={"help": "Directory of a tiny model saved by tests/tiny.py."})
+    num_prompts: int = field(default=16)
+    row_seeded_sampling: bool = field(default=False, metadata={"help": "Deterministic per-row sampling."})
+    dump_weights: str | None = field(default=None, metadata={"help": "Write the final weights here (safetensors)."})
+    dump_logs: str | None = field(default=None, metadata={"help": "Write the log history here (json)."})
+    resume: bool = field(default=False, metadata={"help": "Resume from the last complete checkpoint."})
+    stock_trl: bool = field(default=False, metadata={"help": "Use trl.GRPOTrainer instead of grpo_plus's."})
+    step_delay: float = field(default=0.0, metadata={"help": "Sleep this long after each optimizer step."})
+    peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter."})
+
+
+class SlowDown(TrainerCallback):
+    """Gives a test time to kill the process between checkpoints."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def on_step_end(self, args, state, control, **kwargs):
+        time.sleep(self.delay)
+
+
+class ReportFirstStep(TrainerCallback):
+    """Prints the first optimizer step this process runs (a resumed run starts after its checkpoint)."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not getattr(self, "reported", False):
+            print(f"FIRST_STEP={state.global_step}", flush=True)
+            self.reported = True
+
+
+def main() -> None:
+    parser = TrlParser((GRPOConfig, TinyArgs))
+    training_args, tiny_args = parser.parse_args_and_config()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_args.model_dir, dtype=torch.float32)
+    trainer_cls = GRPOTrainer
+    if tiny_args.stock_trl:
+        import trl
+
+        trainer_cls = trl.GRPOTrainer
+    trainer = trainer_cls(
+        model=model,
+        reward_funcs=[length_reward, digit_reward],
+        args=training_args,
+        train_dataset=prompt_dataset(tiny_args.num_prompts),
+        processing_class=tokenizer,
+        callbacks=[ReportFirstStep(), *([SlowDown(tiny_args.step_delay)] if tiny_args.step_delay else [])],
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if tiny_args.peft else None,
+    )
+    if tiny_args.row_seeded_sampling:
+        local_rows = training_args.per_device_train_batch_size * training_args.steps_per_generation
+        use_row_seeded_sampling(model, training_args.seed, row_offset=trainer.accelerator.process_index * local_rows)
+    trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)
+    if trainer.accelerator.is_main_process:
+        if tiny_args.dump_weights:
+            weights = {name: p.detach().contiguous() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+            save_file(weights, tiny_args.dump_weights)
+        if tiny_args.dump_logs:
+            Path(tiny_args.dump_logs).write_text(json.dumps(trainer.state.log_history))
+    print(f"FINISHED global_step={trainer.state.global_step} pid={os.getpid()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""GRPOConfig: TRL's fields unchanged, registered names accepted, bad values rejected at construction."""
+
+import dataclasses
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trl
+from trl import TrlParser
+
+from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
+from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
+from grpo_plus.config import ConfigError
+from grpo_plus.losses import LOSS_TYPES
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def make(tmp_path, **kwargs) -> GRPOConfig:
+    return GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kwargs)
+
+
+def test_every_trl_field_keeps_name_and_default(tmp_path):
+    ours = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+    for trl_field in dataclasses.fields(trl.GRPOConfig):
+        assert trl_field.name in ours
+        assert ours[trl_field.name].default == trl_field.default, trl_field.name
+    assert {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(trl.GRPOConfig)} <= {
+        "dual_clip",
+        "plugins",
+        "dynamic_sampling",
+        "dynamic_sampling_min_std",
+        "max_sampling_rounds",
+        "overlong_buffer_length",
+        "overlong_penalty",
+    }
+    assert isinstance(make(tmp_path), trl.GRPOConfig)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "canonical"),
+    [("scale_rewards", "local", "group"), ("scale_rewards", "global", "batch"), ("scale_rewards", True, "group"),
+     ("scale_rewards", False, "none"), ("scale_rewards", "false", "none"), ("loss_type", "dr_grpo", "dr_grpo"),
+     ("importance_sampling_level", "sequence_token", "sequence_token")],
+)
+def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
+    assert getattr(make(tmp_path, **{field: value}), field) == canonical
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(loss_type="dapoo"), "loss_type='dapoo' is not registered. Did you mean 'dapo'?"),
+        (dict(importance_sampling_level="sequense"), "importance_sampling_level='sequense' is not registered. Did you mean 'sequence'?"),
+        (dict(scale_rewards="groups"), "scale_rewards='groups' is not registered. Did you mean 'group'?"),
+        (dict(epsilon=-0.1), "epsilon=-0.1 is not allowed"),
+        (dict(epsilon_high=-1.0), "epsilon_high=-1.0 is not allowed"),
+        (dict(delta=1.0), "delta=1.0 is not allowed"),
+        (dict(dual_clip=0.5), "dual_clip=0.5 is not allowed"),
+        (dict(beta=-0.01), "beta=-0.01 is not allowed"),
+        (dict(num_iterations=0), "num_iterations=0 is not allowed"),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile=1.5 is not allowed"),
+        (dict(loss_type="dr_grpo", max_completion_length=None), "max_completion_length=None is not allowed"),
+        (dict(loss_type="cispo", dual_clip=3.0), "dual_clip cannot be combined with loss_type='cispo'"),
+        (dict(loss_type="sapo", importance_sampling_level="sequence_token"), "cannot be combined with loss_type='sapo'"),
+    ],
+)
+def test_bad_values_fail_at_construction(tmp_path, kwargs, fragment):
+    with pytest.raises(ConfigError) as error:
+        make(tmp_path, **kwargs)
+    assert fragment in str(error.value)
+
+
+def test_unknown_name_lists_what_is_allowed(tmp_path):
+    with pytest.raises(ValueError, match="Allowed: bnpo, dapo, dr_grpo, grpo, cispo, sapo, luspo, vespo"):
+        make(tmp_path, loss_type="ppo")
+
+
+def test_custom_normalizer_incompatible_with_normalize_then_sum(tmp_path):
+    @register_advantage_normalizer("rank_test")
+    def rank(grouped, eps):
+        return grouped.argsort(dim=1).argsort(dim=1).float() - (grouped.shape[1] - 1) / 2
+
+    try:
+        make(tmp_path, scale_rewards="rank_test")  # fine alone
+        with pytest.raises(ConfigError, match="normalize_then_sum"):
+            make(tmp_path, scale_rewards="rank_test", multi_objective_aggregation="normalize_then_sum")
+    finally:
+        ADVANTAGE_NORMALIZERS.unregister("rank_test")
+
+
+def test_registered_loss_type_accepted_after_registration(tmp_path):
+    with pytest.raises(ConfigError):
+        make(tmp_path, loss_type="token_sum_test")
+
+    @register_loss_type("token_sum_test")
+    def token_sum(masked_loss, ctx):
+        return masked_loss.sum() / ctx.S
+
+    try:
+        assert make(tmp_path, loss_type="token_sum_test").loss_type == "token_sum_test"
+    finally:
+        LOSS_TYPES.unregister("token_sum_test")
+
+
+def test_trl_parser_yaml_and_flags(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nloss_type: dr_grpo\nepsilon_high: 0.28\ndual_clip: 3.0\nuse_cpu: true\nbf16: false\n")
+    (args,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(config), "--scale_rewards", "global"])
+    assert (args.loss_type, args.epsilon_high, args.dual_clip, args.scale_rewards) == ("dr_grpo", 0.28, 3.0, "batch")
+
+
+def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path):
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / "train_tiny.py"), "--model_dir", str(tmp_path / "never-loaded"),
+         "--output_dir", str(tmp_path), "--loss_type", "dapoo"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "loss_type='dapoo' is not registered. Did you mean 'dapo'?" in result.stderr
+    # The model dir does not exist: had the script got as far as loading it, the error would be about the path.
+    assert "never-loaded" not in result.stderr
+    assert time.monotonic() - started < 120

@@ -1,0 +1,210 @@
+"""The trainer end to end: DDP, PEFT / 4-bit, kill-and-resume, user modes from YAML and plugins."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
+from safetensors.torch import load_file
+from tiny import length_reward, prompt_dataset, tiny_run_kwargs
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from grpo_plus import GRPOConfig, GRPOTrainer
+from grpo_plus.checkpoints import is_complete_checkpoint, last_complete_checkpoint
+
+pytestmark = pytest.mark.slow
+SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
+VENV_BIN = Path(sys.executable).parent
+
+
+def run_script(args, env=None, timeout=300, launcher=(sys.executable,)):
+    result = subprocess.run([*launcher, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def flags(model_dir, output_dir, **overrides):
+    settings = tiny_run_kwargs(output_dir, **overrides)
+    settings.pop("disable_tqdm")
+    out = ["--model_dir", str(model_dir)]
+    for key, value in settings.items():
+        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return out
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
+    """DAPO on 2 gloo processes x 4 sequences ends where 1 process x 8 sequences ends.
+
+    Sampling is made row-deterministic (tests/tiny.py RowSeededSampler), so both runs see identical completions.
+    SGD keeps the comparison linear in the gradient: Adam's m/sqrt(v) would turn float-rounding noise in
+    near-zero gradient entries into full-size steps. What remains is float32 summation order (all-reduce vs one
+    sum over the batch), ~1e-7 relative per step, hence the 1e-5 tolerance on weights that move by ~1e-2.
+    """
+    common = dict(num_generations=4, max_steps=3, optim="sgd", loss_type="dapo", epsilon_high=0.28)
+    one = flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **common)
+    two = flags(tiny_model_dir, tmp_path / "two", per_device_train_batch_size=4, **common)
+    run_script([*one, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "one.safetensors")])
+    launcher = (str(VENV_BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                "--mixed_precision", "no", "--dynamo_backend", "no")
+    result = run_script([*two, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "two.safetensors")],
+                        launcher=launcher)
+    assert result.stdout.count("FINISHED global_step=3") == 2, "expected two ranks to finish"
+    one_w, two_w = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
+    initial = load_file(Path(tiny_model_dir) / "model.safetensors")
+    assert max_weight_diff(one_w, initial) > 1e-3
+    assert max_weight_diff(one_w, two_w) <= 1e-5
+
+
+def test_lora_changes_only_adapter_weights(tiny_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=GRPOConfig(**tiny_run_kwargs(tmp_path, loss_type="dr_grpo", epsilon_high=0.28)),
+        train_dataset=prompt_dataset(8),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    before = {k: v.clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "nothing trained"
+    assert all("lora_" in k for k in changed), sorted(changed - {k for k in changed if "lora_" in k})
+    assert all(not after[k].requires_grad for k in after if "lora_" not in k)
+
+
+def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, tmp_path):
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization, dtype=torch.float32)
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=GRPOConfig(**tiny_run_kwargs(tmp_path, max_steps=1, loss_type="dapo", importance_sampling_level="sequence_token")),
+        train_dataset=prompt_dataset(8),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 1
+    trainer.save_model(str(tmp_path / "adapter"))
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)
+    trained = {k: v for k, v in trainer.model.state_dict().items() if "lora_" in k}
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    for key, value in reloaded.state_dict().items():
+        if "lora_" in key:
+            assert torch.allclose(value, trained[key].float()), key
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tokenizer("1+2=", return_tensors="pt")
+    generated = reloaded.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert generated.shape[1] > ids["input_ids"].shape[1]
+
+
+def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = flags(tiny_model_dir, out, max_steps=12, save_strategy="steps", save_steps=2, loss_type="dapo",
+                 epsilon_high=0.28, dual_clip=3.0, scale_rewards="batch")
+    process = subprocess.Popen([sys.executable, SCRIPT, *args, "--step_delay", "0.4"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not is_complete_checkpoint(out / "checkpoint-4"):
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint-4 in time"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "checkpoint-12").exists(), "the run finished before it could be killed"
+    killed_at = last_complete_checkpoint(out)
+    killed_step = int(killed_at.rsplit("-", 1)[1])
+    assert 4 <= killed_step < 12
+
+    result = run_script([*args, "--resume", "--dump_logs", str(tmp_path / "logs.json")])
+    assert "FINISHED global_step=12" in result.stdout
+    assert f"FIRST_STEP={killed_step + 1}" in result.stdout, "did not resume from the last complete checkpoint"
+    logs = json.loads((tmp_path / "logs.json").read_text())
+    assert [entry["step"] for entry in logs if "loss" in entry] == list(range(1, 13))
+    final = out / "checkpoint-12"
+    assert json.loads((final / "trainer_state.json").read_text())["global_step"] == 12
+    saved_args = torch.load(final / "training_args.bin", weights_only=False)
+    assert (saved_args.loss_type, saved_args.epsilon_high, saved_args.dual_clip, saved_args.scale_rewards) == (
+        "dapo", 0.28, 3.0, "batch")
+    for checkpoint in sorted(out.glob("checkpoint-*")):
+        assert is_complete_checkpoint(checkpoint), checkpoint
+        assert load_file(checkpoint / "model.safetensors")
+
+
+def test_incomplete_checkpoint_is_skipped(tmp_path):
+    for step in (2, 4):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").write_text('{"global_step": 2}')
+    (tmp_path / "checkpoint-4" / "trainer_state.json").write_text('{"global_st')  # killed mid-write
+    assert last_complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
+    assert last_complete_checkpoint(tmp_path / "missing") is None
+
+
+PLUGIN = '''
+import os
+import torch
+from grpo_plus import register_advantage_normalizer, register_loss_type
+
+
+def _mark(name):
+    with open(os.environ["PLUGIN_CALLS"], "a") as f:
+        f.write(name + "\\n")
+
+
+@register_loss_type("seq_mean_token_sum", override=True)
+def seq_mean_token_sum(masked_loss, ctx):
+    _mark("loss")
+    return masked_loss.sum(-1).mean() / ctx.S
+
+
+@register_advantage_normalizer("rank", override=True)
+def rank(grouped, eps):
+    _mark("advantage")
+    ranks = grouped.argsort(dim=1).argsort(dim=1).to(grouped.dtype)
+    return (ranks - ranks.mean(dim=1, keepdim=True)) / grouped.shape[1]
+'''
+
+
+@pytest.mark.parametrize("discovery", ["plugins_field", "entry_point"])
+def test_user_modes_train_from_yaml(tiny_model_dir, tmp_path, discovery):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "my_grpo_modes.py").write_text(PLUGIN)
+    config = {
+        "output_dir": str(tmp_path / "out"), "model_dir": tiny_model_dir, "loss_type": "seq_mean_token_sum",
+        "scale_rewards": "rank", "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8,
+        "max_steps": 2, "learning_rate": 0.05, "report_to": "none", "save_strategy": "no", "use_cpu": True,
+        "bf16": False, "dump_weights": str(tmp_path / "w.safetensors"),
+    }
+    if discovery == "plugins_field":
+        config["plugins"] = ["my_grpo_modes"]
+    else:
+        dist_info = site / "my_grpo_modes-0.1.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-grpo-modes\nVersion: 0.1\n")
+        (dist_info / "entry_points.txt").write_text("[grpo_plus.plugins]\nmy_modes = my_grpo_modes\n")
+    yaml_lines = [f"{k}: {json.dumps(v)}" for k, v in config.items()]
+    (tmp_path / "run.yaml").write_text("\n".join(yaml_lines) + "\n")
+    calls = tmp_path / "calls.txt"
+    env = {**os.environ, "PYTHONPATH": str(site), "PLUGIN_CALLS": str(calls)}
+    run_script(["--config", str(tmp_path / "run.yaml")], env=env)
+    assert {"loss", "advantage"} <= set(calls.read_text().split())
+    initial = load_file(Path(tiny_model_dir) / "model.safetensors")
+    assert max_weight_diff(load_file(tmp_path / "w.safetensors"), initial) > 1e-4

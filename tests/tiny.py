@@ -1,0 +1,144 @@
+"""Tiny local models and tokenizers for tests: nothing is downloaded."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
+CHARS = string.ascii_letters + string.digits + " .,:;!?+-*/=()<>'\"#\n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<{{ message['role'][0] }}>{{ message['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with pad/eos/bos and a minimal chat template."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARS)))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<pad>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 32, layers: int = 2):
+    """A randomly initialised Llama small enough to train in milliseconds."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:
+    """Write a tiny model + tokenizer to `path`, loadable by `from_pretrained(path)`."""
+    path = Path(path)
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed=seed, **kwargs)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def prompt_dataset(num_prompts: int = 8, conversational: bool = False) -> Dataset:
+    """Short prompts with an integer `answer` column."""
+    rows = []
+    for i in range(num_prompts):
+        a, b = i % 5 + 1, (3 * i) % 4 + 1
+        text = f"{a}+{b}="
+        prompt = [{"role": "user", "content": text}] if conversational else text
+        rows.append({"prompt": prompt, "answer": a + b})
+    return Dataset.from_list(rows)
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Longer completions score higher, with ties: some groups have zero variance, others do not."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(min(len(t), 8) // 4) for t in texts]
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    """Fraction of characters that are digits."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+class RowSeededSampler:
+    """Logits processor: Gumbel-max sampling whose noise depends only on (seed, call, global row, position).
+
+    Two runs that split the same generation batch differently across processes (or micro-batches) then draw
+    identical completions, so their training can be compared weight for weight.
+    """
+
+    def __init__(self, seed: int, row_offset: int = 0):
+        self.seed, self.row_offset, self.calls = seed, row_offset, 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        chosen = []
+        for row in range(scores.shape[0]):
+            generator = torch.Generator().manual_seed(
+                hash((self.seed, self.calls, self.row_offset + row, input_ids.shape[1])) % (2**31)
+            )
+            uniform = torch.rand(scores.shape[1], generator=generator).clamp(1e-10, 1 - 1e-10)
+            chosen.append(torch.argmax(scores[row].float() - torch.log(-torch.log(uniform))))
+        one_hot = torch.full_like(scores, float("-inf"))
+        one_hot[torch.arange(scores.shape[0]), torch.stack(chosen)] = 0.0
+        return one_hot
+
+
+def use_row_seeded_sampling(model, seed: int, row_offset: int = 0) -> RowSeededSampler:
+    """Make `model.generate` sample with a RowSeededSampler (after TRL's temperature/top-k processors)."""
+    sampler = RowSeededSampler(seed, row_offset)
+    original_generate = model.generate
+
+    def generate(*args, **kwargs):
+        kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), sampler]
+        try:
+            return original_generate(*args, **kwargs)
+        finally:
+            sampler.calls += 1
+
+    model.generate = generate
+    return sampler
+
+
+def tiny_run_kwargs(output_dir, **overrides) -> dict:
+    """GRPOConfig kwargs for a seconds-long CPU run on the tiny model."""
+    kwargs = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=0.05,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return kwargs
