@@ -78,6 +78,15 @@ def _check_ranges(args: trl.GRPOConfig) -> None:
         fail("num_iterations", ">= 1")
     if not 0.0 <= args.top_entropy_quantile <= 1.0:
         fail("top_entropy_quantile", "in [0, 1]")
+    if getattr(args, "dynamic_sampling_min_std", 0.0) < 0:
+        fail("dynamic_sampling_min_std", ">= 0")
+    if getattr(args, "max_sampling_rounds", 1) < 1:
+        fail("max_sampling_rounds", ">= 1 (1 filters without refilling)")
+    buffer = getattr(args, "overlong_buffer_length", None)
+    if buffer is not None and not (args.max_completion_length and 0 < buffer <= args.max_completion_length):
+        fail("overlong_buffer_length", f"in (0, max_completion_length={args.max_completion_length}] or None")
+    if getattr(args, "overlong_penalty", 0.0) < 0:
+        fail("overlong_penalty", ">= 0")
     if args.loss_type == "dr_grpo" and args.max_completion_length is None:
         fail("max_completion_length", "set for loss_type='dr_grpo' (it is Dr. GRPO's constant normalizer L)")
 
@@ -100,6 +109,12 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
             f"scale_rewards={args.scale_rewards!r} cannot be combined with "
             "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "
             "itself and ignores scale_rewards. Use multi_objective_aggregation='sum_then_normalize'."
+        )
+    if getattr(args, "dynamic_sampling", False) and args.per_device_train_batch_size % args.num_generations:
+        raise ConfigError(
+            f"dynamic_sampling=True needs per_device_train_batch_size ({args.per_device_train_batch_size}) to be a "
+            f"multiple of num_generations ({args.num_generations}), so that groups are never split across processes "
+            "or micro-batches."
         )
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.delta is not None and args.delta <= 1 + epsilon_high:
@@ -125,6 +140,41 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Dual-clip constant c > 1 (Ye et al. 2020): for tokens with negative advantage the per-token "
             "loss is capped at c*|A|, so a huge ratio on a bad token cannot blow up the update. None disables it."
         },
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO dynamic sampling: drop prompt groups whose rewards are all equal (zero advantage), generate "
+            "more prompts until the generation batch is full again or `max_sampling_rounds` is reached. Needs "
+            "`per_device_train_batch_size` to be a multiple of `num_generations` so every micro-batch holds whole "
+            "groups."
+        },
+    )
+    dynamic_sampling_min_std: float = field(
+        default=1e-4,
+        metadata={
+            "help": "A group counts as informative when the std of its rewards exceeds this (absolute, in reward "
+            "units); the default tolerates float noise in continuous rewards."
+        },
+    )
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "Most generation rounds per generation batch with dynamic sampling (1 = filter only, no refill). "
+            "When the batch is still short, training uses the informative groups found (logged)."
+        },
+    )
+    overlong_buffer_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "DAPO soft overlong punishment: completions longer than max_completion_length - "
+            "overlong_buffer_length get a linearly growing penalty, reaching -overlong_penalty at "
+            "max_completion_length (TRL's `get_soft_overlong_punishment`, added as an extra reward). None disables it."
+        },
+    )
+    overlong_penalty: float = field(
+        default=1.0,
+        metadata={"help": "Weight of the soft overlong punishment reward (the DAPO paper uses 1.0)."},
     )
     plugins: list[str] | None = field(
         default=None,

@@ -10,12 +10,15 @@ from typing import Any
 
 import torch
 import trl
-from trl.trainer.utils import nanmax, nanmin
+from datasets import IterableDataset
+from trl.rewards import get_soft_overlong_punishment
+from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
 
 from .advantages import compute_advantages
 from .checkpoints import last_complete_checkpoint
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
 from .losses import PolicyLossOutput, compute_policy_loss
+from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
 
 # Model inputs TRL's `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models).
 _FORWARD_INPUT_KEYS = (
@@ -48,6 +51,22 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         self.dual_clip = getattr(self.args, "dual_clip", None)
         self._rewards_per_func: torch.Tensor | None = None
+        self.dynamic_sampling = getattr(self.args, "dynamic_sampling", False)
+        self._refill_draws = None
+        if self.dynamic_sampling and isinstance(self.train_dataset, IterableDataset):
+            raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
+        if getattr(self.args, "overlong_buffer_length", None) is not None:
+            self._add_reward(
+                get_soft_overlong_punishment(self.max_completion_length, self.args.overlong_buffer_length),
+                weight=self.args.overlong_penalty,
+            )
+
+    def _add_reward(self, reward_func, weight: float) -> None:
+        """Append a reward function the way TRL registers its own extra reward sources."""
+        self.reward_funcs.append(reward_func)
+        self.reward_func_names.append(getattr(reward_func, "__name__", type(reward_func).__name__))
+        self.reward_processing_classes.append(None)
+        self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """TRL's train; `resume_from_checkpoint=True` picks the newest *complete* checkpoint in output_dir."""
@@ -65,6 +84,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output = self._score_round(inputs)
+        if self.dynamic_sampling and self.model.training:
+            output = self._keep_informative_groups(inputs, output)
+        return output
+
+    def _score_round(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's generation and scoring, with the advantages recomputed by grpo_plus's normalizer."""
         normalizer = self.scale_rewards
         if normalizer not in ("group", "batch", "none"):
             self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
@@ -88,6 +114,67 @@ class GRPOTrainer(trl.GRPOTrainer):
         logged.extend(advantages.tolist())
         start = self.accelerator.process_index * local_batch_size
         return advantages[start : start + local_batch_size]
+
+    # ---- dynamic sampling (DAPO) --------------------------------------------------------------------------------
+
+    def _prepare_inputs(self, generation_batch):
+        if not (self.dynamic_sampling and self.model.training):
+            return super()._prepare_inputs(generation_batch)
+        # TRL's buffering, but shuffling whole groups so no micro-batch holds part of a group.
+        steps_per_generation = self.args.steps_per_generation
+        if self._step % (steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
+            batch = shuffle_groups(self._generate_and_score_completions(generation_batch), self.num_generations)
+            self._buffered_inputs = split_tensor_dict(batch, steps_per_generation)
+        return self._buffered_inputs[self._step % steps_per_generation]
+
+    def _keep_informative_groups(self, inputs: list[dict[str, Any]], first_round: dict[str, Any]) -> dict[str, Any]:
+        """Drop zero-variance groups, generating more prompts until this batch is full or the round limit hits."""
+        num_generations, wanted = self.num_generations, len(inputs) // self.num_generations
+        process = self.accelerator.process_index
+        kept, kept_groups, filtered, seen, rounds, batch = [], 0, 0, 0, 0, first_round
+        while True:
+            rounds += 1
+            rewards = combine_rewards(self._rewards_per_func, self.reward_weights)
+            informative = informative_groups(rewards, num_generations, self.args.dynamic_sampling_min_std)
+            local = informative[process * wanted : (process + 1) * wanted]
+            kept.append(select_rows(batch, group_rows(local, num_generations)))
+            kept_groups += int(local.sum())
+            filtered, seen = filtered + int((~informative).sum()), seen + informative.numel()
+            fewest = int(self.accelerator.gather(torch.tensor([kept_groups], device=self.accelerator.device)).min())
+            if fewest >= wanted or rounds >= self.args.max_sampling_rounds:
+                break
+            batch = self._score_round(self._draw_refill_inputs(len(inputs)))
+
+        # Every process trains the same number of whole groups, a multiple of the micro-batch count.
+        usable = min(fewest, wanted)
+        usable -= usable % self.args.steps_per_generation
+        if usable == 0:  # nothing informative enough: train on the first round, as TRL would
+            output = first_round
+        else:
+            output = concat_rows(kept, self._tokenizer.pad_token_id)
+            output = {k: v[: usable * num_generations] for k, v in output.items()}
+            loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
+            output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        per_step = self.args.steps_per_generation * self.num_iterations / self.current_gradient_accumulation_steps
+        metrics = self._metrics["train"]
+        metrics["dynamic_sampling/rounds"].append(rounds)
+        metrics["dynamic_sampling/generation_calls_per_step"].append(rounds / per_step)
+        metrics["dynamic_sampling/groups_filtered"].append(filtered)
+        metrics["dynamic_sampling/filtered_frac"].append(filtered / seen)
+        metrics["dynamic_sampling/trained_groups"].append(usable * self.accelerator.num_processes)
+        metrics["dynamic_sampling/short_batch"].append(float(usable < wanted))
+        return output
+
+    def _draw_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
+        """This process's slice of a fresh draw of prompts, each repeated num_generations times."""
+        groups = num_rows // self.num_generations
+        if self._refill_draws is None:
+            self._refill_draws = refill_prompts(
+                self.train_dataset, self.num_generations, groups * self.accelerator.num_processes, self.args.seed + 1
+            )
+        indices = next(self._refill_draws)
+        start = self.accelerator.process_index * num_rows
+        return [self.train_dataset[i] for i in indices[start : start + num_rows]]
 
     # ---- loss ---------------------------------------------------------------------------------------------------
 

@@ -142,3 +142,36 @@ def tiny_run_kwargs(output_dir, **overrides) -> dict:
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
+    """Constant reward for prompts starting with an odd digit (dead groups), length reward otherwise."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    prompt_texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    return [1.0 if int(p[0]) % 2 else float(len(t)) for p, t in zip(prompt_texts, texts, strict=True)]
+
+
+def constant_reward(completions, **kwargs) -> list[float]:
+    """Every group is dead."""
+    return [1.0] * len(completions)
+
+
+class GroupRecorder:
+    """Wraps a trainer's `_compute_loss` to record what every micro-batch trained on."""
+
+    def __init__(self, trainer, num_generations: int):
+        self.batches, self.num_generations = [], num_generations
+        original = trainer._compute_loss
+
+        def recording_compute_loss(model, inputs):
+            self.batches.append({k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return original(model, inputs)
+
+        trainer._compute_loss = recording_compute_loss
+
+    def groups(self):
+        """(prompt_ids, advantages) per group of consecutive rows in every recorded micro-batch."""
+        g = self.num_generations
+        for batch in self.batches:
+            for start in range(0, batch["prompt_ids"].shape[0], g):
+                yield batch["prompt_ids"][start : start + g], batch["advantages"][start : start + g]

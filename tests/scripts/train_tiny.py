@@ -18,7 +18,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
-from tiny import digit_reward, length_reward, prompt_dataset, use_row_seeded_sampling  # noqa: E402
+from tiny import (  # noqa: E402
+    GroupRecorder,
+    constant_reward,
+    digit_reward,
+    length_reward,
+    odd_prompts_constant_reward,
+    prompt_dataset,
+    use_row_seeded_sampling,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
@@ -36,6 +44,8 @@ class TinyArgs:
     stock_trl: bool = field(default=False, metadata={"help": "Use trl.GRPOTrainer instead of grpo_plus's."})
     step_delay: float = field(default=0.0, metadata={"help": "Sleep this long after each optimizer step."})
     peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter."})
+    reward: str = field(default="length_digit", metadata={"help": "length_digit | odd_constant | constant"})
+    record_groups: str | None = field(default=None, metadata={"help": "Write per-group checks here (json, per rank)."})
 
 
 class SlowDown(TrainerCallback):
@@ -57,6 +67,13 @@ class ReportFirstStep(TrainerCallback):
             self.reported = True
 
 
+REWARDS = {
+    "length_digit": [length_reward, digit_reward],
+    "odd_constant": [odd_prompts_constant_reward],
+    "constant": [constant_reward],
+}
+
+
 def main() -> None:
     parser = TrlParser((GRPOConfig, TinyArgs))
     training_args, tiny_args = parser.parse_args_and_config()
@@ -69,7 +86,7 @@ def main() -> None:
         trainer_cls = trl.GRPOTrainer
     trainer = trainer_cls(
         model=model,
-        reward_funcs=[length_reward, digit_reward],
+        reward_funcs=REWARDS[tiny_args.reward],
         args=training_args,
         train_dataset=prompt_dataset(tiny_args.num_prompts),
         processing_class=tokenizer,
@@ -79,7 +96,14 @@ def main() -> None:
     if tiny_args.row_seeded_sampling:
         local_rows = training_args.per_device_train_batch_size * training_args.steps_per_generation
         use_row_seeded_sampling(model, training_args.seed, row_offset=trainer.accelerator.process_index * local_rows)
+    recorder = GroupRecorder(trainer, training_args.num_generations) if tiny_args.record_groups else None
     trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)
+    if recorder is not None:
+        groups = [
+            {"same_prompt": bool((ids == ids[0]).all()), "any_advantage": bool(adv.abs().sum() > 0), "rows": len(ids)}
+            for ids, adv in recorder.groups()
+        ]
+        Path(f"{tiny_args.record_groups}.rank{trainer.accelerator.process_index}").write_text(json.dumps(groups))
     if trainer.accelerator.is_main_process:
         if tiny_args.dump_weights:
             weights = {name: p.detach().contiguous() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
