@@ -28,8 +28,22 @@ def available_advantage_normalizers(with_aliases: bool = False) -> list[str]:
     return ADVANTAGE_NORMALIZERS.names(with_aliases)
 
 
+def exact_nanmean(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """NaN-aware mean (keepdim=True) that is exactly the common value where all non-NaN values are equal.
+
+    The plain mean of equal values is not always that value: in float32 the mean of seven 1000.1s is off by an
+    ulp, and TRL 1.16 divides that by std + 1e-4, giving a zero-variance group advantages near -0.37.
+    """
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    scorable = ~torch.isnan(x)
+    dims = tuple(range(x.dim())) if dim is None else dim
+    highest = torch.where(scorable, x, float("-inf")).amax(dim=dims, keepdim=True)
+    lowest = torch.where(scorable, x, float("inf")).amin(dim=dims, keepdim=True)
+    return torch.where(highest == lowest, highest, mean)
+
+
 def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """Bessel-corrected standard deviation ignoring NaN; NaN where fewer than two values remain."""
+    """Bessel-corrected standard deviation ignoring NaN; NaN where fewer than two values remain (TRL's nanstd)."""
     mean = torch.nanmean(x, dim=dim, keepdim=True)
     variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
     count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
@@ -39,8 +53,8 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
 
 
 def group_baseline(grouped: torch.Tensor) -> torch.Tensor:
-    """Per-prompt mean reward, NaN-aware: shape (P, 1)."""
-    return torch.nanmean(grouped, dim=1, keepdim=True)
+    """Per-prompt mean reward, NaN-aware: shape (P, 1); exactly the reward itself for a group of equal rewards."""
+    return exact_nanmean(grouped, dim=1)
 
 
 @register_advantage_normalizer("group", aliases=("local",))

@@ -31,8 +31,10 @@ def last_complete_checkpoint(output_dir: str | Path) -> str | None:
     candidates = sorted(
         (int(m.group(1)), p) for p in output_dir.iterdir() if p.is_dir() and (m := _CHECKPOINT.match(p.name))
     )
-    for step, path in reversed(candidates):
+    for _, path in reversed(candidates):
         if is_complete_checkpoint(path):
             return str(path)
-        logger.warning("Skipping incomplete checkpoint %s (no valid %s): the run stopped while saving it.", path, _WRITTEN_LAST)
+        logger.warning(
+            "Skipping incomplete checkpoint %s (no valid %s): the run stopped while saving it.", path, _WRITTEN_LAST
+        )
     return None

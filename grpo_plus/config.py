@@ -43,7 +43,9 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
 
     levels = IMPORTANCE_SAMPLERS.names(with_aliases=True)
     if args.importance_sampling_level not in levels:
-        raise _unknown("importance_sampling_level", args.importance_sampling_level, levels, how.format("importance_sampling"))
+        raise _unknown(
+            "importance_sampling_level", args.importance_sampling_level, levels, how.format("importance_sampling")
+        )
     args.importance_sampling_level = IMPORTANCE_SAMPLERS.resolve(args.importance_sampling_level)
 
     if isinstance(args.scale_rewards, bool):
@@ -104,7 +106,11 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
                 f"dual_clip cannot be combined with loss_type={args.loss_type!r}: it applies to the clipped "
                 f"surrogate of the grpo_plus loss types ({', '.join(LOSS_TYPES.names())})."
             )
-    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in ("group", "batch", "none"):
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in (
+        "group",
+        "batch",
+        "none",
+    ):
         raise ConfigError(
             f"scale_rewards={args.scale_rewards!r} cannot be combined with "
             "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "

@@ -7,7 +7,7 @@ The built-in parts reproduce TRL 1.16's `GRPOTrainer._compute_loss` number for n
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -112,7 +112,9 @@ def register_loss_type(
     """
     unknown = set(requires) - _CONTEXT_FIELDS
     if unknown:
-        raise ValueError(f"requires= names unknown context fields {sorted(unknown)}; allowed: {sorted(_CONTEXT_FIELDS)}.")
+        raise ValueError(
+            f"requires= names unknown context fields {sorted(unknown)}; allowed: {sorted(_CONTEXT_FIELDS)}."
+        )
     return LOSS_TYPES.register(name, aliases=aliases, requires=requires, override=override)
 
 
@@ -165,10 +167,23 @@ class PolicyLossOutput:
     per_token_loss: torch.Tensor
     mask: torch.Tensor
     importance_weights: torch.Tensor  # (B, T) or (B, 1): exp(log w) before the two-sided bound
-    is_low_clipped: torch.Tensor  # same shape as importance_weights
-    is_high_clipped: torch.Tensor
     is_dual_clipped: torch.Tensor | None
     per_token_kl: torch.Tensor | None  # (B, T), as added to the loss (times w when bias-corrected)
+    # What the clip flags are computed from, on first use (a loss-only caller never pays for them):
+    # w after the two-sided bound (detached), advantages (B, 1) or (B, T), and (epsilon, epsilon_high).
+    clip_inputs: tuple[torch.Tensor, torch.Tensor, float, float] | None = field(repr=False, default=None)
+
+    @cached_property
+    def is_low_clipped(self) -> torch.Tensor:
+        """w < 1 - epsilon where A < 0: (B, T), or (B, 1) for per-sequence weights with per-sequence advantages."""
+        weights, advantages, epsilon, _ = self.clip_inputs
+        return (weights < 1 - epsilon) & (advantages < 0)
+
+    @cached_property
+    def is_high_clipped(self) -> torch.Tensor:
+        """w > 1 + epsilon_high where A > 0, shaped like `is_low_clipped`."""
+        weights, advantages, _, epsilon_high = self.clip_inputs
+        return (weights > 1 + epsilon_high) & (advantages > 0)
 
     def metric_totals(self) -> dict[str, torch.Tensor]:
         """name -> tensor([sum, count]); sum the tensors over processes, then divide, for a global mean.
@@ -210,6 +225,13 @@ class PolicyLossOutput:
         return {name: (t[0] / t[1].clamp(min=1.0)).item() for name, t in self.metric_totals().items()}
 
 
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    try:  # torch.broadcast_shapes raises RuntimeError for shapes that do not broadcast at all
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
 def _check_inputs(
     logps: torch.Tensor,
     old_logps: torch.Tensor,
@@ -226,16 +248,30 @@ def _check_inputs(
             raise ValueError(f"{name} must have the shape of logps {tuple(logps.shape)}, got {tuple(tensor.shape)}.")
     allowed = [(logps.shape[0],), (logps.shape[0], 1), tuple(logps.shape)]
     if tuple(advantages.shape) not in allowed:
-        raise ValueError(f"advantages must have shape (B,), (B, 1) or (B, T) = one of {allowed}, got {tuple(advantages.shape)}.")
+        raise ValueError(
+            f"advantages must have shape (B,), (B, 1) or (B, T) = one of {allowed}, got {tuple(advantages.shape)}."
+        )
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError(f"ref_logps is required when beta != 0 (beta={beta}).")
         if ref_logps.shape != logps.shape:
-            raise ValueError(f"ref_logps must have the shape of logps {tuple(logps.shape)}, got {tuple(ref_logps.shape)}.")
-    if policy_weights is not None and torch.broadcast_shapes(policy_weights.shape, logps.shape) != logps.shape:
+            raise ValueError(
+                f"ref_logps must have the shape of logps {tuple(logps.shape)}, got {tuple(ref_logps.shape)}."
+            )
+    if policy_weights is not None and not _broadcasts_to(policy_weights.shape, logps.shape):
         raise ValueError(f"policy_weights must broadcast to {tuple(logps.shape)}, got {tuple(policy_weights.shape)}.")
-    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+    if not _is_binary(mask):
         raise ValueError("mask must contain only 0 and 1 (1 on completion tokens that count).")
+
+
+def _is_binary(mask: torch.Tensor) -> bool:
+    """All entries 0 or 1. Integer masks (TRL's completion_mask is int64) take one min/max pass, not three."""
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return True
+    if not mask.is_floating_point() and not mask.is_complex():
+        low, high = torch.aminmax(mask)
+        return bool((low >= 0) & (high <= 1))  # one device sync
+    return bool(((mask == 0) | (mask == 1)).all())
 
 
 def _check_settings(
@@ -342,10 +378,9 @@ def compute_policy_loss(
         per_token_loss=per_token_loss.expand(mask.shape),
         mask=mask,
         importance_weights=raw_weights,
-        is_low_clipped=(coef_1 < 1 - epsilon) & (advantages < 0),
-        is_high_clipped=(coef_1 > 1 + epsilon_high) & (advantages > 0),
         is_dual_clipped=is_dual_clipped,
         per_token_kl=None if per_token_kl is None else per_token_kl.detach(),
+        clip_inputs=(coef_1.detach(), advantages.detach(), epsilon, epsilon_high),
     )
 
 

@@ -55,7 +55,7 @@ class Registry(Generic[F]):
                 )
             self._drop(name)
             for alias in aliases:
-                self._aliases.pop(alias, None)
+                self._drop(alias)  # an alias may replace a whole entry (override=True): drop it, not shadow it
                 self._aliases[alias] = name
             self._entries[name] = Entry(name, func, aliases, tuple(requires), (func.__doc__ or "").strip())
             return func

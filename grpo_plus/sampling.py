@@ -69,7 +69,7 @@ def concat_rows(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict[st
         tensors = [b[key] for b in batches]
         # Per-token tensors are padded; per-sequence ones, e.g. a (B, 1) sequence-level ratio, are not.
         per_token = key in _LEFT_PADDED or all(
-            t.dim() == 2 and t.shape[1] == b["completion_ids"].shape[1] for t, b in zip(tensors, batches)
+            t.dim() == 2 and t.shape[1] == b["completion_ids"].shape[1] for t, b in zip(tensors, batches, strict=True)
         )
         if key in pad_values and per_token:
             value = pad_token_id if pad_values[key] == "pad" else pad_values[key]

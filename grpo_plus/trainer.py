@@ -73,7 +73,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint.")
+                raise ValueError(
+                    f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint."
+                )
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     # ---- advantages ---------------------------------------------------------------------------------------------

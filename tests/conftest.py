@@ -20,4 +20,3 @@ from tiny import save_tiny_model  # noqa: E402
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama + character tokenizer saved once per session."""
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
-

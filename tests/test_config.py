@@ -41,9 +41,15 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
 
 @pytest.mark.parametrize(
     ("field", "value", "canonical"),
-    [("scale_rewards", "local", "group"), ("scale_rewards", "global", "batch"), ("scale_rewards", True, "group"),
-     ("scale_rewards", False, "none"), ("scale_rewards", "false", "none"), ("loss_type", "dr_grpo", "dr_grpo"),
-     ("importance_sampling_level", "sequence_token", "sequence_token")],
+    [
+        ("scale_rewards", "local", "group"),
+        ("scale_rewards", "global", "batch"),
+        ("scale_rewards", True, "group"),
+        ("scale_rewards", False, "none"),
+        ("scale_rewards", "false", "none"),
+        ("loss_type", "dr_grpo", "dr_grpo"),
+        ("importance_sampling_level", "sequence_token", "sequence_token"),
+    ],
 )
 def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
     assert getattr(make(tmp_path, **{field: value}), field) == canonical
@@ -53,7 +59,10 @@ def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
     ("kwargs", "fragment"),
     [
         (dict(loss_type="dapoo"), "loss_type='dapoo' is not registered. Did you mean 'dapo'?"),
-        (dict(importance_sampling_level="sequense"), "importance_sampling_level='sequense' is not registered. Did you mean 'sequence'?"),
+        (
+            dict(importance_sampling_level="sequense"),
+            "importance_sampling_level='sequense' is not registered. Did you mean 'sequence'?",
+        ),
         (dict(scale_rewards="groups"), "scale_rewards='groups' is not registered. Did you mean 'group'?"),
         (dict(epsilon=-0.1), "epsilon=-0.1 is not allowed"),
         (dict(epsilon_high=-1.0), "epsilon_high=-1.0 is not allowed"),
@@ -64,7 +73,10 @@ def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
         (dict(top_entropy_quantile=1.5), "top_entropy_quantile=1.5 is not allowed"),
         (dict(loss_type="dr_grpo", max_completion_length=None), "max_completion_length=None is not allowed"),
         (dict(loss_type="cispo", dual_clip=3.0), "dual_clip cannot be combined with loss_type='cispo'"),
-        (dict(loss_type="sapo", importance_sampling_level="sequence_token"), "cannot be combined with loss_type='sapo'"),
+        (
+            dict(loss_type="sapo", importance_sampling_level="sequence_token"),
+            "cannot be combined with loss_type='sapo'",
+        ),
     ],
 )
 def test_bad_values_fail_at_construction(tmp_path, kwargs, fragment):
@@ -107,7 +119,9 @@ def test_registered_loss_type_accepted_after_registration(tmp_path):
 
 def test_trl_parser_yaml_and_flags(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(f"output_dir: {tmp_path}\nloss_type: dr_grpo\nepsilon_high: 0.28\ndual_clip: 3.0\nuse_cpu: true\nbf16: false\n")
+    config.write_text(
+        f"output_dir: {tmp_path}\nloss_type: dr_grpo\nepsilon_high: 0.28\ndual_clip: 3.0\nuse_cpu: true\nbf16: false\n"
+    )
     (args,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(config), "--scale_rewards", "global"])
     assert (args.loss_type, args.epsilon_high, args.dual_clip, args.scale_rewards) == ("dr_grpo", 0.28, 3.0, "batch")
 
@@ -115,9 +129,19 @@ def test_trl_parser_yaml_and_flags(tmp_path):
 def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path):
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "train_tiny.py"), "--model_dir", str(tmp_path / "never-loaded"),
-         "--output_dir", str(tmp_path), "--loss_type", "dapoo"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(SCRIPTS / "train_tiny.py"),
+            "--model_dir",
+            str(tmp_path / "never-loaded"),
+            "--output_dir",
+            str(tmp_path),
+            "--loss_type",
+            "dapoo",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0
     assert "loss_type='dapoo' is not registered. Did you mean 'dapo'?" in result.stderr

@@ -105,15 +105,43 @@ def test_normalizers_match_a_batch_built_from_the_kept_groups(tmp_path):
 def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
     script = Path(__file__).parent / "scripts" / "train_tiny.py"
     accelerate = Path(sys.executable).parent / "accelerate"
-    settings = tiny_run_kwargs(tmp_path / "out", per_device_train_batch_size=8, gradient_accumulation_steps=2,
-                               max_steps=2, dynamic_sampling=True, loss_type="dapo")
+    settings = tiny_run_kwargs(
+        tmp_path / "out",
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        dynamic_sampling=True,
+        loss_type="dapo",
+    )
     settings.pop("disable_tqdm")
     args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
     result = subprocess.run(
-        [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-         "no", "--dynamo_backend", "no", str(script), "--model_dir", tiny_model_dir, *args, "--reward", "odd_constant",
-         "--num_prompts", "20", "--record_groups", str(tmp_path / "groups")],
-        capture_output=True, text=True, timeout=300,
+        [
+            str(accelerate),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(script),
+            "--model_dir",
+            tiny_model_dir,
+            *args,
+            "--reward",
+            "odd_constant",
+            "--num_prompts",
+            "20",
+            "--record_groups",
+            str(tmp_path / "groups"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
@@ -123,18 +151,28 @@ def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
 
 
 def test_informative_groups_threshold_tolerates_float_noise():
-    rewards = torch.tensor([0.1, 0.1 + 1e-6, 0.1, 0.1, 0.0, 1.0, 0.0, 1.0, float("nan"), 2.0, float("nan"), float("nan")])
+    rewards = torch.tensor(
+        [0.1, 0.1 + 1e-6, 0.1, 0.1, 0.0, 1.0, 0.0, 1.0, float("nan"), 2.0, float("nan"), float("nan")]
+    )
     assert informative_groups(rewards, 4, 1e-4).tolist() == [False, True, False]
     assert informative_groups(rewards, 4, 0.0).tolist() == [True, True, False]
 
 
 def test_concat_rows_pads_prompts_left_and_completions_right():
-    a = {"prompt_ids": torch.tensor([[5, 6]]), "prompt_mask": torch.tensor([[1, 1]]),
-         "completion_ids": torch.tensor([[7]]), "completion_mask": torch.tensor([[1]]),
-         "advantages": torch.tensor([0.5])}
-    b = {"prompt_ids": torch.tensor([[4]]), "prompt_mask": torch.tensor([[1]]),
-         "completion_ids": torch.tensor([[8, 9, 3]]), "completion_mask": torch.tensor([[1, 1, 1]]),
-         "advantages": torch.tensor([-0.5])}
+    a = {
+        "prompt_ids": torch.tensor([[5, 6]]),
+        "prompt_mask": torch.tensor([[1, 1]]),
+        "completion_ids": torch.tensor([[7]]),
+        "completion_mask": torch.tensor([[1]]),
+        "advantages": torch.tensor([0.5]),
+    }
+    b = {
+        "prompt_ids": torch.tensor([[4]]),
+        "prompt_mask": torch.tensor([[1]]),
+        "completion_ids": torch.tensor([[8, 9, 3]]),
+        "completion_mask": torch.tensor([[1, 1, 1]]),
+        "advantages": torch.tensor([-0.5]),
+    }
     merged = concat_rows([a, b], pad_token_id=0)
     assert merged["prompt_ids"].tolist() == [[5, 6], [0, 4]]
     assert merged["prompt_mask"].tolist() == [[1, 1], [0, 1]]
@@ -152,17 +190,27 @@ def test_shuffle_groups_moves_whole_groups():
 
 def test_dynamic_sampling_needs_whole_groups_per_micro_batch(tmp_path):
     with pytest.raises(ConfigError, match="per_device_train_batch_size \\(6\\) to be a multiple of num_generations"):
-        GRPOConfig(**tiny_run_kwargs(tmp_path, dynamic_sampling=True, per_device_train_batch_size=6,
-                                     num_generations=4, gradient_accumulation_steps=2))
+        GRPOConfig(
+            **tiny_run_kwargs(
+                tmp_path,
+                dynamic_sampling=True,
+                per_device_train_batch_size=6,
+                num_generations=4,
+                gradient_accumulation_steps=2,
+            )
+        )
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    (dict(max_sampling_rounds=0), "max_sampling_rounds"),
-    (dict(dynamic_sampling_min_std=-1.0), "dynamic_sampling_min_std"),
-    (dict(overlong_buffer_length=9), "overlong_buffer_length"),
-    (dict(overlong_buffer_length=0), "overlong_buffer_length"),
-    (dict(overlong_penalty=-1.0), "overlong_penalty"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        (dict(max_sampling_rounds=0), "max_sampling_rounds"),
+        (dict(dynamic_sampling_min_std=-1.0), "dynamic_sampling_min_std"),
+        (dict(overlong_buffer_length=9), "overlong_buffer_length"),
+        (dict(overlong_buffer_length=0), "overlong_buffer_length"),
+        (dict(overlong_penalty=-1.0), "overlong_penalty"),
+    ],
+)
 def test_sampling_settings_are_validated(tmp_path, kwargs, field):
     with pytest.raises(ConfigError, match=field):
         GRPOConfig(**tiny_run_kwargs(tmp_path, **kwargs))

@@ -54,10 +54,22 @@ def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
     one = flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **common)
     two = flags(tiny_model_dir, tmp_path / "two", per_device_train_batch_size=4, **common)
     run_script([*one, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "one.safetensors")])
-    launcher = (str(VENV_BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no")
-    result = run_script([*two, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "two.safetensors")],
-                        launcher=launcher)
+    launcher = (
+        str(VENV_BIN / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    )
+    result = run_script(
+        [*two, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "two.safetensors")], launcher=launcher
+    )
     assert result.stdout.count("FINISHED global_step=3") == 2, "expected two ranks to finish"
     one_w, two_w = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
@@ -85,14 +97,19 @@ def test_lora_changes_only_adapter_weights(tiny_model_dir, tmp_path):
 
 def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, tmp_path):
     quantization = BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization, dtype=torch.float32)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=length_reward,
-        args=GRPOConfig(**tiny_run_kwargs(tmp_path, max_steps=1, loss_type="dapo", importance_sampling_level="sequence_token")),
+        args=GRPOConfig(
+            **tiny_run_kwargs(tmp_path, max_steps=1, loss_type="dapo", importance_sampling_level="sequence_token")
+        ),
         train_dataset=prompt_dataset(8),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
     )
@@ -116,10 +133,23 @@ def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, 
 
 def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    args = flags(tiny_model_dir, out, max_steps=12, save_strategy="steps", save_steps=2, loss_type="dapo",
-                 epsilon_high=0.28, dual_clip=3.0, scale_rewards="batch")
-    process = subprocess.Popen([sys.executable, SCRIPT, *args, "--step_delay", "0.4"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = flags(
+        tiny_model_dir,
+        out,
+        max_steps=12,
+        save_strategy="steps",
+        save_steps=2,
+        loss_type="dapo",
+        epsilon_high=0.28,
+        dual_clip=3.0,
+        scale_rewards="batch",
+    )
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, *args, "--step_delay", "0.4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 240
     while not is_complete_checkpoint(out / "checkpoint-4"):
         assert process.poll() is None, process.stdout.read()[-3000:]
@@ -142,7 +172,11 @@ def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
     assert json.loads((final / "trainer_state.json").read_text())["global_step"] == 12
     saved_args = torch.load(final / "training_args.bin", weights_only=False)
     assert (saved_args.loss_type, saved_args.epsilon_high, saved_args.dual_clip, saved_args.scale_rewards) == (
-        "dapo", 0.28, 3.0, "batch")
+        "dapo",
+        0.28,
+        3.0,
+        "batch",
+    )
     for checkpoint in sorted(out.glob("checkpoint-*")):
         assert is_complete_checkpoint(checkpoint), checkpoint
         assert load_file(checkpoint / "model.safetensors")
@@ -157,7 +191,7 @@ def test_incomplete_checkpoint_is_skipped(tmp_path):
     assert last_complete_checkpoint(tmp_path / "missing") is None
 
 
-PLUGIN = '''
+PLUGIN = """
 import os
 import torch
 from grpo_plus import register_advantage_normalizer, register_loss_type
@@ -179,7 +213,7 @@ def rank(grouped, eps):
     _mark("advantage")
     ranks = grouped.argsort(dim=1).argsort(dim=1).to(grouped.dtype)
     return (ranks - ranks.mean(dim=1, keepdim=True)) / grouped.shape[1]
-'''
+"""
 
 
 @pytest.mark.parametrize("discovery", ["plugins_field", "entry_point"])
@@ -188,10 +222,20 @@ def test_user_modes_train_from_yaml(tiny_model_dir, tmp_path, discovery):
     site.mkdir()
     (site / "my_grpo_modes.py").write_text(PLUGIN)
     config = {
-        "output_dir": str(tmp_path / "out"), "model_dir": tiny_model_dir, "loss_type": "seq_mean_token_sum",
-        "scale_rewards": "rank", "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 8,
-        "max_steps": 2, "learning_rate": 0.05, "report_to": "none", "save_strategy": "no", "use_cpu": True,
-        "bf16": False, "dump_weights": str(tmp_path / "w.safetensors"),
+        "output_dir": str(tmp_path / "out"),
+        "model_dir": tiny_model_dir,
+        "loss_type": "seq_mean_token_sum",
+        "scale_rewards": "rank",
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 8,
+        "max_steps": 2,
+        "learning_rate": 0.05,
+        "report_to": "none",
+        "save_strategy": "no",
+        "use_cpu": True,
+        "bf16": False,
+        "dump_weights": str(tmp_path / "w.safetensors"),
     }
     if discovery == "plugins_field":
         config["plugins"] = ["my_grpo_modes"]

@@ -33,6 +33,10 @@ class _Accelerator:
 
     gather_for_metrics = gather
 
+    @staticmethod
+    def pad_across_processes(x, dim=0, pad_index=0):
+        return x
+
 
 class _StandInTrainer:
     """Just the attributes `GRPOTrainer._compute_loss` reads."""
@@ -71,9 +75,14 @@ class _StandInTrainer:
         return self._logps, self._entropies, None
 
 
-def trl_policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, num_items_in_batch=None, **settings):
-    """TRL's loss and logged metrics for these tensors; `logps` should require grad for gradient checks."""
-    stand_in = _StandInTrainer(logps, **settings)
+def trl_policy_loss(
+    logps, old_logps, advantages, mask, *, ref_logps=None, num_items_in_batch=None, entropies=None, **settings
+):
+    """TRL's loss and logged metrics for these tensors; `logps` should require grad for gradient checks.
+
+    `entropies` (B, T) feed TRL's entropy mask when `top_entropy_quantile` < 1 is among the settings.
+    """
+    stand_in = _StandInTrainer(logps, entropies=entropies, **settings)
     batch, length = mask.shape
     inputs = {
         "prompt_ids": torch.zeros(batch, 1, dtype=torch.long),
@@ -90,6 +99,12 @@ def trl_policy_loss(logps, old_logps, advantages, mask, *, ref_logps=None, num_i
     loss = GRPOTrainer._compute_loss(stand_in, None, inputs)
     metrics = {name: values[-1] for name, values in stand_in._metrics["train"].items()}
     return loss, metrics
+
+
+def trl_entropy_mask(entropies, mask, top_entropy_quantile):
+    """The mask TRL's `get_high_entropy_mask` gives `_compute_loss` for this `top_entropy_quantile` (one process)."""
+    stand_in = _StandInTrainer(entropies, entropies=entropies, top_entropy_quantile=top_entropy_quantile)
+    return stand_in.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)
 
 
 def _advantage_block_source() -> str:

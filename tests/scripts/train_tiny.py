@@ -1,7 +1,7 @@
 """Train a tiny local model with grpo_plus (or stock TRL) from the command line; used by subprocess tests.
 
-    accelerate launch --num_processes 2 tests/scripts/train_tiny.py --model_dir DIR --output_dir OUT [GRPOConfig flags]
-    python tests/scripts/train_tiny.py --config run.yaml
+accelerate launch --num_processes 2 tests/scripts/train_tiny.py --model_dir DIR --output_dir OUT [GRPOConfig flags]
+python tests/scripts/train_tiny.py --config run.yaml
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ def main() -> None:
         Path(f"{tiny_args.record_groups}.rank{trainer.accelerator.process_index}").write_text(json.dumps(groups))
     if trainer.accelerator.is_main_process:
         if tiny_args.dump_weights:
-            weights = {name: p.detach().contiguous() for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+            weights = {
+                name: p.detach().contiguous()
+                for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
+            }
             save_file(weights, tiny_args.dump_weights)
         if tiny_args.dump_logs:
             Path(tiny_args.dump_logs).write_text(json.dumps(trainer.state.log_history))
