@@ -6,18 +6,21 @@ Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo, vespo) run
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import torch
 import trl
 from datasets import IterableDataset
 from trl.rewards import get_soft_overlong_punishment
-from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
+from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
 
 from .advantages import compute_advantages
-from .checkpoints import last_complete_checkpoint
+from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
 from .losses import PolicyLossOutput, compute_policy_loss
+from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
 
 # Model inputs TRL's `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models).
@@ -35,6 +38,33 @@ _FORWARD_INPUT_KEYS = (
 )
 
 
+logger = logging.getLogger(__name__)
+
+
+class RewardFunctionError(RuntimeError):
+    """A user reward function raised; the message names it and shows what it was called with."""
+
+
+class _GuardedReward:
+    """Wraps a synchronous reward function so its failure names the function and its inputs."""
+
+    def __init__(self, func, name: str):
+        self.func, self.__name__ = func, name
+
+    def __call__(self, prompts=None, completions=None, **kwargs):
+        try:
+            return self.func(prompts=prompts, completions=completions, **kwargs)
+        except Exception as error:
+            columns = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric"))
+            first = completions[0] if completions else None
+            raise RewardFunctionError(
+                f"Reward function {self.__name__!r} raised {type(error).__name__}: {error}\n"
+                f"  called with {len(completions or [])} completions; the first was {str(first)[:200]!r}\n"
+                f"  keyword arguments: prompts, completions, {', '.join(columns)} (every dataset column is passed; "
+                "accept **kwargs for the ones you do not use)."
+            ) from error
+
+
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over reward functions ignoring NaN; NaN where every function returned None (TRL's rule)."""
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
@@ -50,11 +80,18 @@ class GRPOTrainer(trl.GRPOTrainer):
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         self.dual_clip = getattr(self.args, "dual_clip", None)
+        keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None
         self.dynamic_sampling = getattr(self.args, "dynamic_sampling", False)
         self._refill_draws = None
         if self.dynamic_sampling and isinstance(self.train_dataset, IterableDataset):
             raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
+        self.reward_funcs = [
+            _GuardedReward(func, name)
+            if callable(func) and not isinstance(func, torch.nn.Module) and not is_async_callable(func)
+            else func
+            for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
+        ]
         if getattr(self.args, "overlong_buffer_length", None) is not None:
             self._add_reward(
                 get_soft_overlong_punishment(self.max_completion_length, self.args.overlong_buffer_length),
@@ -69,14 +106,40 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """TRL's train; `resume_from_checkpoint=True` picks the newest *complete* checkpoint in output_dir."""
+        """TRL's train; `resume_from_checkpoint=True` (or "true"/"last" from a CLI) picks the newest *complete*
+        checkpoint in output_dir, skipping one a crash left half-written."""
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "last", "latest"):
+            resume_from_checkpoint = True
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(
                     f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint."
                 )
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        except (Exception, KeyboardInterrupt):
+            self._save_checkpoint_after_crash()
+            raise
+
+    def _save_checkpoint_after_crash(self) -> None:
+        """Checkpoint the last completed optimizer step so a crash loses no finished work (single process only:
+        on several processes the others may not reach this point, and saving is collective)."""
+        step = self.state.global_step
+        if self.args.save_strategy == "no" or step == 0 or self.accelerator.num_processes > 1:
+            return
+        if is_complete_checkpoint(Path(self.args.output_dir) / f"checkpoint-{step}"):
+            return
+        try:
+            self._save_checkpoint(self.model, trial=None)
+            logger.warning(
+                "Training stopped by an error; saved checkpoint-%d in %s. Resume with resume_from_checkpoint=True "
+                "(--resume_from_checkpoint true in the recipes).",
+                step,
+                self.args.output_dir,
+            )
+        except Exception:
+            logger.exception("Could not save a checkpoint after the error.")
 
     # ---- advantages ---------------------------------------------------------------------------------------------
 

@@ -20,3 +20,9 @@ from tiny import save_tiny_model  # noqa: E402
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama + character tokenizer saved once per session."""
     return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_bnb(tmp_path_factory) -> str:
+    """Like tiny_model_dir, but wide enough (64) for bitsandbytes' 4-bit CPU kernels (block size 64)."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model-64"), hidden_size=64))

@@ -252,3 +252,39 @@ def test_user_modes_train_from_yaml(tiny_model_dir, tmp_path, discovery):
     assert {"loss", "advantage"} <= set(calls.read_text().split())
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert max_weight_diff(load_file(tmp_path / "w.safetensors"), initial) > 1e-4
+
+
+def test_4bit_layers_stay_trainable_after_an_eval_pass_on_cpu(tiny_model_dir_bnb):
+    """bitsandbytes repacks 4-bit weights for CPU inference after an eval forward; its kernel has no autograd."""
+    from peft import get_peft_model
+
+    from grpo_plus.quantization import keep_4bit_trainable_on_cpu
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(0))
+
+    def lora_grads(eval_first: bool, fix: bool) -> tuple[dict, int]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir_bnb, quantization_config=quantization)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        if fix:
+            keep_4bit_trainable_on_cpu(model)
+        if eval_first:
+            model.eval()
+            with torch.no_grad():
+                model(ids)
+            model.train()
+        packed = keep_4bit_trainable_on_cpu(model) if not fix else 0
+        model(ids).logits.pow(2).mean().backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, packed
+
+    reference, _ = lora_grads(eval_first=False, fix=False)
+    fixed, _ = lora_grads(eval_first=True, fix=True)
+    scale = max(g.abs().max().item() for g in reference.values())
+    assert max((reference[k] - fixed[k]).abs().max().item() for k in reference) <= 1e-6 * max(scale, 1.0)
+    _, repacked = lora_grads(eval_first=True, fix=False)
+    if repacked == 0:
+        pytest.skip("this CPU has no AVX512-BF16: bitsandbytes never repacks, nothing to guard against")

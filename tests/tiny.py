@@ -175,3 +175,10 @@ class GroupRecorder:
         for batch in self.batches:
             for start in range(0, batch["prompt_ids"].shape[0], g):
                 yield batch["prompt_ids"][start : start + g], batch["advantages"][start : start + g]
+
+
+def explode_at_step_3(completions, trainer_state=None, **kwargs) -> list[float]:
+    """Scores like `length_reward` for two optimizer steps, then raises: a crash in the middle of training."""
+    if trainer_state is not None and trainer_state.global_step >= 2:
+        return [1 / 0 for _ in completions]
+    return length_reward(completions)

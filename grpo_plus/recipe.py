@@ -1,0 +1,242 @@
+"""The pieces the recipes (recipes/*.py) share: arguments, data, rewards, held-out evaluation, the final report.
+
+Each recipe stays a top-to-bottom script; what would otherwise be copied between them lives here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+from trl import ModelConfig, TrlParser
+
+from . import tasks
+from .config import GRPOConfig
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
+    "correctness": tasks.correctness_reward,
+    "format": tasks.format_reward,
+}
+
+
+@dataclass
+class ScriptArguments:
+    """What to train on and what to do with the result (GRPOConfig and TRL's ModelConfig hold the rest)."""
+
+    task_level: str = field(
+        default=tasks.DEMO_LEVEL,
+        metadata={"help": f"Built-in arithmetic task level, one of: {', '.join(tasks.LEVELS)}."},
+    )
+    task_train_size: int | None = field(default=None, metadata={"help": "Training problems (default: all, max 256)."})
+    task_eval_size: int | None = field(default=None, metadata={"help": "Held-out problems (default: all, max 64)."})
+    task_seed: int = field(default=0, metadata={"help": "Seed of the generated problems."})
+    dataset_name: str | None = field(
+        default=None,
+        metadata={"help": "Your own dataset (hub id or local path, for datasets.load_dataset) instead of the task."},
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Held-out split (needs an 'answer' column for the accuracy report)."}
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["correctness", "format"],
+        metadata={"help": "Reward functions: built-in names (correctness, format) or 'package.module:function'."},
+    )
+    eval_before_after: bool = field(default=True, metadata={"help": "Held-out greedy eval before and after."})
+    eval_max_new_tokens: int = field(default=24, metadata={"help": "Token budget of the held-out eval."})
+    eval_batch_size: int = field(default=16, metadata={"help": "Prompts per eval generation batch."})
+    merge: bool = field(default=False, metadata={"help": "Also save base + adapter merged, in output_dir/merged."})
+
+
+def parse_recipe_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConfig, ModelConfig]:
+    """CLI flags and/or --config YAML -> (script, training, model) arguments; bad input exits with its reason."""
+    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+    try:
+        return parser.parse_args_and_config(argv)
+    except ValueError as error:
+        fail(_explain_unknown_keys(str(error)))
+
+
+def _explain_unknown_keys(message: str) -> str:
+    """Add 'did you mean' hints to TrlParser's 'Unknown arguments from config file' error."""
+    if "Unknown arguments" not in message:
+        return message
+    known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in fields(cls)}
+    hints = []
+    for token in message.replace("'", " ").replace(",", " ").replace("[", " ").replace("]", " ").split():
+        if token.startswith("--"):
+            close = difflib.get_close_matches(token[2:], known, n=1)
+            hints.append(f"{token[2:]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"{message}\nNot a recipe, GRPOConfig or ModelConfig field: {', '.join(hints)}" if hints else message
+
+
+def resolve_reward_funcs(names: list[str]) -> list[Callable[..., list[float]]]:
+    """Built-in reward names or 'module:function' references -> callables."""
+    funcs = []
+    for name in names:
+        if name in BUILTIN_REWARDS:
+            funcs.append(BUILTIN_REWARDS[name])
+            continue
+        module_name, _, attr = name.partition(":")
+        if not attr:
+            raise ValueError(
+                f"reward_funcs: {name!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}) "
+                "nor a 'package.module:function' reference."
+            )
+        try:
+            funcs.append(getattr(importlib.import_module(module_name), attr))
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"reward_funcs: cannot load {name!r}: {error}") from error
+    return funcs
+
+
+def load_datasets(args: ScriptArguments):
+    """(train, held-out or None): the built-in task, or the user's dataset with its 'prompt' column checked."""
+    if args.dataset_name is None:
+        train = tasks.make_dataset("train", args.task_level, size=args.task_train_size, seed=args.task_seed)
+        test = tasks.make_dataset("test", args.task_level, size=args.task_eval_size, seed=args.task_seed)
+        return train, test
+    from datasets import load_dataset
+
+    loaded = load_dataset(args.dataset_name, args.dataset_config)
+    splits = [args.dataset_train_split, *([args.dataset_test_split] if args.dataset_test_split else [])]
+    for split in splits:
+        if split not in loaded:
+            raise ValueError(f"{args.dataset_name} has no split {split!r}; it has {sorted(loaded)}.")
+        if "prompt" not in loaded[split].column_names:
+            raise ValueError(
+                f"{args.dataset_name}[{split!r}] has no 'prompt' column (columns: {loaded[split].column_names}). "
+                "GRPO needs one: a string, or a list of chat messages [{'role': 'user', 'content': ...}]. "
+                "Rename your column, e.g. dataset.rename_column('question', 'prompt')."
+            )
+    test = loaded[args.dataset_test_split] if args.dataset_test_split else None
+    return loaded[args.dataset_train_split], test
+
+
+def evaluate_held_out(model, tokenizer, dataset, args: ScriptArguments, label: str) -> dict[str, Any] | None:
+    """Greedy held-out accuracy / format rate, when there is a held-out set with answers."""
+    if not args.eval_before_after or dataset is None or "answer" not in dataset.column_names:
+        return None
+    print(f"\nHeld-out evaluation {label} training ({len(dataset)} prompts, greedy):", flush=True)
+    result = tasks.evaluate(
+        model, tokenizer, dataset, batch_size=args.eval_batch_size, max_new_tokens=args.eval_max_new_tokens
+    )
+    return {k: v for k, v in result.items() if k != "completions"}
+
+
+def eval_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    """A plain-text before/after table of the held-out metrics."""
+    if not before or not after:
+        return ""
+    rows = [("metric", "before", "after", "change")]
+    for key in ("accuracy", "format_rate", "format_reward"):
+        if key in before and key in after:
+            rows.append((key, f"{before[key]:.3f}", f"{after[key]:.3f}", f"{after[key] - before[key]:+.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+class HeldOutAccuracyCallback(TrainerCallback):
+    """Logs `eval_accuracy` / `eval_format_rate` on a held-out set every `every` optimizer steps."""
+
+    def __init__(self, dataset, tokenizer, every: int, max_new_tokens: int = 24, batch_size: int = 16):
+        self.dataset, self.tokenizer, self.every = dataset, tokenizer, every
+        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
+
+    def _evaluate(self, model, state):
+        result = tasks.evaluate(
+            model,
+            self.tokenizer,
+            self.dataset,
+            batch_size=self.batch_size,
+            max_new_tokens=self.max_new_tokens,
+            progress=False,
+        )
+        state.log_history.append(
+            {"step": state.global_step, "eval_accuracy": result["accuracy"], "eval_format_rate": result["format_rate"]}
+        )
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:
+            self._evaluate(model, state)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
+            self._evaluate(model, state)
+
+
+def task_description(args: ScriptArguments) -> dict[str, Any] | str:
+    """What the model card says the run trained on."""
+    if args.dataset_name is not None:
+        return f"dataset {args.dataset_name} (train split {args.dataset_train_split!r}), rewards {args.reward_funcs}"
+    return {
+        "name": "grpo_plus built-in arithmetic word problems",
+        "level": args.task_level,
+        "instruction": tasks.INSTRUCTION,
+        "rewards": ", ".join(args.reward_funcs),
+        "held-out split": "problems whose arithmetic never appears in training (hash split)",
+    }
+
+
+def finish_run(
+    trainer,
+    script_args: ScriptArguments,
+    base_model: str,
+    base_model_path: str,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+    hub_repo_id: str | None,
+) -> None:
+    """Plot, model card, optional adapter push and merge: everything after the adapter is saved."""
+    from .hub import loss_config_from_args, merge_adapter, push_adapter, write_model_card
+    from .plotting import plot_training_curves
+
+    args = trainer.args
+    output_dir = Path(args.output_dir)
+    table = eval_table(before, after)
+    if table:
+        print(f"\nHeld-out results ({script_args.task_level if script_args.dataset_name is None else 'test'}):")
+        print(table)
+    if not trainer.accelerator.is_main_process:
+        return
+    plot_training_curves(trainer.state.log_history, output_dir / "reward_curve.png", title=f"GRPO on {base_model}")
+    write_model_card(
+        output_dir,
+        base_model=base_model,
+        repo_id=hub_repo_id,
+        loss_config=loss_config_from_args(args),
+        task=task_description(script_args),
+        eval_before=before,
+        eval_after=after,
+        training_args={
+            "learning_rate": args.learning_rate,
+            "max_steps": args.max_steps,
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "max_completion_length": args.max_completion_length,
+            "temperature": args.temperature,
+        },
+    )
+    print(f"\nAdapter, model card and reward_curve.png written to {output_dir}")
+    if hub_repo_id is not None:
+        url = push_adapter(output_dir, hub_repo_id, token=args.hub_token, private=args.hub_private_repo)
+        print(f"Pushed the LoRA adapter to {url}")
+    if script_args.merge:
+        merged = merge_adapter(base_model_path, output_dir, output_dir / "merged")
+        print(f"Merged model saved to {merged}")
+
+
+def fail(message: str) -> None:
+    """Exit with a one-line reason instead of a traceback (bad input the user can fix)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -1,0 +1,81 @@
+"""GRPO + LoRA on one GPU, or a laptop CPU, with grpo_plus's objective.
+
+    # the embedded CPU demo (offline, < 10 min on 2 cores): what `make demo` runs
+    python recipes/grpo_lora.py --config recipes/configs/demo_cpu.yaml
+    # a real run on one 24 GB GPU, pushing the adapter to the Hub
+    accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml recipes/grpo_lora.py \
+        --config recipes/configs/qwen2.5-1.5b_lora.yaml --push_to_hub --hub_model_id you/qwen-grpo-lora
+
+Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field is a flag and a YAML key.
+"""
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import get_peft_config
+
+from grpo_plus import GRPOTrainer
+from grpo_plus.embedded import resolve_model
+from grpo_plus.hub import check_hub_access
+from grpo_plus.recipe import (
+    evaluate_held_out,
+    fail,
+    finish_run,
+    load_datasets,
+    parse_recipe_args,
+    resolve_reward_funcs,
+)
+
+
+def main(argv=None):
+    script_args, training_args, model_args = parse_recipe_args(argv)
+
+    # 1. Fail fast: a missing token or a repo we cannot write to costs seconds here, not after hours of training.
+    hub_repo_id = None
+    if training_args.push_to_hub:
+        repo = training_args.hub_model_id or training_args.output_dir.rstrip("/").split("/")[-1]
+        hub_repo_id = check_hub_access(repo, training_args.hub_token)
+        training_args.push_to_hub = False  # the Trainer would push the whole output_dir; we push the adapter only
+
+    # 2. Policy: the base model in full or half precision, with a fresh LoRA adapter (peft_config below).
+    try:
+        model_path = resolve_model(model_args.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
+    except (OSError, ValueError, ImportError) as error:
+        fail(f"cannot load model {model_args.model_name_or_path!r}: {error}")
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        revision=model_args.model_revision,
+        dtype=dtype,
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=training_args.trust_remote_code,
+    )
+    model_args.use_peft = True  # this recipe trains LoRA adapters; set lora_* in the config
+
+    # 3. Data and verifiable rewards.
+    try:
+        train_dataset, test_dataset = load_datasets(script_args)
+        reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+    except ValueError as error:
+        fail(str(error))
+
+    # 4. Train, measuring held-out accuracy before and after.
+    before = evaluate_held_out(model, tokenizer, test_dataset, script_args, "before")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter
+    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after")
+
+    # 5. Report, model card, reward plot; push the adapter and merge if asked.
+    finish_run(trainer, script_args, model_args.model_name_or_path, model_path, before, after, hub_repo_id)
+
+
+if __name__ == "__main__":
+    main()

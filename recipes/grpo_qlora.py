@@ -1,0 +1,101 @@
+"""GRPO + QLoRA: a 4-bit (nf4, double-quantized) frozen base with a LoRA adapter, on one GPU (or CPU, slowly).
+
+    # a 7B model on one 24 GB GPU, pushing the adapter to the Hub
+    accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml recipes/grpo_qlora.py \
+        --config recipes/configs/qwen2.5-7b_qlora.yaml --push_to_hub --hub_model_id you/qwen7b-grpo-qlora
+    # the embedded model, 4-bit on CPU (bitsandbytes quantizes on CPU too)
+    python recipes/grpo_qlora.py --config recipes/configs/demo_cpu.yaml --max_steps 5
+
+Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field is a flag and a YAML key.
+"""
+
+import torch
+from accelerate import PartialState
+from peft import prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from trl import get_peft_config
+
+from grpo_plus import GRPOTrainer
+from grpo_plus.embedded import resolve_model
+from grpo_plus.hub import check_hub_access
+from grpo_plus.quantization import keep_4bit_trainable_on_cpu
+from grpo_plus.recipe import (
+    evaluate_held_out,
+    fail,
+    finish_run,
+    load_datasets,
+    parse_recipe_args,
+    resolve_reward_funcs,
+)
+
+
+def main(argv=None):
+    script_args, training_args, model_args = parse_recipe_args(argv)
+
+    # 1. Fail fast: a missing token or a repo we cannot write to costs seconds here, not after hours of training.
+    hub_repo_id = None
+    if training_args.push_to_hub:
+        repo = training_args.hub_model_id or training_args.output_dir.rstrip("/").split("/")[-1]
+        hub_repo_id = check_hub_access(repo, training_args.hub_token)
+        training_args.push_to_hub = False  # the Trainer would push the whole output_dir; we push the adapter only
+
+    # 2. Policy: the base quantized to 4-bit nf4 (double quantization, bf16 compute on GPU), frozen; LoRA on top.
+    try:
+        model_path = resolve_model(model_args.model_name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
+    except (OSError, ValueError, ImportError) as error:
+        fail(f"cannot load model {model_args.model_name_or_path!r}: {error}")
+    on_gpu = torch.cuda.is_available() and not training_args.use_cpu
+    compute_dtype = torch.bfloat16 if on_gpu else torch.float32
+    quantization_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or "uint8",
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path,
+        revision=model_args.model_revision,
+        dtype=compute_dtype,
+        quantization_config=quantization_config,
+        device_map={"": PartialState().local_process_index} if on_gpu else None,  # each rank its own GPU
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=training_args.trust_remote_code,
+    )
+    # Casts norms to fp32 and makes inputs require grads, so gradient checkpointing works through a frozen base.
+    model = prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=training_args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    keep_4bit_trainable_on_cpu(model)  # CPU only: stops bitsandbytes repacking 4-bit weights into a no-grad layout
+    model_args.use_peft = True
+
+    # 3. Data and verifiable rewards.
+    try:
+        train_dataset, test_dataset = load_datasets(script_args)
+        reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
+    except ValueError as error:
+        fail(str(error))
+
+    # 4. Train, measuring held-out accuracy before and after.
+    before = evaluate_held_out(model, tokenizer, test_dataset, script_args, "before")
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter
+    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after")
+
+    # 5. Report, model card, reward plot; push the adapter and merge if asked.
+    finish_run(trainer, script_args, model_args.model_name_or_path, model_path, before, after, hub_repo_id)
+
+
+if __name__ == "__main__":
+    main()

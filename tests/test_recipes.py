@@ -1,0 +1,187 @@
+"""The recipes end to end on a tiny local model: LoRA and QLoRA runs, adapter reload, card, Hub push, bad input."""
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+import torch
+import yaml
+from huggingface_hub.hf_api import RepoUrl
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo_plus.hub
+from grpo_plus.checkpoints import last_complete_checkpoint
+from grpo_plus.hub import HubAccessError
+from grpo_plus.recipe import parse_recipe_args
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+ADAPTER_PUSH = {"adapter_config.json", "adapter_model.safetensors", "README.md", "reward_curve.png"}
+
+
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(name, RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_flags(model_dir, output_dir, *extra):
+    return [
+        "--model_name_or_path", str(model_dir), "--output_dir", str(output_dir), "--use_cpu", "true", "--bf16",
+        "false", "--gradient_checkpointing", "false", "--max_steps", "2", "--per_device_train_batch_size", "4",
+        "--num_generations", "4", "--max_completion_length", "8", "--learning_rate", "0.01", "--report_to", "none",
+        "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "all-linear", "--task_eval_size", "8",
+        "--eval_max_new_tokens", "4", "--logging_steps", "1", "--save_strategy", "steps", "--save_steps", "1",
+        "--disable_tqdm", "true", *extra,
+    ]  # fmt: skip
+
+
+def assert_adapter_reloads_and_generates(model_dir, output_dir):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, output_dir)
+    assert any("lora_" in name for name, _ in model.named_parameters())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer("1+2=", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > ids["input_ids"].shape[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["grpo_lora", "grpo_qlora"])
+def test_recipe_trains_two_steps_and_writes_adapter_card_plot(request, tmp_path, recipe, capsys):
+    tiny_model_dir = request.getfixturevalue("tiny_model_dir_bnb" if recipe == "grpo_qlora" else "tiny_model_dir")
+    out = tmp_path / "run"
+    load_recipe(recipe).main(tiny_flags(tiny_model_dir, out, "--loss_type", "dr_grpo", "--epsilon_high", "0.28"))
+    printed = capsys.readouterr().out
+    assert "Held-out results" in printed and "accuracy" in printed
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert not (out / "model.safetensors").exists(), "only the adapter should be saved"
+    assert_adapter_reloads_and_generates(tiny_model_dir, out)
+    card = (out / "README.md").read_text()
+    for expected in (str(tiny_model_dir), "dr_grpo", "epsilon_high", "0.28", "add-1d", "accuracy", "reward_curve.png"):
+        assert expected in card, expected
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if recipe == "grpo_qlora":
+        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Replace the Hub at the huggingface_hub boundary; record every write."""
+    calls = {"commits": [], "uploads": []}
+    monkeypatch.setattr(grpo_plus.hub, "_hub_offline", lambda: False)  # the suite runs offline; this Hub is fake
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "whoami",
+        lambda self, token=None, **kw: {"name": "alice", "orgs": [], "auth": {"accessToken": {"role": "write"}}},
+    )
+    monkeypatch.setattr(
+        huggingface_hub.HfApi,
+        "create_repo",
+        lambda self, repo_id, **kw: RepoUrl(f"https://huggingface.co/{repo_id}"),
+    )
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        calls["commits"].append((repo_id, [op.path_in_repo for op in operations]))
+
+    def forbidden_upload(self, *args, **kwargs):
+        calls["uploads"].append((args, kwargs))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_folder", forbidden_upload)
+    monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", forbidden_upload)
+    return calls
+
+
+@pytest.mark.slow
+def test_push_to_hub_sends_exactly_the_adapter_files(tiny_model_dir, tmp_path, fake_hub):
+    out = tmp_path / "run"
+    load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, out, "--push_to_hub", "true", "--hub_model_id", "grpo-x"))
+    assert fake_hub["uploads"] == []
+    assert len(fake_hub["commits"]) == 1
+    repo_id, files = fake_hub["commits"][0]
+    assert repo_id == "alice/grpo-x"
+    assert set(files) == ADAPTER_PUSH
+    assert (out / "checkpoint-2").is_dir(), "checkpoints exist locally but were not pushed"
+
+
+def test_missing_token_fails_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+
+    def no_model_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the token check")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_model_loading)
+    started = time.monotonic()
+    with pytest.raises(HubAccessError, match="hf auth login"):
+        load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, tmp_path, "--push_to_hub", "true"))
+    assert time.monotonic() - started < 30
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load_recipe("grpo_lora").main(tiny_flags(tmp_path / "no-such-model", tmp_path / "out"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot load model" in err and "no-such-model" in err
+
+
+def test_dataset_without_prompt_column_is_a_clear_error(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"question": "1+1", "answer": 2}\n{"question": "2+2", "answer": 4}\n')
+    with pytest.raises(SystemExit):
+        load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, tmp_path / "out", "--dataset_name", str(data)))
+    err = capsys.readouterr().err
+    assert "no 'prompt' column" in err and "question" in err
+
+
+def test_unknown_config_key_names_the_closest_field(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nlossy_type: dapo\n")
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe_args(["--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "lossy_type" in err and "did you mean 'loss_type'" in err
+
+
+def test_bad_grpo_value_on_the_command_line_exits_with_the_reason(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_recipe_args(["--output_dir", str(tmp_path), "--use_cpu", "true", "--loss_type", "dapoo"])
+    assert "Did you mean 'dapo'?" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_raising_reward_names_the_function_and_leaves_a_resumable_checkpoint(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    flags = tiny_flags(tiny_model_dir, out, "--save_steps", "100", "--max_steps", "4", "--eval_before_after", "false")
+    with pytest.raises(RuntimeError, match="Reward function 'explode_at_step_3' raised ZeroDivisionError"):
+        load_recipe("grpo_lora").main([*flags, "--reward_funcs", "correctness", "tiny:explode_at_step_3"])
+    # save_steps=100 never fired: the checkpoint is the one saved on the crash, at the last finished step.
+    assert last_complete_checkpoint(out) == str(out / "checkpoint-2")
+    load_recipe("grpo_lora").main([*flags, "--resume_from_checkpoint", "true"])
+    assert json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())["global_step"] == 4
+
+
+@pytest.mark.parametrize("config", sorted((RECIPES / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_parse(config, tmp_path):
+    # GPU configs ask for bf16; this CPU machine cannot construct them without the override.
+    flags = ["--config", str(config), "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    script_args, training_args, model_args = parse_recipe_args(flags)
+    assert model_args.use_peft and model_args.model_name_or_path
+    assert training_args.loss_type in ("dapo", "grpo", "dr_grpo", "bnpo")
+
+
+@pytest.mark.parametrize("config", sorted((RECIPES / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_accelerate_configs_are_valid(config):
+    settings = yaml.safe_load(config.read_text())
+    assert settings["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED")
+    assert settings["num_machines"] == 1
