@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
 from trl import ModelConfig, TrlParser
 
 from . import tasks
@@ -145,35 +144,6 @@ def eval_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> s
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
-
-
-class HeldOutAccuracyCallback(TrainerCallback):
-    """Logs `eval_accuracy` / `eval_format_rate` on a held-out set every `every` optimizer steps."""
-
-    def __init__(self, dataset, tokenizer, every: int, max_new_tokens: int = 24, batch_size: int = 16):
-        self.dataset, self.tokenizer, self.every = dataset, tokenizer, every
-        self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
-
-    def _evaluate(self, model, state):
-        result = tasks.evaluate(
-            model,
-            self.tokenizer,
-            self.dataset,
-            batch_size=self.batch_size,
-            max_new_tokens=self.max_new_tokens,
-            progress=False,
-        )
-        state.log_history.append(
-            {"step": state.global_step, "eval_accuracy": result["accuracy"], "eval_format_rate": result["format_rate"]}
-        )
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if state.global_step == 0:
-            self._evaluate(model, state)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every == 0 or state.global_step == state.max_steps:
-            self._evaluate(model, state)
 
 
 def task_description(args: ScriptArguments) -> dict[str, Any] | str:

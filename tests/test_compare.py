@@ -1,0 +1,54 @@
+"""`grpo-plus compare`: runs named configurations on a tiny model and writes a readable report."""
+
+import json
+
+import pytest
+
+from grpo_plus.cli import main
+from grpo_plus.compare import PRESETS, parse_configuration
+
+
+@pytest.mark.slow
+def test_compare_writes_png_table_and_runs(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "report"
+    code = main(
+        ["compare", "--model", tiny_model_dir, "--task-level", "add-1d", "--max-steps", "2", "--eval-every", "1",
+         "--eval-size", "8", "--configs", "grpo", "dapo_dynamic_sampling", "wide:gspo+epsilon_high=0.001",
+         "--output-dir", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    png = (out / "compare.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    table = (out / "compare.md").read_text()
+    for name in ("grpo", "dapo_dynamic_sampling", "wide"):
+        assert f"| {name} | 1 |" in table
+    assert "held-out acc after" in table and "![curves](compare.png)" in table
+    runs = json.loads((out / "runs.json").read_text())
+    assert [r["name"] for r in runs] == ["grpo", "dapo_dynamic_sampling", "wide"]
+    for run in runs:
+        evals = [e for e in run["log_history"] if "eval_accuracy" in e]
+        assert [e["step"] for e in evals] == [0, 1, 2]
+        assert any("reward" in e for e in run["log_history"])
+    dynamic = next(r for r in runs if r["name"] == "dapo_dynamic_sampling")
+    assert any("dynamic_sampling/rounds" in e for e in dynamic["log_history"])
+    assert "| configuration |" in capsys.readouterr().out
+
+
+def test_configuration_specs():
+    assert parse_configuration("gspo") == ("gspo", PRESETS["gspo"])
+    name, overrides = parse_configuration("mine:dapo_clip_higher+scale_rewards=batch,beta=0.01,dynamic_sampling=true")
+    assert name == "mine"
+    assert overrides == {
+        **PRESETS["dapo_clip_higher"],
+        "scale_rewards": "batch",
+        "beta": 0.01,
+        "dynamic_sampling": True,
+    }
+    assert parse_configuration("plain:loss_type=dr_grpo") == ("plain", {"loss_type": "dr_grpo"})
+    with pytest.raises(ValueError, match="presets: grpo"):
+        parse_configuration("ppo")
+
+
+def test_cli_reports_bad_configuration(capsys):
+    assert main(["compare", "--configs", "nope", "--max-steps", "1"]) == 2
+    assert "Unknown configuration 'nope'" in capsys.readouterr().err
