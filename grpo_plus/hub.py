@@ -1,0 +1,455 @@
+"""Hub support for the recipes: fail-fast token/permission check, model card, adapter-only push, local merge.
+
+The recipes call `check_hub_access` before training (a missing or read-only token costs seconds, not a run),
+then after training `write_model_card` and `push_adapter`. `merge_adapter` backs the `--merge` option.
+torch / transformers / peft are imported inside `merge_adapter` only, so the rest stays light.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+from huggingface_hub import CommitOperationAdd, ModelCard, ModelCardData
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ADAPTER_FILES",
+    "LOSS_CONFIG_KEYS",
+    "HubAccessError",
+    "adapter_files_to_push",
+    "check_hub_access",
+    "loss_config_from_args",
+    "merge_adapter",
+    "push_adapter",
+    "write_model_card",
+]
+
+# What an adapter repo holds; the two weight formats are alternatives (safetensors wins when both exist).
+ADAPTER_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+    "README.md",
+    "reward_curve.png",
+)
+_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+# Org roles that may create/push model repos (contributor: repos it created). Hub docs: read|contributor|write|admin.
+_WRITE_ORG_ROLES = frozenset({"admin", "write", "contributor"})
+
+# The grpo_plus / TRL fields that define the objective, with what each one means (for the model card).
+LOSS_CONFIG_KEYS: dict[str, str] = {
+    "loss_type": "loss aggregation over tokens and sequences",
+    "importance_sampling_level": "importance ratio: per token, per sequence (GSPO) or sequence_token",
+    "scale_rewards": "advantage normalization (group / batch / none)",
+    "epsilon": "lower clip range of the ratio",
+    "epsilon_high": "upper clip range of the ratio (clip-higher)",
+    "delta": "two-sided upper bound on the ratio (INTELLECT-2)",
+    "dual_clip": "dual-clip constant for negative advantages",
+    "beta": "KL penalty coefficient (0: no reference model)",
+    "num_generations": "completions per prompt (group size)",
+    "num_iterations": "optimization passes per generation batch",
+    "mask_truncated_completions": "drop truncated completions from the loss",
+    "top_entropy_quantile": "train only on the highest-entropy tokens",
+    "use_bias_correction_kl": "importance-weighted KL term",
+}
+
+_LOGIN_HINT = (
+    "Log in with `hf auth login` (or the older `huggingface-cli login`), or set the HF_TOKEN environment "
+    "variable to a token with write access (https://huggingface.co/settings/tokens); "
+    "or drop --push_to_hub to train without pushing."
+)
+
+
+class HubAccessError(RuntimeError):
+    """Pushing to the Hub cannot work: no token, bad token, no write permission, bad repo id or no network."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Access check
+# ----------------------------------------------------------------------------------------------------------
+
+
+def check_hub_access(repo_id: str, token: str | None = None) -> str:
+    """Check that `token` (or the logged-in one) can push to `repo_id`; return the full `namespace/name` id."""
+    namespace, name = _split_repo_id(repo_id)
+    token = _resolve_token(token)
+    info = _whoami(token)
+    user = info.get("name")
+    if not user:
+        raise HubAccessError(f"Unexpected answer from the Hub's whoami endpoint (no user name): {sorted(info)}")
+    full_id = f"{namespace or user}/{name}"
+    _check_can_write(info, full_id)
+    return full_id
+
+
+def _split_repo_id(repo_id: str) -> tuple[str | None, str]:
+    """Split 'namespace/name' (or a bare 'name') after validating the characters the Hub allows."""
+    parts = repo_id.strip().split("/") if repo_id else []
+    if not 1 <= len(parts) <= 2 or not all(parts):
+        raise HubAccessError(f"Invalid hub model id {repo_id!r}: expected 'namespace/name' (e.g. 'alice/my-adapter').")
+    try:
+        huggingface_hub.utils.validate_repo_id("/".join(parts))
+    except huggingface_hub.errors.HFValidationError as e:
+        raise HubAccessError(f"Invalid hub model id {repo_id!r}: {e}") from e
+    return (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0])
+
+
+def _resolve_token(token: str | None) -> str:
+    """Explicit token, else HF_TOKEN / the cached login; fail before any network call when there is none."""
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise HubAccessError(f"--push_to_hub needs a Hugging Face token, and none was found. {_LOGIN_HINT}")
+    return token
+
+
+def _hub_offline() -> bool:
+    """Offline mode, read at call time (huggingface_hub reads its env vars once, at import)."""
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return huggingface_hub.constants.is_offline_mode() or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _network_error(e: BaseException | None = None) -> HubAccessError:
+    """The error for 'the Hub cannot be reached'."""
+    why = "offline mode is on (HF_HUB_OFFLINE=1)" if _hub_offline() else f"the Hub could not be reached ({e})"
+    return HubAccessError(
+        f"--push_to_hub needs network access to huggingface.co, but {why}. "
+        "Unset HF_HUB_OFFLINE / connect to the network, or drop --push_to_hub (the adapter is still saved locally)."
+    )
+
+
+def _is_network_error(e: BaseException) -> bool:
+    """Connection failures as raised by huggingface_hub's HTTP client (httpx/httpx2 transport errors)."""
+    if isinstance(e, (OfflineModeIsEnabled, ConnectionError, TimeoutError)):
+        return True
+    # Transport errors of the HTTP client, matched by name so this works whichever httpx flavour is installed.
+    return any(cls.__name__ in {"TransportError", "ConnectError", "TimeoutException"} for cls in type(e).__mro__)
+
+
+def _whoami(token: str) -> dict[str, Any]:
+    """Ask the Hub who the token belongs to, turning HTTP and network failures into HubAccessError."""
+    if _hub_offline():
+        raise _network_error()
+    try:
+        return huggingface_hub.HfApi(token=token).whoami(token=token)
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        if status == 401:
+            raise HubAccessError(f"The Hugging Face token is invalid or expired (HTTP 401). {_LOGIN_HINT}") from e
+        raise HubAccessError(f"Could not check the Hugging Face token (HTTP {status}): {e}") from e
+    except Exception as e:
+        if _is_network_error(e):
+            raise _network_error(e) from e
+        raise
+
+
+def _check_can_write(info: Mapping[str, Any], full_id: str) -> None:
+    """Raise unless whoami's answer shows the token may push to `full_id`.
+
+    Blocks only on positive evidence (read role, foreign namespace, fine-grained token without repo.write):
+    an unknown token format passes and the Hub itself decides at push time.
+    """
+    namespace = full_id.split("/")[0]
+    user = info["name"]
+    access = (info.get("auth") or {}).get("accessToken") or {}
+    role = access.get("role")
+    if role == "read":
+        raise HubAccessError(
+            f"The Hugging Face token {access.get('displayName', '')!r} is read-only and cannot push to {full_id}. "
+            "Create a token with 'write' role (or a fine-grained token with 'repo.write'). " + _LOGIN_HINT
+        )
+    orgs = {org.get("name"): org.get("roleInOrg") for org in info.get("orgs") or []}
+    if namespace != user:
+        if namespace not in orgs:
+            raise HubAccessError(
+                f"Cannot push to {full_id}: the token belongs to {user!r}, who is not a member of {namespace!r} "
+                f"(member of: {sorted(o for o in orgs if o) or 'no organizations'}). Use --hub_model_id {user}/<name>."
+            )
+        org_role = orgs[namespace]
+        if org_role is not None and org_role not in _WRITE_ORG_ROLES:
+            raise HubAccessError(
+                f"Cannot push to {full_id}: {user!r} has role {org_role!r} in {namespace!r}, which cannot write "
+                f"repositories (needs one of {sorted(_WRITE_ORG_ROLES)})."
+            )
+    if role == "fineGrained" and not _fine_grained_can_write(access.get("fineGrained") or {}, namespace, full_id):
+        raise HubAccessError(
+            f"The fine-grained token {access.get('displayName', '')!r} has no 'repo.write' permission for "
+            f"{namespace!r} (or {full_id}). Edit the token at https://huggingface.co/settings/tokens to allow writing "
+            f"to {namespace}'s repositories, or use a 'write' token."
+        )
+
+
+def _fine_grained_can_write(fine_grained: Mapping[str, Any], namespace: str, full_id: str) -> bool:
+    """True when a scoped permission grants repo.write on the namespace (user/org) or on the repo itself."""
+    for scope in fine_grained.get("scoped") or []:
+        entity = (scope.get("entity") or {}).get("name")
+        if entity in (namespace, full_id) and "repo.write" in (scope.get("permissions") or []):
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Model card
+# ----------------------------------------------------------------------------------------------------------
+
+
+def loss_config_from_args(args: Any) -> dict[str, Any]:
+    """Pick the objective-defining fields (LOSS_CONFIG_KEYS) that `args` (a GRPOConfig) has."""
+    return {key: getattr(args, key) for key in LOSS_CONFIG_KEYS if hasattr(args, key)}
+
+
+def write_model_card(
+    output_dir: str | os.PathLike,
+    *,
+    base_model: str,
+    repo_id: str | None,
+    loss_config: Mapping[str, Any],
+    task: Mapping[str, Any] | str,
+    eval_before: Mapping[str, Any] | None,
+    eval_after: Mapping[str, Any] | None,
+    reward_plot: str | None = "reward_curve.png",
+    training_args: Mapping[str, Any] | None = None,
+    license: str | None = None,
+    tags: Iterable[str] = (),
+) -> Path:
+    """Write output_dir/README.md: metadata, training setup, task, before/after eval, reward plot, usage, versions."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    has_plot = bool(reward_plot) and (output_dir / reward_plot).is_file()
+    data = ModelCardData(
+        base_model=base_model if _is_hub_id(base_model) else None,
+        library_name="peft",
+        pipeline_tag="text-generation",
+        license=license,
+        tags=["grpo", "grpo_plus", "trl", "lora", "peft", "reinforcement-learning", *tags],
+    )
+    sections = [
+        _card_intro(base_model, repo_id),
+        _card_task(task),
+        _card_training(loss_config, training_args),
+        _card_eval(eval_before, eval_after),
+        f"## Reward curve\n\n![reward curve]({reward_plot})\n" if has_plot else "",
+        _card_usage(base_model, repo_id or str(output_dir)),
+        _card_versions(),
+    ]
+    body = "\n".join(s for s in sections if s)
+    path = output_dir / "README.md"
+    ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}").save(path)
+    return path
+
+
+def _is_hub_id(model: str) -> bool:
+    """A Hub repo id, not a local path (a local path in `base_model:` metadata is rejected by the Hub)."""
+    return not Path(model).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) is not None
+
+
+def _card_intro(base_model: str, repo_id: str | None) -> str:
+    """Title and one-paragraph summary."""
+    title = repo_id.split("/")[-1] if repo_id else "GRPO LoRA adapter"
+    base_link = f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model) else f"`{base_model}`"
+    return (
+        f"# {title}\n\n"
+        f"A LoRA adapter for {base_link}, trained with GRPO (Group Relative Policy Optimization) "
+        "using grpo_plus, an extension of TRL's `GRPOTrainer` with pluggable objectives. "
+        "This repository holds the adapter only: load it on top of the base model (see Usage).\n"
+    )
+
+
+def _card_task(task: Mapping[str, Any] | str) -> str:
+    """The task section: free text, or a dict with name / description and other details as a list."""
+    if isinstance(task, str):
+        return f"## Task\n\n{task}\n"
+    lines = ["## Task", ""]
+    if task.get("name"):
+        lines.append(f"**{task['name']}**" + (f": {task['description']}" if task.get("description") else ""))
+        lines.append("")
+    elif task.get("description"):
+        lines += [str(task["description"]), ""]
+    lines += [f"- {key}: {_fmt(value)}" for key, value in task.items() if key not in {"name", "description"}]
+    return "\n".join(lines) + "\n"
+
+
+def _card_training(loss_config: Mapping[str, Any], training_args: Mapping[str, Any] | None) -> str:
+    """The objective (loss configuration) and the other hyperparameters, as tables."""
+    lines = [
+        "## Training",
+        "",
+        "GRPO with LoRA. The objective, as configured in grpo_plus:",
+        "",
+        "| setting | value | meaning |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{key}` | {_fmt(value)} | {LOSS_CONFIG_KEYS.get(key, '')} |" for key, value in loss_config.items()]
+    if training_args:
+        lines += ["", "Other hyperparameters:", "", "| setting | value |", "|---|---|"]
+        lines += [f"| `{key}` | {_fmt(value)} |" for key, value in training_args.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _card_eval(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
+    """Before/after table over the union of metric names (either side may be missing)."""
+    if not before and not after:
+        return ""
+    before, after = before or {}, after or {}
+    keys = list(dict.fromkeys([*before, *after]))
+    lines = ["## Evaluation", "", "Held-out prompts, before and after training:", ""]
+    lines += ["| metric | before | after | change |", "|---|---|---|---|"]
+    for key in keys:
+        b, a = before.get(key), after.get(key)
+        change = _fmt(a - b, signed=True) if _is_number(a) and _is_number(b) else ""
+        lines.append(f"| {key} | {_fmt(b)} | {_fmt(a)} | {change} |")
+    return "\n".join(lines) + "\n"
+
+
+def _card_usage(base_model: str, adapter: str) -> str:
+    """A copy-pasteable snippet loading the adapter with peft."""
+    return f"""## Usage
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base_model}")
+tokenizer = AutoTokenizer.from_pretrained("{base_model}")
+model = PeftModel.from_pretrained(base, "{adapter}")
+model = model.merge_and_unload()  # optional: a plain transformers model, no peft needed at inference
+```
+"""
+
+
+def _card_versions() -> str:
+    """Versions of the libraries the adapter was trained with."""
+    lines = ["## Framework versions", ""]
+    for dist in ("grpo-plus", "trl", "transformers", "peft", "torch"):
+        lines.append(f"- {dist.replace('-', '_')}: {_version(dist)}")
+    return "\n".join(lines) + "\n"
+
+
+def _version(dist: str) -> str:
+    """Installed version of a distribution, or 'unknown'."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _is_number(value: Any) -> bool:
+    """int/float but not bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fmt(value: Any, signed: bool = False) -> str:
+    """Compact table cell: floats to 3 decimals, None as a dash."""
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        # Fixed decimals keep eval columns aligned; tiny/huge values (learning rates) need significant digits.
+        spec = ".3f" if value == 0 or 1e-3 <= abs(value) < 1e4 else ".3g"
+        return format(value, ("+" if signed else "") + spec)
+    if _is_number(value) and signed:
+        return f"{value:+d}"
+    return str(value).replace("|", "\\|")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Push
+# ----------------------------------------------------------------------------------------------------------
+
+
+def adapter_files_to_push(output_dir: str | os.PathLike) -> list[Path]:
+    """The files of output_dir that go to the Hub: adapter config + weights, card and plot if present."""
+    output_dir = Path(output_dir)
+    weights = next((output_dir / f for f in _WEIGHT_FILES if (output_dir / f).is_file()), None)
+    if not (output_dir / "adapter_config.json").is_file() or weights is None:
+        raise HubAccessError(
+            f"{output_dir} holds no LoRA adapter (adapter_config.json + adapter_model.safetensors). "
+            "--push_to_hub in the grpo_plus recipes pushes LoRA adapters only: train with --use_peft. "
+            "To publish a full model, save it (e.g. with --merge) and upload it yourself (`hf upload <repo_id> <dir>`)."
+        )
+    optional = [output_dir / f for f in ("README.md", "reward_curve.png") if (output_dir / f).is_file()]
+    return [output_dir / "adapter_config.json", weights, *optional]
+
+
+def push_adapter(
+    output_dir: str | os.PathLike,
+    repo_id: str,
+    *,
+    token: str | None = None,
+    private: bool | None = None,
+    commit_message: str = "Upload GRPO LoRA adapter (grpo_plus)",
+) -> str:
+    """Create `repo_id` if needed and push only the adapter files of output_dir in one commit; return the repo URL."""
+    files = adapter_files_to_push(output_dir)
+    api = huggingface_hub.HfApi(token=token)
+    try:
+        repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        # An explicit file list (not upload_folder + patterns): checkpoints, optimizer states and
+        # training_args.bin in output_dir can never slip in.
+        operations = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
+        api.create_commit(repo_url.repo_id, operations, commit_message=commit_message, repo_type="model", token=token)
+    except Exception as e:
+        if _is_network_error(e):
+            raise _network_error(e) from e
+        raise
+    return str(repo_url)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Merge
+# ----------------------------------------------------------------------------------------------------------
+
+
+def merge_adapter(
+    base_model: str,
+    adapter_dir: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    dtype: Any = "auto",
+) -> Path:
+    """Apply the LoRA adapter to the base model, merge it into the weights and save model + tokenizer.
+
+    The base is always loaded unquantized: an adapter trained with QLoRA (4-bit base) is merged into the
+    full-precision (or `dtype`) base weights, since 4-bit weights cannot absorb the LoRA delta. Pass
+    `dtype=torch.bfloat16` to halve memory for large models; "auto" uses the checkpoint's dtype.
+    """
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=dtype)
+    if getattr(base.config, "quantization_config", None) is not None:
+        raise ValueError(
+            f"{base_model} is a quantized checkpoint; merging needs unquantized base weights. "
+            "Pass the original (bf16/fp32) base model."
+        )
+    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload(safe_merge=True)
+    output_dir = Path(output_dir)
+    merged.save_pretrained(output_dir)
+    _save_tokenizer(output_dir, adapter_dir, base_model)
+    return output_dir
+
+
+def _save_tokenizer(output_dir: Path, *sources: str | os.PathLike) -> None:
+    """Save the first tokenizer found (the adapter dir's, which may carry a chat template, then the base's)."""
+    from transformers import AutoTokenizer
+
+    for source in sources:
+        # A directory without tokenizer files is skipped rather than handed to AutoTokenizer, which could go
+        # looking for the tokenizer elsewhere (an adapter dir names its base model).
+        if Path(source).is_dir() and not any(Path(source, f).is_file() for f in _TOKENIZER_FILES):
+            continue
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source))
+        except (OSError, ValueError, TypeError):
+            continue
+        tokenizer.save_pretrained(output_dir)
+        return
+    logger.warning("No tokenizer found in %s; the merged model in %s has none.", [str(s) for s in sources], output_dir)
