@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 
+# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine every parallel op can stall for a
+# scheduler slice waiting on a descheduled worker. Subprocesses (accelerate launch, recipes) inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Nothing in the test suite may reach a model or data hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
