@@ -8,12 +8,14 @@ the same way in every level, so a model trained on any level never sees a held-o
 
 The prompt asks for the working, then a fixed final line ("The answer is N."). SmolLM2-135M-Instruct
 computes by restating the question ("3 + 4 = 7"), so `correctness_reward` scores the LAST number of the reply,
-and `format_reward` gives partial credit (0.5 for a short reply ending in a number) so it has room to rise.
+and `format_reward` pays 1.0 for the calculation followed by "The answer is N." and partial credit (0.5) for the
+answer line alone or a short reply ending in a number, so it has room to rise without rewarding guesses.
 
 Levels, measured on the embedded SmolLM2-135M-Instruct with this prompt and the chat template (held-out
 problems; sampled: 16 prompts x 8 samples, temperature 0.7, top_k 0, top_p 1 (TRL's sampling), at most 16 new
 tokens; greedy: 40 prompts, at most 24 new tokens; "mixed" is the fraction of 8-sample groups with both right
-and wrong replies, i.e. with a GRPO learning signal; format is the mean `format_reward` of the sampled replies).
+and wrong replies, i.e. with a GRPO learning signal; format is the mean format score of the sampled replies under
+the first version of the reward, which paid 1.0 for the answer line with or without the calculation).
 With 128 samples the standard error is ~4 points, with 40 greedy prompts ~7 points.
 
     level          sampled acc  mixed  format  greedy acc  notes
@@ -65,6 +67,8 @@ _MAX_MISSES = 20_000
 # thousands commas, optional decimals. A sentence's final period is not a decimal point.
 _NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 _BARE_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\.?")
+# "3 + 4 = 7", "12 - 5 = 7", "2 + 3 + 4 = 9": numbers joined by operators, then "=" and a number.
+_CALCULATION = re.compile(r"\d\s*(?:[-+*/×−]\s*\d[\d,]*\s*)+=\s*-?\d")
 _ANSWER_LINE = re.compile(
     re.escape(ANSWER_PREFIX) + r":?\s*\**\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\s*\**\s*\.?$", re.IGNORECASE
 )
@@ -288,12 +292,19 @@ def parse_answer(text: str) -> int | None:
 
 
 def format_score(text: str) -> float:
-    """1.0: a bare number or a reply ending "The answer is N."; 0.5: a short reply ending in a number; else 0."""
+    """1.0: the calculation, then "The answer is N." (what the prompt asks for); 0.5: the answer line alone, a bare
+    number, or a short reply ending in a number; else 0.
+
+    Full credit needs the working: paying 1.0 for "The answer is N." alone taught the demo model to drop the
+    calculation and guess (held-out accuracy fell 0.56 -> 0.46 while the format rate went to 1.0).
+    """
     text = text.strip() if isinstance(text, str) else ""
     if not text:
         return 0.0
-    if _BARE_NUMBER.fullmatch(text) or _ANSWER_LINE.search(text):
-        return 1.0
+    if _ANSWER_LINE.search(text):
+        return 1.0 if _CALCULATION.search(text) else 0.5
+    if _BARE_NUMBER.fullmatch(text):
+        return 0.5
     words = text.split()
     if len(words) <= SHORT_REPLY_WORDS and _BARE_NUMBER.fullmatch(words[-1].rstrip("!")):
         return 0.5

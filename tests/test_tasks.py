@@ -189,7 +189,8 @@ def test_format_reward_gives_partial_credit() -> None:
         None,
         42,
     ]
-    expected = [1.0, 1.0, 1.0, 1.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # Full credit needs the calculation and the answer line; the answer alone is a guess and gets half.
+    expected = [0.5, 0.5, 1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     assert format_reward([assistant(c) if isinstance(c, str) else c for c in completions]) == expected
     assert format_reward(completions) == expected
 
@@ -209,7 +210,7 @@ def test_rewards_take_trl_keyword_arguments() -> None:
         "log_metric": lambda *a, **k: None,
     }
     assert correctness_reward(completions=completions, **kwargs) == [1.0, 1.0]
-    assert format_reward(completions=completions, **kwargs) == [1.0, 1.0]
+    assert format_reward(completions=completions, **kwargs) == [0.5, 0.5]
 
 
 def test_content_parts_are_read() -> None:
@@ -254,17 +255,19 @@ def test_evaluate_scores_greedy_replies_in_batches() -> None:
     dataset = make_dataset("test", "add-1d", 5, seed=0)
     questions, answers = dataset["question"], dataset["answer"]
     replies = {
-        questions[0]: f"The answer is {answers[0]}.",  # right, formatted
+        questions[0]: f"2 + 3 = {answers[0]}\nThe answer is {answers[0]}.",  # right, formatted
         questions[1]: f"x = {answers[1]}",  # right, half format
         questions[2]: f"The answer is {answers[2] + 1}.",  # wrong, formatted
         questions[3]: "no idea",
         questions[4]: str(answers[4]),  # right, bare number
     }
     model = EchoModel(tokenizer, replies)
-    result = tasks.evaluate(model, tokenizer, dataset, batch_size=2, progress=False, return_completions=True)
+    result = tasks.evaluate(
+        model, tokenizer, dataset, batch_size=2, max_new_tokens=32, progress=False, return_completions=True
+    )
     assert result["accuracy"] == pytest.approx(3 / 5)
-    assert result["format_rate"] == pytest.approx(3 / 5)
-    assert result["format_reward"] == pytest.approx(3.5 / 5)
+    assert result["format_rate"] == pytest.approx(1 / 5)
+    assert result["format_reward"] == pytest.approx(2.5 / 5)
     assert result["n"] == 5 and len(result["completions"]) == 5
     assert len(model.calls) == 3 and all(c == {"padding_side": "left", "do_sample": False} for c in model.calls)
     assert tokenizer.padding_side == "right" and model.training  # restored
