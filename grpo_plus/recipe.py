@@ -80,6 +80,42 @@ def _explain_unknown_keys(message: str) -> str:
     return f"{message}\nNot a recipe, GRPOConfig or ModelConfig field: {', '.join(hints)}" if hints else message
 
 
+def prepare_hub_push(training_args: GRPOConfig) -> str | None:
+    """With --push_to_hub: check token and write permission now (seconds, not after training); return the repo id.
+
+    The Trainer's own push is switched off: it would upload the whole output_dir; the recipes push the adapter only.
+    """
+    if not training_args.push_to_hub:
+        return None
+    from .hub import check_hub_access
+
+    repo = training_args.hub_model_id or training_args.output_dir.rstrip("/").split("/")[-1]
+    repo_id = check_hub_access(repo, training_args.hub_token)
+    training_args.push_to_hub = False
+    return repo_id
+
+
+def load_tokenizer(model_args: ModelConfig) -> tuple[str, Any]:
+    """(local path or hub id of the model, its tokenizer); the embedded name resolves to its cached conversion."""
+    from transformers import AutoTokenizer
+
+    from .embedded import resolve_model
+
+    try:
+        model_path = resolve_model(model_args.model_name_or_path)
+        return model_path, AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
+    except (OSError, ValueError, ImportError) as error:
+        fail(f"cannot load model {model_args.model_name_or_path!r}: {error}")
+
+
+def load_data_and_rewards(args: ScriptArguments):
+    """(train dataset, held-out dataset or None, reward functions), or exit with the reason."""
+    try:
+        return (*load_datasets(args), resolve_reward_funcs(args.reward_funcs))
+    except ValueError as error:
+        fail(str(error))
+
+
 def resolve_reward_funcs(names: list[str]) -> list[Callable[..., list[float]]]:
     """Built-in reward names or 'module:function' references -> callables."""
     funcs = []

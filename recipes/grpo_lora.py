@@ -10,19 +10,17 @@ Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field i
 """
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 from trl import get_peft_config
 
 from grpo_plus import GRPOTrainer
-from grpo_plus.embedded import resolve_model
-from grpo_plus.hub import check_hub_access
 from grpo_plus.recipe import (
     evaluate_held_out,
-    fail,
     finish_run,
-    load_datasets,
+    load_data_and_rewards,
+    load_tokenizer,
     parse_recipe_args,
-    resolve_reward_funcs,
+    prepare_hub_push,
 )
 
 
@@ -30,18 +28,10 @@ def main(argv=None):
     script_args, training_args, model_args = parse_recipe_args(argv)
 
     # 1. Fail fast: a missing token or a repo we cannot write to costs seconds here, not after hours of training.
-    hub_repo_id = None
-    if training_args.push_to_hub:
-        repo = training_args.hub_model_id or training_args.output_dir.rstrip("/").split("/")[-1]
-        hub_repo_id = check_hub_access(repo, training_args.hub_token)
-        training_args.push_to_hub = False  # the Trainer would push the whole output_dir; we push the adapter only
+    hub_repo_id = prepare_hub_push(training_args)
 
     # 2. Policy: the base model in full or half precision, with a fresh LoRA adapter (peft_config below).
-    try:
-        model_path = resolve_model(model_args.model_name_or_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
-    except (OSError, ValueError, ImportError) as error:
-        fail(f"cannot load model {model_args.model_name_or_path!r}: {error}")
+    model_path, tokenizer = load_tokenizer(model_args)
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
@@ -53,11 +43,7 @@ def main(argv=None):
     model_args.use_peft = True  # this recipe trains LoRA adapters; set lora_* in the config
 
     # 3. Data and verifiable rewards.
-    try:
-        train_dataset, test_dataset = load_datasets(script_args)
-        reward_funcs = resolve_reward_funcs(script_args.reward_funcs)
-    except ValueError as error:
-        fail(str(error))
+    train_dataset, test_dataset, reward_funcs = load_data_and_rewards(script_args)
 
     # 4. Train, measuring held-out accuracy before and after.
     before = evaluate_held_out(model, tokenizer, test_dataset, script_args, "before")

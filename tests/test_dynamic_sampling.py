@@ -2,13 +2,13 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tiny import (
     GroupRecorder,
+    accelerate_launch,
     constant_reward,
     length_reward,
     make_model,
@@ -104,7 +104,6 @@ def test_normalizers_match_a_batch_built_from_the_kept_groups(tmp_path):
 @pytest.mark.slow
 def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
     script = Path(__file__).parent / "scripts" / "train_tiny.py"
-    accelerate = Path(sys.executable).parent / "accelerate"
     settings = tiny_run_kwargs(
         tmp_path / "out",
         per_device_train_batch_size=8,
@@ -117,17 +116,7 @@ def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
     args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
     result = subprocess.run(
         [
-            str(accelerate),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
+            *accelerate_launch(2),
             str(script),
             "--model_dir",
             tiny_model_dir,

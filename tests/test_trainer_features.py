@@ -12,7 +12,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
 from safetensors.torch import load_file
-from tiny import length_reward, prompt_dataset, tiny_run_kwargs
+from tiny import accelerate_launch, length_reward, prompt_dataset, tiny_run_kwargs
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo_plus import GRPOConfig, GRPOTrainer
@@ -20,7 +20,6 @@ from grpo_plus.checkpoints import is_complete_checkpoint, last_complete_checkpoi
 
 pytestmark = pytest.mark.slow
 SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
-VENV_BIN = Path(sys.executable).parent
 
 
 def run_script(args, env=None, timeout=300, launcher=(sys.executable,)):
@@ -54,19 +53,7 @@ def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
     one = flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **common)
     two = flags(tiny_model_dir, tmp_path / "two", per_device_train_batch_size=4, **common)
     run_script([*one, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "one.safetensors")])
-    launcher = (
-        str(VENV_BIN / "accelerate"),
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-    )
+    launcher = accelerate_launch(2)
     result = run_script(
         [*two, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "two.safetensors")], launcher=launcher
     )

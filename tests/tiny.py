@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import string
+import sys
 from pathlib import Path
 
 import torch
@@ -48,6 +49,14 @@ def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: i
         tie_word_embeddings=False,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def accelerate_launch(num_processes: int = 2) -> list[str]:
+    """`accelerate launch` for several CPU processes (gloo): --multi_gpu starts torchrun's launcher, which
+    falls back to CPU; --cpu would run a single process."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    return [accelerate, "launch", "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
 
 
 def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:
