@@ -50,6 +50,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-size", type=int, default=48)
     parser.add_argument("--output-dir", default="outputs/sample_efficiency")
+    parser.add_argument(
+        "--rewards",
+        nargs="+",
+        default=["correctness", "format"],
+        help="reward functions; 'correctness' alone is binary, so many groups are all right or all wrong",
+    )
     args = parser.parse_args()
 
     rows = {side: [] for side in SIDES}
@@ -68,6 +74,7 @@ def main() -> None:
                 eval_size=args.eval_size,
                 max_cpu_minutes=args.budget_minutes,
                 stock_trl=spec["stock_trl"],
+                reward_funcs=args.rewards,
             )
             evals = result.evals()
             row = {
@@ -82,7 +89,10 @@ def main() -> None:
             rows[side].append(row)
             print(f"{side:13s} seed {seed}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "seed"))
 
-    print(f"\nlevel {args.level}, budget {args.budget_minutes} training CPU-minutes per run, seeds {args.seeds}")
+    print(
+        f"\nlevel {args.level}, rewards {args.rewards}, budget {args.budget_minutes} training CPU-minutes per run, "
+        f"seeds {args.seeds}"
+    )
     header = f"{'side':13s} {'steps':>6s} {'informative':>11s} {'acc0':>6s} {'acc':>6s} {'gain/CPU-min':>12s}"
     print(header + "\n" + "-" * len(header))
     for side, side_rows in rows.items():

@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from . import tasks
 from .embedded import EMBEDDED_MODEL_NAME, resolve_model
+from .recipe import resolve_reward_funcs
 
 # Named configurations: GRPOConfig overrides on top of BASE_SETTINGS.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -124,6 +125,7 @@ def run_configuration(
     max_cpu_minutes: float | None = None,
     stock_trl: bool = False,
     lora_r: int = 16,
+    reward_funcs: Sequence[str] = ("correctness", "format"),
 ) -> RunResult:
     """Train one configuration with LoRA on the built-in task; held-out accuracy is logged along the way."""
     import torch
@@ -142,10 +144,12 @@ def run_configuration(
     train = tasks.make_dataset("train", task_level, seed=seed)
     held_out = tasks.make_dataset("test", task_level, size=eval_size)
     settings = {**BASE_SETTINGS, **overrides, "seed": seed, "max_steps": max_steps, "output_dir": str(output_dir)}
+    if list(reward_funcs) != ["correctness", "format"]:
+        settings.pop("reward_weights")  # BASE_SETTINGS' weights are for the two default rewards
     curve = HeldOutCurve(held_out, tokenizer, eval_every, settings["max_completion_length"], max_cpu_minutes)
     trainer = GRPOTrainer(
         model=policy,
-        reward_funcs=[tasks.correctness_reward, tasks.format_reward],
+        reward_funcs=resolve_reward_funcs(list(reward_funcs)),
         args=GRPOConfig(**settings),
         train_dataset=train,
         processing_class=tokenizer,
