@@ -18,6 +18,7 @@ Reported per side, mean over seeds:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -56,12 +57,14 @@ def main() -> None:
         default=["correctness", "format"],
         help="reward functions; 'correctness' alone is binary, so many groups are all right or all wrong",
     )
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
     args = parser.parse_args()
 
-    rows = {side: [] for side in SIDES}
+    rows = {side: [] for side in args.sides}
     started = time.perf_counter()
     for seed in args.seeds:
-        for side, spec in SIDES.items():  # alternate sides within a seed so machine load drifts hit both alike
+        for side in args.sides:  # alternate sides within a seed so machine load drifts hit both alike
+            spec = SIDES[side]
             result = run_configuration(
                 side,
                 spec["overrides"],
@@ -87,6 +90,9 @@ def main() -> None:
             }
             row["gain_per_cpu_min"] = (row["acc"] - row["acc0"]) / row["cpu_min"]
             rows[side].append(row)
+            result_file = Path(args.output_dir) / f"{side}-seed{seed}" / "result.json"
+            result_file.parent.mkdir(parents=True, exist_ok=True)
+            result_file.write_text(json.dumps(row, indent=1))
             print(f"{side:13s} seed {seed}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "seed"))
 
     print(

@@ -8,9 +8,18 @@ from pathlib import Path
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .compare import markdown_table, parse_configuration, run_configuration, summary_rows, write_report
+    from .compare import (
+        check_configuration,
+        markdown_table,
+        parse_configuration,
+        run_configuration,
+        summary_rows,
+        write_report,
+    )
 
     configurations = [parse_configuration(spec) for spec in args.configs]
+    for name, overrides in configurations:
+        check_configuration(name, overrides)
     results = []
     for name, overrides in configurations:
         for seed in args.seeds:

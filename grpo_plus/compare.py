@@ -169,11 +169,32 @@ def parse_configuration(spec: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"Unknown configuration {name!r}; presets: {', '.join(PRESETS)} (or name:key=value,...).")
         return name, dict(PRESETS[name])
     base, _, assignments = rest.rpartition("+") if "+" in rest else ("", "", rest)
+    if base and base not in PRESETS:
+        raise ValueError(f"Configuration {spec!r}: unknown preset {base!r}; presets: {', '.join(PRESETS)}.")
     overrides = dict(PRESETS[base]) if base else {}
     for assignment in filter(None, assignments.split(",")):
         key, _, value = assignment.partition("=")
         overrides[key.strip()] = _literal(value.strip())
     return name, overrides
+
+
+def check_configuration(name: str, overrides: Mapping[str, Any]) -> None:
+    """Build the GRPOConfig a run would use, so a bad field or value fails before any configuration trains."""
+    import dataclasses
+    import difflib
+
+    from .config import GRPOConfig
+
+    fields = [f.name for f in dataclasses.fields(GRPOConfig)]
+    for key in overrides:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"Configuration {name!r}: {key!r} is not a GRPOConfig field.{hint}")
+    try:
+        GRPOConfig(**{**BASE_SETTINGS, **overrides, "output_dir": "unused", "max_steps": 1})
+    except ValueError as error:
+        raise ValueError(f"Configuration {name!r}: {error}") from error
 
 
 def _literal(value: str) -> Any:

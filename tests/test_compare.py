@@ -52,3 +52,23 @@ def test_configuration_specs():
 def test_cli_reports_bad_configuration(capsys):
     assert main(["compare", "--configs", "nope", "--max-steps", "1"]) == 2
     assert "Unknown configuration 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("x:nopreset+beta=0.1", "unknown preset 'nopreset'"),
+        ("x:grpo+epsilon_hgh=0.3", "'epsilon_hgh' is not a GRPOConfig field. Did you mean 'epsilon_high'"),
+        ("x:grpo+loss_type=dapoo", "loss_type"),
+        ("x:dual_clip=0.5", "dual_clip"),
+    ],
+)
+def test_cli_rejects_bad_configuration_before_training(spec, message, capsys, monkeypatch):
+    import grpo_plus.compare
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("a run started before every configuration was checked")
+
+    monkeypatch.setattr(grpo_plus.compare, "run_configuration", must_not_train)
+    assert main(["compare", "--configs", "grpo", spec, "--max-steps", "1"]) == 2
+    assert message in capsys.readouterr().err
