@@ -181,16 +181,14 @@ def parse_configuration(spec: str) -> tuple[str, dict[str, Any]]:
 def check_configuration(name: str, overrides: Mapping[str, Any]) -> None:
     """Build the GRPOConfig a run would use, so a bad field or value fails before any configuration trains."""
     import dataclasses
-    import difflib
 
     from .config import GRPOConfig
+    from .registry import did_you_mean
 
     fields = [f.name for f in dataclasses.fields(GRPOConfig)]
     for key in overrides:
         if key not in fields:
-            close = difflib.get_close_matches(key, fields, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"Configuration {name!r}: {key!r} is not a GRPOConfig field.{hint}")
+            raise ValueError(f"Configuration {name!r}: {key!r} is not a GRPOConfig field.{did_you_mean(key, fields)}")
     try:
         GRPOConfig(**{**BASE_SETTINGS, **overrides, "output_dir": "unused", "max_steps": 1})
     except ValueError as error:

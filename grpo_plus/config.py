@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +11,7 @@ import trl
 from .advantages import ADVANTAGE_NORMALIZERS
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
 from .plugins import load_plugins
+from .registry import did_you_mean
 
 # Loss types TRL 1.16 implements and grpo_plus leaves to TRL's own `_compute_loss` (token/sequence levels only).
 TRL_NATIVE_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
@@ -24,8 +24,7 @@ class ConfigError(ValueError):
 
 
 def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
-    close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    hint = did_you_mean(value, allowed, cutoff=0.5)
     return ConfigError(f"{field_name}={value!r} is not registered.{hint} Allowed: {', '.join(allowed)}. {how_to_add}")
 
 

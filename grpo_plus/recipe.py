@@ -5,7 +5,6 @@ Each recipe stays a top-to-bottom script; what would otherwise be copied between
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import logging
 import sys
@@ -19,6 +18,7 @@ from trl import ModelConfig, TrlParser
 from . import tasks
 from .config import GRPOConfig
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
+from .registry import closest_name
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ def _explain_unknown_keys(message: str) -> str:
     hints = []
     for token in message.replace("'", " ").replace(",", " ").replace("[", " ").replace("]", " ").split():
         if token.startswith("--"):
-            close = difflib.get_close_matches(token[2:], known, n=1)
-            hints.append(f"{token[2:]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            close = closest_name(token[2:], known)
+            hints.append(f"{token[2:]!r}" + (f" (did you mean {close!r}?)" if close else ""))
     return f"{message}\nNot a recipe, GRPOConfig or ModelConfig field: {', '.join(hints)}" if hints else message
 
 

@@ -10,6 +10,18 @@ from typing import Any, Generic, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def closest_name(value: object, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The choice most similar to `value`, or None when none is close enough."""
+    close = difflib.get_close_matches(str(value), list(choices), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def did_you_mean(value: object, choices: Iterable[str], cutoff: float = 0.6) -> str:
+    """' Did you mean 'x'?' for the closest of `choices`, or '' when none is close."""
+    close = closest_name(value, choices, cutoff)
+    return f" Did you mean {close!r}?" if close else ""
+
+
 @dataclass(frozen=True)
 class Entry(Generic[F]):
     """A registered callable plus the metadata its registrar declared."""
@@ -96,8 +108,7 @@ class Registry(Generic[F]):
 
     def unknown_message(self, name: object) -> str:
         allowed = self.names(with_aliases=True)
-        close = difflib.get_close_matches(str(name), allowed, n=1, cutoff=0.5)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(name, allowed, cutoff=0.5)
         return (
             f"Unknown {self.field} {name!r}.{hint} Registered {self.kind} names: {', '.join(allowed)}. "
             f"Register your own with grpo_plus.register_{self.kind.replace(' ', '_')}(name)."
