@@ -33,7 +33,8 @@ differs by +-2-3% from heap fragmentation; the pinned malloc costs ~40% speed, s
 Reported: peak RSS (VmHWM) over trainer.train(), reset through /proc/self/clear_refs just before it, and "train +",
 its increase over the RSS right before train() (training memory without imports and the model load). On CUDA:
 torch.cuda.max_memory_allocated over train() and its increase over the allocation before it.
-Targets (issue 3): step time <= 1.02x, peak memory <= 1.01x.
+Targets (issue 3): step time <= 1.02x, peak memory <= 1.01x. grpo_plus runs with zero_waste_pass=False here, so both
+trainers do the same work; benchmarks/train_pass.py measures what the zero-waste pass saves.
 """
 
 from __future__ import annotations
@@ -123,27 +124,6 @@ def _reset_peak_rss() -> bool:
     return True
 
 
-class Baton:
-    """Lets one named thread run at a time, handing over in a fixed rotation; finished threads drop out."""
-
-    def __init__(self, order):
-        self.order, self.active, self.turn = list(order), set(order), order[0]
-        self.cond = threading.Condition()
-
-    def wait(self, name: str) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.turn == name)
-
-    def pass_on(self, name: str, finished: bool = False) -> None:
-        with self.cond:
-            if finished:
-                self.active.discard(name)
-            i = self.order.index(name)
-            rotation = self.order[i + 1 :] + self.order[: i + 1]
-            self.turn = next((n for n in rotation if n in self.active), None)
-            self.cond.notify_all()
-
-
 # Methods whose CPU time is recorded per trainer (inclusive), to isolate the code where the two trainers differ:
 # the loss side is `_compute_loss` minus the model forward inside it, the scoring side is
 # `_generate_and_score_completions` (grpo_plus wraps TRL's to recompute the advantages) minus generation.
@@ -188,8 +168,8 @@ def run_child(spec: dict) -> None:
     """
     import gc
 
-    import numpy as np
     import torch
+    from lockstep import Baton, RngStates
 
     torch.set_num_threads(spec["threads"])
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -201,23 +181,11 @@ def run_child(spec: dict) -> None:
 
     case, device = CASES[spec["case"]], spec["device"]
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
-    rng_states: dict[str, tuple] = {}
+    rng = RngStates(cuda=device == "cuda")
 
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
-
-    def save_rng(name):
-        cuda = torch.cuda.get_rng_state_all() if device == "cuda" else None
-        rng_states[name] = (torch.get_rng_state(), random.getstate(), np.random.get_state(), cuda)
-
-    def restore_rng(name):
-        cpu, python, numpy_state, cuda = rng_states[name]
-        torch.set_rng_state(cpu)
-        random.setstate(python)
-        np.random.set_state(numpy_state)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
     class StepTimer(TrainerCallback):
         """Times each optimizer step; in lock-step mode, hands the baton to the next trainer after each one."""
@@ -234,15 +202,17 @@ def run_child(spec: dict) -> None:
             self.wall.append(time.perf_counter() - self.start[0])
             self.cpu.append(time.thread_time() - self.start[1])
             if self.baton is not None:
-                save_rng(self.name)
+                rng.save(self.name)
                 self.baton.pass_on(self.name)
                 self.baton.wait(self.name)
-                restore_rng(self.name)
+                rng.restore(self.name)
 
     def build(name, baton):
         set_seed(0)  # LoRA init draws random numbers: the same state for every trainer, in-process or not
         config_cls, trainer_cls = classes[spec["classes"][name]]
         overrides = dict(case["config"], max_steps=spec["max_steps"])
+        if spec["classes"][name] == "ours":  # the same work as TRL: this measures grpo_plus's own overhead
+            overrides["zero_waste_pass"] = False  # (benchmarks/train_pass.py measures what the zero-waste pass saves)
         if device == "cuda":
             overrides.update(use_cpu=False, bf16=torch.cuda.is_bf16_supported())
         args = config_cls(**tiny_run_kwargs(Path(spec["output_dir"]) / name, **overrides))

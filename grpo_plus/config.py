@@ -181,6 +181,26 @@ class GRPOConfig(trl.GRPOConfig):
         default=1.0,
         metadata={"help": "Weight of the soft overlong punishment reward (the DAPO paper uses 1.0)."},
     )
+    zero_waste_pass: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute log-probs only for what carries gradient: skip rows with zero advantage, cut the padding "
+            "after each completion, and (see zero_waste_shared_prompt) compute each group's prompt once. The "
+            "gradient is TRL's; where it would not be (beta > 0, entropy bonus or top_entropy_quantile < 1, router aux "
+            "loss, a user mode that did not declare zero_advantage_rows_contribute_nothing), that part falls back to "
+            "the full pass and says why once in the log. With rows skipped, the `entropy` metric covers the rows "
+            "that were computed."
+        },
+    )
+    zero_waste_shared_prompt: bool = field(
+        default=True,
+        metadata={
+            "help": "Part of the zero-waste pass: compute a group's shared prompt once, with a block attention mask "
+            "that lets each completion see the prompt and itself (Prefix Grouper), in the training forward and in "
+            "TRL's old/reference log-prob passes. Applies to the checked model families (llama, mistral, qwen2, "
+            "qwen3, gpt2) with sdpa or eager attention on TRL >= 1.15; elsewhere prompts are recomputed per row."
+        },
+    )
     plugins: list[str] | None = field(
         default=None,
         metadata={

@@ -22,9 +22,24 @@ ImportanceSampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 IMPORTANCE_SAMPLERS: Registry[ImportanceSampler] = Registry("importance sampling", "importance_sampling_level")
 
 
-def register_importance_sampling(name: str, *, aliases: tuple[str, ...] = (), override: bool = False):
-    """Decorator: register `fn(log_ratio (B, T), mask (B, T)) -> log weights (B, T) or (B, 1)` under `name`."""
-    return IMPORTANCE_SAMPLERS.register(name, aliases=aliases, override=override)
+def register_importance_sampling(
+    name: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    override: bool = False,
+    zero_advantage_rows_contribute_nothing: bool = False,
+):
+    """Decorator: register `fn(log_ratio (B, T), mask (B, T)) -> log weights (B, T) or (B, 1)` under `name`.
+
+    Declare `zero_advantage_rows_contribute_nothing=True` when each row's weights depend on that row alone (no
+    batch-wide normalization): the trainer may then leave zero-advantage rows out of the training forward.
+    """
+    return IMPORTANCE_SAMPLERS.register(
+        name,
+        aliases=aliases,
+        override=override,
+        zero_advantage_rows_contribute_nothing=zero_advantage_rows_contribute_nothing,
+    )
 
 
 def available_importance_sampling_levels(with_aliases: bool = False) -> list[str]:
@@ -37,19 +52,19 @@ def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return ((x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
 
 
-@register_importance_sampling("token")
+@register_importance_sampling("token", zero_advantage_rows_contribute_nothing=True)
 def token_level_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log w[i,t] = logp[i,t] - old_logp[i,t]  (PPO / GRPO)."""
     return log_ratio
 
 
-@register_importance_sampling("sequence")
+@register_importance_sampling("sequence", zero_advantage_rows_contribute_nothing=True)
 def sequence_level_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log w[i] = sum_t m*(logp - old_logp) / sum_t m, shape (B, 1)  (GSPO)."""
     return sequence_mean(log_ratio, mask)
 
 
-@register_importance_sampling("sequence_token")
+@register_importance_sampling("sequence_token", zero_advantage_rows_contribute_nothing=True)
 def sequence_token_log_weights(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log w[i,t] = sg(log w[i]) + logp[i,t] - sg(logp[i,t]): GSPO's value, each token's own gradient (GSPO-token)."""
     return sequence_mean(log_ratio, mask).detach() + (log_ratio - log_ratio.detach())
@@ -102,20 +117,34 @@ _CONTEXT_FIELDS = {"max_completion_length", "num_items_in_batch"}
 
 
 def register_loss_type(
-    name: str, *, aliases: tuple[str, ...] = (), requires: tuple[str, ...] = (), override: bool = False
+    name: str,
+    *,
+    aliases: tuple[str, ...] = (),
+    requires: tuple[str, ...] = (),
+    override: bool = False,
+    zero_advantage_rows_contribute_nothing: bool = False,
 ):
     """Decorator: register `fn(masked_per_token_loss (B, T), ctx: AggregationContext) -> scalar` under `name`.
 
     `requires` names context fields that must not be None (`max_completion_length`, `num_items_in_batch`).
     The scalar is this micro-batch's contribution to the window objective: summing it over the S micro-batches
     of a window and averaging over the P processes (DDP) gives the loss whose gradient is applied.
+    Declare `zero_advantage_rows_contribute_nothing=True` when rows whose masked loss is 0 (zero advantage) add
+    nothing to the result's gradient: the trainer may then leave them out of the training forward (their per-token
+    loss still arrives, as zeros, and `ctx` still describes the whole micro-batch).
     """
     unknown = set(requires) - _CONTEXT_FIELDS
     if unknown:
         raise ValueError(
             f"requires= names unknown context fields {sorted(unknown)}; allowed: {sorted(_CONTEXT_FIELDS)}."
         )
-    return LOSS_TYPES.register(name, aliases=aliases, requires=requires, override=override)
+    return LOSS_TYPES.register(
+        name,
+        aliases=aliases,
+        requires=requires,
+        override=override,
+        zero_advantage_rows_contribute_nothing=zero_advantage_rows_contribute_nothing,
+    )
 
 
 def available_loss_types(with_aliases: bool = False) -> list[str]:
@@ -123,14 +152,14 @@ def available_loss_types(with_aliases: bool = False) -> list[str]:
     return LOSS_TYPES.names(with_aliases)
 
 
-@register_loss_type("grpo")
+@register_loss_type("grpo", zero_advantage_rows_contribute_nothing=True)
 def sequence_mean_token_mean(masked_loss: torch.Tensor, ctx: AggregationContext) -> torch.Tensor:
     """(1/B) sum_i [sum_t m*l / max(1, sum_t m)] / S  (GRPO, DeepSeekMath; length-biased)."""
     per_sequence = masked_loss.sum(-1) / ctx.mask.sum(-1).clamp(min=1.0)
     return per_sequence.mean() / ctx.S
 
 
-@register_loss_type("bnpo")
+@register_loss_type("bnpo", zero_advantage_rows_contribute_nothing=True)
 def local_token_mean(masked_loss: torch.Tensor, ctx: AggregationContext) -> torch.Tensor:
     """sum m*l / max(1, sum m) over the local micro-batch, / S.
 
@@ -141,13 +170,13 @@ def local_token_mean(masked_loss: torch.Tensor, ctx: AggregationContext) -> torc
     return masked_loss.sum() / ctx.mask.sum().clamp(min=1.0) / ctx.S
 
 
-@register_loss_type("dr_grpo", requires=("max_completion_length",))
+@register_loss_type("dr_grpo", requires=("max_completion_length",), zero_advantage_rows_contribute_nothing=True)
 def constant_normalizer(masked_loss: torch.Tensor, ctx: AggregationContext) -> torch.Tensor:
     """sum m*l / (B*L) / S  (Dr. GRPO: a constant normalizer, no length bias)."""
     return masked_loss.sum() / (ctx.B * ctx.L) / ctx.S
 
 
-@register_loss_type("dapo", requires=("num_items_in_batch",))
+@register_loss_type("dapo", requires=("num_items_in_batch",), zero_advantage_rows_contribute_nothing=True)
 def window_token_mean(masked_loss: torch.Tensor, ctx: AggregationContext) -> torch.Tensor:
     """sum m*l / (N/P): token mean over the whole accumulation window and all processes (DAPO)."""
     num_items = ctx.N.clamp(min=1.0) if isinstance(ctx.N, torch.Tensor) else max(float(ctx.N), 1.0)

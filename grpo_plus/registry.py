@@ -31,6 +31,9 @@ class Entry(Generic[F]):
     aliases: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     doc: str = ""
+    # Declared by the registrar: a row whose advantage is 0 adds nothing to the loss or its gradient, so the
+    # trainer may leave such rows out of the training forward (see grpo_plus.train_pass).
+    zero_advantage_rows_contribute_nothing: bool = False
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Registry(Generic[F]):
         aliases: Iterable[str] = (),
         requires: Iterable[str] = (),
         override: bool = False,
+        zero_advantage_rows_contribute_nothing: bool = False,
     ) -> Callable[[F], F] | F:
         """Register `fn` under `name` (usable as a decorator). Re-registering needs `override=True`."""
         if not isinstance(name, str) or not name:
@@ -69,7 +73,14 @@ class Registry(Generic[F]):
             for alias in aliases:
                 self._drop(alias)  # an alias may replace a whole entry (override=True): drop it, not shadow it
                 self._aliases[alias] = name
-            self._entries[name] = Entry(name, func, aliases, tuple(requires), (func.__doc__ or "").strip())
+            self._entries[name] = Entry(
+                name,
+                func,
+                aliases,
+                tuple(requires),
+                (func.__doc__ or "").strip(),
+                zero_advantage_rows_contribute_nothing,
+            )
             return func
 
         return decorator(fn) if fn is not None else decorator

@@ -6,7 +6,9 @@ Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo, vespo) run
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,22 @@ from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_di
 from .advantages import compute_advantages
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
-from .losses import PolicyLossOutput, compute_policy_loss
+from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, PolicyLossOutput, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
+from .train_pass import (
+    additive_mask,
+    chunk_rows,
+    completion_width,
+    group_rows_by_prompt,
+    pack_shared_prompts,
+    row_skip_blocker,
+    rows_with_gradient,
+    scatter_rows,
+    shared_prompt_blocker,
+    unpack,
+)
+from .trl_compat import HAS_FUSED_LM_HEAD
 
 # Model inputs TRL's `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models).
 _FORWARD_INPUT_KEYS = (
@@ -65,11 +80,30 @@ class _GuardedReward:
             ) from error
 
 
+def _masked_total(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """tensor([sum, count]) of `values` over `mask` (per-sequence (B, 1) values count each masked row once)."""
+    values = values.detach()
+    if values.shape[-1] == 1:
+        rows = (mask.sum(-1, keepdim=True) > 0).to(values.dtype)
+        return torch.stack([(values * rows).sum(), rows.sum()])
+    return torch.stack([(values * mask).sum(), mask.sum().to(values.dtype)])
+
+
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over reward functions ignoring NaN; NaN where every function returned None (TRL's rule)."""
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
     return rewards
+
+
+@dataclass
+class PolicyForward:
+    """The training forward of one micro-batch, in TRL's (B, T) layout."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    aux_loss: torch.Tensor | None
+    computed_rows: torch.Tensor | None  # (B,) bool when the zero-waste pass skipped rows, else None
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -97,6 +131,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 get_soft_overlong_punishment(self.max_completion_length, self.args.overlong_buffer_length),
                 weight=self.args.overlong_penalty,
             )
+        self._zero_waste_notes: set[tuple[str, str]] = set()
+        self._positions_computed = 0
+        self._row_skip_blocker = self._find_row_skip_blocker()
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""
@@ -246,6 +283,179 @@ class GRPOTrainer(trl.GRPOTrainer):
         start = self.accelerator.process_index * num_rows
         return [self.train_dataset[i] for i in indices[start : start + num_rows]]
 
+    # ---- zero-waste training pass (grpo_plus.train_pass) ----------------------------------------------------------
+
+    def _note_fallback(self, part: str, reason: str) -> None:
+        """Say once per run which part of the zero-waste pass runs in full, and why."""
+        if (part, reason) not in self._zero_waste_notes:
+            self._zero_waste_notes.add((part, reason))
+            logger.warning("Zero-waste pass: %s computed in full, because %s.", part, reason)
+
+    def _find_row_skip_blocker(self) -> str | None:
+        """None when zero-advantage rows may be left out of the training forward, else why not."""
+        if not getattr(self.args, "zero_waste_pass", True):
+            return "zero_waste_pass=False"
+        if self.loss_type in TRL_NATIVE_LOSS_TYPES:
+            reason = f"loss_type={self.loss_type!r} is computed by TRL's own _compute_loss"
+        else:
+            reason = row_skip_blocker(
+                beta=self.beta,
+                entropy_bonus=self._entropy_bonus_enabled,
+                top_entropy_quantile=self.top_entropy_quantile,
+                aux_loss=self.aux_loss_enabled,
+                loss_type_declared=LOSS_TYPES.entry(self.loss_type).zero_advantage_rows_contribute_nothing,
+                importance_sampling_declared=IMPORTANCE_SAMPLERS.entry(
+                    self.importance_sampling_level
+                ).zero_advantage_rows_contribute_nothing,
+                loss_type=self.loss_type,
+                importance_sampling_level=self.importance_sampling_level,
+            )
+        if reason is not None:
+            self._note_fallback("zero-advantage rows", reason)
+        return reason
+
+    def _policy_forward(self, model, inputs, advantages, mask, old_per_token_logps) -> PolicyForward:
+        """The micro-batch's log-probs; rows that carry no gradient are filled in instead of computed (their old
+        log-probs, so their ratio is 1, and entropy 0) when the zero-waste pass may skip them."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        width = completion_ids.size(1)
+        model_inputs = {key: inputs.get(key) for key in _FORWARD_INPUT_KEYS}
+        forward = functools.partial(
+            self._get_per_token_logps_and_entropies,
+            model,
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **model_inputs,
+        )
+        self._positions_computed = 0
+        live = None
+        if self._row_skip_blocker is None and not any(v is not None for v in model_inputs.values()):
+            live = rows_with_gradient(advantages, mask)
+        if live is None or bool(live.all()):
+            logps, entropies, aux_loss = forward(input_ids, attention_mask, width)
+            self._log_positions(input_ids, computed_rows=None)
+            return PolicyForward(logps, entropies, aux_loss, None)
+
+        rows = live.nonzero().squeeze(1)
+        fill = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if old_per_token_logps is not None:
+            fill = old_per_token_logps.detach()
+        no_entropy = torch.zeros_like(fill)
+        if rows.numel() == 0:
+            # Nothing carries gradient, but backward (and DDP's all-reduce) still needs a graph over every
+            # parameter: one position's log-prob, times zero.
+            bridge = slice(prompt_ids.size(1) - 1, prompt_ids.size(1) + 1)
+            anchor, _, _ = forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+            self._log_positions(input_ids, computed_rows=live)
+            return PolicyForward(fill + 0.0 * anchor.sum(), no_entropy, None, live)
+        logps, entropies, _ = forward(input_ids[rows], attention_mask[rows], width)
+        self._log_positions(input_ids, computed_rows=live)
+        return PolicyForward(scatter_rows(logps, rows, fill), scatter_rows(entropies, rows, no_entropy), None, live)
+
+    def _log_positions(self, input_ids: torch.Tensor, computed_rows: torch.Tensor | None) -> None:
+        """Share of rows and of token positions the training forward computed, against TRL's full forward."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        rows = 1.0 if computed_rows is None else computed_rows.float().mean().item()
+        metrics["zero_waste/rows_computed_frac"].append(rows)
+        metrics["zero_waste/positions_frac"].append(self._positions_computed / input_ids.numel())
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_inputs,
+    ):
+        """TRL's log-probs (entropies, aux loss), without the padding after the completions and, where the model
+        allows it, with each shared prompt computed once (zero-waste pass). Also serves TRL's old/ref passes."""
+        full = functools.partial(
+            super()._get_per_token_logps_and_entropies,
+            model,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+            **model_inputs,
+        )
+        if not getattr(self.args, "zero_waste_pass", True):
+            self._positions_computed += input_ids.numel()
+            return full(input_ids, attention_mask, logits_to_keep)
+        if any(value is not None for value in model_inputs.values()):
+            self._note_fallback("the padding and the shared prompt", "the batch has multimodal inputs")
+            self._positions_computed += input_ids.numel()
+            return full(input_ids, attention_mask, logits_to_keep)
+
+        prompt_width = input_ids.shape[1] - logits_to_keep
+        if getattr(self.args, "zero_waste_shared_prompt", True):
+            reason = self._shared_prompt_blocker(model, input_ids, attention_mask, prompt_width, compute_aux_loss)
+            if reason is None:
+                packed = self._shared_prompt_logps(model, input_ids, attention_mask, logits_to_keep, batch_size)
+                if packed is not None:
+                    logps, entropies = packed
+                    return logps, entropies if compute_entropy else None, None
+            else:
+                self._note_fallback("the shared prompt", reason)
+        width = completion_width(attention_mask[:, prompt_width:])
+        end = prompt_width + width
+        self._positions_computed += input_ids.shape[0] * end
+        logps, entropies, aux_loss = full(input_ids[:, :end], attention_mask[:, :end], width)
+        pad = functools.partial(torch.nn.functional.pad, pad=(0, logits_to_keep - width))
+        return pad(logps), None if entropies is None else pad(entropies), aux_loss
+
+    def _shared_prompt_blocker(self, model, input_ids, attention_mask, prompt_width, compute_aux_loss) -> str | None:
+        if not HAS_FUSED_LM_HEAD:
+            return f"TRL {trl.__version__} has no fused LM head to score packed rows (TRL >= 1.15 has)"
+        if compute_aux_loss:
+            return "the router aux loss is taken over every row's tokens"
+        if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):
+            return "some prompt does not end in its last column (prompts are not left-padded)"
+        config = self.accelerator.unwrap_model(model).config
+        return shared_prompt_blocker(config, getattr(config, "_attn_implementation", None), input_ids.shape[1])
+
+    def _shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
+        """Log-probs and entropies with one prompt copy per pack; None when no row has a token to score."""
+        prompt_width = input_ids.shape[1] - logits_to_keep
+        prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+        prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+        unwrapped = self.accelerator.unwrap_model(model)
+        hidden_size = unwrapped.config.get_text_config().hidden_size
+        eager = unwrapped.config._attn_implementation == "eager"
+        pad_token_id = self._tokenizer.pad_token_id or 0
+        logps = entropies = None
+        for rows in chunk_rows(group_rows_by_prompt(prompt_ids, prompt_mask), batch_size):
+            index = torch.tensor(rows, device=input_ids.device)
+            batch = pack_shared_prompts(
+                prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index],
+                hidden_size, pad_token_id,
+            )  # fmt: skip
+            if batch.input_ids.numel() == 0:
+                continue
+            self._positions_computed += batch.positions
+            block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
+            with self.accelerator.autocast():
+                out = model(
+                    input_ids=batch.input_ids,
+                    attention_mask=block_mask,
+                    position_ids=batch.position_ids,
+                    shift_labels=batch.targets,
+                    fused_lm_head=True,
+                )
+            shape = (len(rows), logits_to_keep)
+            chunk_logps = unpack(out.log_probs, batch, shape)
+            if logps is None:
+                logps = chunk_logps.new_zeros((input_ids.shape[0], logits_to_keep))
+            logps = logps.index_put((index,), chunk_logps)
+            if out.entropy is not None:
+                entropies = logps.new_zeros(logps.shape) if entropies is None else entropies
+                entropies = entropies.index_put((index,), unpack(out.entropy, batch, shape))
+        return None if logps is None else (logps, entropies)
+
     # ---- loss ---------------------------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
@@ -253,20 +463,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._compute_loss(model, inputs)
 
         mode = "train" if self.model.training else "eval"
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        completion_mask = inputs["completion_mask"]
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        per_token_logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model,
-            torch.cat([inputs["prompt_ids"], completion_ids], dim=1),
-            torch.cat([inputs["prompt_mask"], completion_mask], dim=1),
-            completion_ids.size(1),
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
-            **{key: inputs.get(key) for key in _FORWARD_INPUT_KEYS},
-        )
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old_per_token_logps = inputs.get("old_per_token_logps")
+        policy = self._policy_forward(model, inputs, advantages, mask, old_per_token_logps)
+        per_token_logps, entropies, aux_loss = policy.logps, policy.entropies, policy.aux_loss
         old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
 
         entropy_mask = None
@@ -314,7 +517,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation_steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_loss_metrics(out, entropies, mask, mode)
+        self._log_loss_metrics(out, entropies, mask, mode, policy.computed_rows)
         return loss
 
     def _policy_weights(self, inputs, advantages, per_token_logps, old_per_token_logps, mask):
@@ -357,11 +560,25 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._last_world_entropy = world_entropy
         self._entropy_window_stats = None
 
-    def _log_loss_metrics(self, out: PolicyLossOutput, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> None:
-        """TRL's metric names (global means over processes) plus grpo_plus's."""
+    def _log_loss_metrics(
+        self,
+        out: PolicyLossOutput,
+        entropies: torch.Tensor,
+        mask: torch.Tensor,
+        mode: str,
+        computed_rows: torch.Tensor | None = None,
+    ) -> None:
+        """TRL's metric names (global means over processes) plus grpo_plus's.
+
+        With rows skipped by the zero-waste pass, `entropy` and `ratio/mean` average the computed rows; the clip
+        fractions still count every row (a zero-advantage row is never clipped, in TRL as here).
+        """
         metrics = self._metrics[mode]
         totals = out.metric_totals()
-        totals["entropy"] = torch.stack([(entropies * mask).sum(), mask.sum().to(entropies.dtype)]).detach()
+        if computed_rows is not None:
+            mask = mask * computed_rows.unsqueeze(1).to(mask.dtype)
+            totals["ratio/mean"] = _masked_total(out.importance_weights, mask)
+        totals["entropy"] = _masked_total(entropies, mask)
         names = list(totals)
         reduced = self.accelerator.reduce(torch.stack([totals[n].float() for n in names]), reduction="sum")
         for name, (total, count) in zip(names, reduced.tolist(), strict=True):

@@ -35,6 +35,8 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "max_sampling_rounds",
         "overlong_buffer_length",
         "overlong_penalty",
+        "zero_waste_pass",
+        "zero_waste_shared_prompt",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 

@@ -160,6 +160,13 @@ def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
     return [1.0 if int(p[0]) % 2 else float(len(t)) for p, t in zip(prompt_texts, texts, strict=True)]
 
 
+def half_dead_reward(completions, prompts, **kwargs) -> list[float]:
+    """1 for prompts starting with an odd digit (dead groups), the digit fraction otherwise (rarely tied)."""
+    prompt_texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    digits = digit_reward(completions)
+    return [1.0 if int(p[0]) % 2 else d for p, d in zip(prompt_texts, digits, strict=True)]
+
+
 def constant_reward(completions, **kwargs) -> list[float]:
     """Every group is dead."""
     return [1.0] * len(completions)
@@ -191,3 +198,36 @@ def explode_at_step_3(completions, trainer_state=None, **kwargs) -> list[float]:
     if trainer_state is not None and trainer_state.global_step >= 2:
         return [1 / 0 for _ in completions]
     return length_reward(completions)
+
+
+class ForwardLog:
+    """Records what every call of a model's backbone received (generation, no-grad passes and training forwards)."""
+
+    def __init__(self, model):
+        self.calls: list[dict] = []
+        backbone = model.get_base_model() if hasattr(model, "get_base_model") else model
+        backbone.base_model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        self.calls.append(
+            {
+                "shape": tuple(input_ids.shape),
+                "mask_dims": None if mask is None else mask.dim(),
+                "grad": torch.is_grad_enabled(),
+            }
+        )
+
+    @property
+    def positions(self) -> int:
+        """Token positions computed over all recorded calls."""
+        return sum(call["shape"][0] * call["shape"][1] for call in self.calls)
+
+    @property
+    def training_positions(self) -> int:
+        """Token positions of the forwards that carried gradient (the training pass)."""
+        return sum(call["shape"][0] * call["shape"][1] for call in self.calls if call["grad"])
+
+    def clear(self) -> None:
+        self.calls.clear()

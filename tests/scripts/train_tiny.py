@@ -22,6 +22,7 @@ from tiny import (  # noqa: E402
     GroupRecorder,
     constant_reward,
     digit_reward,
+    half_dead_reward,
     length_reward,
     odd_prompts_constant_reward,
     prompt_dataset,
@@ -44,7 +45,7 @@ class TinyArgs:
     stock_trl: bool = field(default=False, metadata={"help": "Use trl.GRPOTrainer instead of grpo_plus's."})
     step_delay: float = field(default=0.0, metadata={"help": "Sleep this long after each optimizer step."})
     peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter."})
-    reward: str = field(default="length_digit", metadata={"help": "length_digit | odd_constant | constant"})
+    reward: str = field(default="length_digit", metadata={"help": "length_digit | odd_constant | constant | half_dead"})
     record_groups: str | None = field(default=None, metadata={"help": "Write per-group checks here (json, per rank)."})
 
 
@@ -71,6 +72,7 @@ REWARDS = {
     "length_digit": [length_reward, digit_reward],
     "odd_constant": [odd_prompts_constant_reward],
     "constant": [constant_reward],
+    "half_dead": [half_dead_reward],
 }
 
 

@@ -1,0 +1,277 @@
+"""Zero-waste training pass: TRL's per-token log-probs, computing only what can carry gradient.
+
+Three savings, each exact (the same log-probs TRL's full forward returns, the same gradient):
+
+- **rows**: a row whose advantage is 0 (a zero-variance group, an unscorable completion) or whose loss mask is
+  empty has a per-token loss of exactly 0 with zero gradient, as long as nothing else reads it (beta = 0, no entropy
+  bonus, no entropy-quantile mask, no router aux loss). Such rows are not sent through the model.
+- **columns**: positions after a row's last completion token are masked in TRL's forward (log-prob 0), and no
+  earlier position attends to them. They are not computed.
+- **shared prompt**: the completions of a group share one prompt. It is computed once; every completion attends to
+  it and to itself through a block attention mask (Prefix Grouper, arXiv 2506.05433). Position ids are TRL's.
+
+Layout of one pack (one model row): the prompt's real tokens but the last, then for each completion a segment
+``[last prompt token, completion[:-1]]`` that predicts ``completion`` (the last prompt token is repeated per segment
+so that each segment's first position predicts its own first completion token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+# Model families whose forward takes position_ids and a custom 4D attention mask as given, checked by the exactness
+# tests (tests/test_train_pass.py) against TRL's own forward.
+SHARED_PROMPT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
+# Forward cost of a pack of n positions, in units of one position's linear layers: n + n^2 / (ATTENTION_COST * d).
+# A decoder layer spends ~21 d^2 FLOPs per position in its projections and MLP and ~4 d per (query, key) pair in
+# attention; a block mask is dense, so a pack pays for every pair. Packing stops where another completion would
+# cost more inside the pack than in a pack of its own.
+ATTENTION_COST = 5.0
+_PREFIX, _PADDING = -1, -2
+
+
+def rows_with_gradient(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: rows with a non-zero advantage somewhere and at least one loss token (NaN counts as non-zero)."""
+    nonzero = (advantages != 0).reshape(advantages.shape[0], -1).any(dim=1)
+    return nonzero & (loss_mask.sum(dim=1) > 0)
+
+
+def completion_width(completion_mask: torch.Tensor) -> int:
+    """Columns up to the last attended completion token of any row (at least 1)."""
+    attended = completion_mask.any(dim=0).nonzero()
+    return max(int(attended[-1]) + 1, 1) if attended.numel() else 1
+
+
+def scatter_rows(values: torch.Tensor, rows: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """`base` (B, C) with rows `rows` replaced by `values` (n, C' <= C, zero-padded on the right); differentiable."""
+    if values.shape[1] < base.shape[1]:
+        values = torch.nn.functional.pad(values, (0, base.shape[1] - values.shape[1]))
+    return base.index_put((rows.to(base.device),), values.to(base.dtype))
+
+
+def row_skip_blocker(
+    *,
+    beta: float,
+    entropy_bonus: bool,
+    top_entropy_quantile: float,
+    aux_loss: bool,
+    loss_type_declared: bool,
+    importance_sampling_declared: bool,
+    loss_type: str,
+    importance_sampling_level: str,
+) -> str | None:
+    """Why zero-advantage rows must be computed after all, or None when skipping them is exact."""
+    if beta != 0.0:
+        return f"beta={beta}: the KL term reads every row"
+    if entropy_bonus:
+        return "the entropy bonus reads every row"
+    if top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={top_entropy_quantile}: the entropy threshold is taken over every row"
+    if aux_loss:
+        return "the router aux loss (output_router_logits) reads every row"
+    if not loss_type_declared:
+        return f"loss_type={loss_type!r} did not declare zero_advantage_rows_contribute_nothing=True at registration"
+    if not importance_sampling_declared:
+        return (
+            f"importance_sampling_level={importance_sampling_level!r} did not declare "
+            "zero_advantage_rows_contribute_nothing=True at registration"
+        )
+    return None
+
+
+def shared_prompt_blocker(config, attn_implementation: str | None, sequence_length: int) -> str | None:
+    """Why a model cannot take the shared-prompt forward, or None when it can."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SHARED_PROMPT_FAMILIES:
+        return f"model_type={model_type!r} is not one of the checked families {', '.join(SHARED_PROMPT_FAMILIES)}"
+    if attn_implementation not in SHARED_PROMPT_ATTENTION:
+        return (
+            f"attn_implementation={attn_implementation!r} does not take a custom block mask "
+            f"(supported: {', '.join(SHARED_PROMPT_ATTENTION)})"
+        )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < sequence_length:
+        return f"sliding_window={window} is shorter than the sequences ({sequence_length} positions)"
+    return None
+
+
+@dataclass
+class PackedBatch:
+    """Model inputs for packed groups plus where each scored position goes in TRL's (rows, completion) layout."""
+
+    input_ids: torch.Tensor  # (n, L)
+    position_ids: torch.Tensor  # (n, L)
+    block_mask: torch.Tensor  # (n, 1, L, L) bool, True where a query may attend a key
+    targets: torch.Tensor  # (n, L): the token each position predicts, IGNORE_INDEX where nothing is scored
+    source: tuple[torch.Tensor, torch.Tensor]  # (pack, position) of every scored position
+    destination: tuple[torch.Tensor, torch.Tensor]  # (row, completion column) of the same positions
+    rows: int  # original rows covered
+
+    @property
+    def positions(self) -> int:
+        """Token positions the model computes for this batch (padding included)."""
+        return self.input_ids.numel()
+
+
+def pack_cost(positions: int, hidden_size: int) -> float:
+    """Relative forward cost of one pack: linear layers per position plus dense block-mask attention."""
+    return positions + positions * positions / (ATTENTION_COST * hidden_size)
+
+
+def plan_packs(prefix_length: int, completion_lengths: Sequence[int], hidden_size: int) -> list[list[int]]:
+    """Split one group's completions (indices into `completion_lengths`) into packs that share a prefix copy."""
+    packs: list[list[int]] = []
+    current: list[int] = []
+    size = prefix_length
+    for index, length in enumerate(completion_lengths):
+        marginal = pack_cost(size + length, hidden_size) - pack_cost(size, hidden_size)
+        if current and marginal > pack_cost(prefix_length + length, hidden_size):
+            packs.append(current)
+            current, size = [], prefix_length
+        current.append(index)
+        size += length
+    if current:
+        packs.append(current)
+    return packs
+
+
+def group_rows_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Rows with identical prompts (same tokens at the same attended columns), in order of first appearance."""
+    keys = prompt_ids.masked_fill(prompt_mask == 0, -1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    groups: dict[int, list[int]] = {}
+    for row, key in enumerate(inverse.tolist()):
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def pack_shared_prompts(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    hidden_size: int,
+    pad_token_id: int = 0,
+) -> PackedBatch:
+    """Pack every row of a (left-padded prompt, right-padded completion) batch, one prompt copy per pack.
+
+    Needs every prompt's last column attended (left padding). Position ids are column indices of TRL's
+    `cat(prompt, completion)` layout, which is what TRL's forward uses when it passes none.
+    """
+    prompt_width = prompt_ids.shape[1]
+    completion_mask_cpu = completion_mask.detach().cpu()
+    prompt_mask_cpu = prompt_mask.detach().cpu()
+    prompt_ids_cpu, completion_ids_cpu = prompt_ids.detach().cpu(), completion_ids.detach().cpu()
+    attended = completion_mask_cpu.bool()
+    lengths = [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in attended]
+
+    packs: list[dict[str, list]] = []
+    for rows in group_rows_by_prompt(prompt_ids_cpu, prompt_mask_cpu):
+        rows = [r for r in rows if lengths[r] > 0]  # nothing scored, nothing to compute (TRL returns zeros)
+        if not rows:
+            continue
+        prefix_columns = prompt_mask_cpu[rows[0], :-1].nonzero().squeeze(1)
+        for pack_rows in plan_packs(len(prefix_columns), [lengths[r] for r in rows], hidden_size):
+            pack = {"ids": [], "pos": [], "seg": [], "valid": [], "tgt": [], "dst_row": [], "dst_col": []}
+            first = rows[pack_rows[0]]
+            pack["ids"].append(prompt_ids_cpu[first, prefix_columns])
+            pack["pos"].append(prefix_columns)
+            pack["seg"].append(torch.full((len(prefix_columns),), _PREFIX))
+            pack["valid"].append(torch.ones(len(prefix_columns), dtype=torch.bool))
+            pack["tgt"].append(torch.full((len(prefix_columns),), IGNORE_INDEX))
+            for segment, index in enumerate(pack_rows):
+                row, length = rows[index], lengths[rows[index]]
+                pack["ids"].append(torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]))
+                pack["pos"].append(torch.arange(prompt_width - 1, prompt_width - 1 + length))
+                pack["seg"].append(torch.full((length,), segment))
+                pack["valid"].append(torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]))
+                scored = attended[row, :length]
+                pack["tgt"].append(completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX))
+                columns = scored.nonzero().squeeze(1)
+                pack["dst_row"].append(torch.full((len(columns),), row))
+                pack["dst_col"].append(columns)
+            packs.append({key: torch.cat(parts) for key, parts in pack.items()})
+    return _stack_packs(packs, pad_token_id, prompt_ids.device, len(lengths))
+
+
+def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device, rows: int) -> PackedBatch:
+    width = max((len(p["ids"]) for p in packs), default=0)
+    n = len(packs)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((n, width), dtype=torch.long)
+    segments = torch.full((n, width), _PADDING, dtype=torch.long)
+    valid = torch.zeros((n, width), dtype=torch.bool)
+    targets = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+    source_pack, source_position, destination_row, destination_col = [], [], [], []
+    for index, pack in enumerate(packs):
+        length = len(pack["ids"])
+        input_ids[index, :length] = pack["ids"]
+        position_ids[index, :length] = pack["pos"]
+        segments[index, :length] = pack["seg"]
+        valid[index, :length] = pack["valid"]
+        targets[index, :length] = pack["tgt"]
+        scored = (pack["tgt"] != IGNORE_INDEX).nonzero().squeeze(1)
+        source_pack.append(torch.full((len(scored),), index))
+        source_position.append(scored)
+        destination_row.append(pack["dst_row"])
+        destination_col.append(pack["dst_col"])
+    block_mask = block_attention_mask(segments, valid)
+
+    def flat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
+
+    return PackedBatch(
+        input_ids=input_ids.to(device),
+        position_ids=position_ids.to(device),
+        block_mask=block_mask.to(device),
+        targets=targets.to(device),
+        source=(flat(source_pack), flat(source_position)),
+        destination=(flat(destination_row), flat(destination_col)),
+        rows=rows,
+    )
+
+
+def block_attention_mask(segments: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(n, 1, L, L) bool: causal, a segment sees the prefix and itself, only attended keys; padding sees itself.
+
+    `segments` holds -1 for prefix positions, k for completion segment k, -2 for padding; `valid` marks keys TRL's
+    2D attention mask attends (a masked token inside a completion stays invisible, as in TRL's forward).
+    """
+    width = segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    query, key = segments.unsqueeze(2), segments.unsqueeze(1)
+    visible = (key == query) | (key == _PREFIX)
+    mask = causal & visible & valid.unsqueeze(1) & (query != _PADDING)
+    mask |= torch.eye(width, dtype=torch.bool) & (query == _PADDING)  # a padded query attends itself: no NaN
+    return mask.unsqueeze(1)
+
+
+def additive_mask(block_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float form eager attention adds to its scores (0 where visible, the dtype's minimum elsewhere)."""
+    return torch.zeros(block_mask.shape, dtype=dtype, device=block_mask.device).masked_fill(
+        ~block_mask, torch.finfo(dtype).min
+    )
+
+
+def unpack(values: torch.Tensor, batch: PackedBatch, shape: tuple[int, int]) -> torch.Tensor:
+    """Per-position values of packed rows, (n, L), back in TRL's (rows, completion columns) layout, zeros elsewhere."""
+    picked = values[batch.source]
+    return picked.new_zeros(shape).index_put(batch.destination, picked)
+
+
+def chunk_rows(groups: list[list[int]], max_rows: int | None) -> list[list[int]]:
+    """Consecutive groups merged into chunks of at most `max_rows` rows (a group is never split)."""
+    if not max_rows:
+        return [[row for group in groups for row in group]]
+    chunks: list[list[int]] = []
+    for group in groups:
+        if chunks and len(chunks[-1]) + len(group) <= max_rows:
+            chunks[-1].extend(group)
+        else:
+            chunks.append(list(group))
+    return chunks

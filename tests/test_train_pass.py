@@ -1,0 +1,417 @@
+"""Zero-waste training pass: the same gradient as TRL's full forward, with fewer positions computed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tiny import ForwardLog, make_tokenizer, prompt_dataset
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+import grpo_plus
+from grpo_plus import GRPOConfig, GRPOTrainer
+from grpo_plus.train_pass import (
+    IGNORE_INDEX,
+    block_attention_mask,
+    chunk_rows,
+    pack_shared_prompts,
+    plan_packs,
+    rows_with_gradient,
+)
+
+G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """A two-layer model of `family` (llama, mistral, qwen2, qwen3: rotary positions; gpt2: learned absolute ones)."""
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=False, pad_token_id=0)
+    if family == "gpt2":
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **no_dropout, **common, **overrides)
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    return classes[family](**sizes, max_position_embeddings=64, **common, **overrides)
+
+
+def make_trainer(
+    family: str = "llama", attn: str = "sdpa", config_overrides=None, dtype=torch.float64, **args
+) -> GRPOTrainer:
+    """A grpo_plus trainer around a tiny model; the tests feed `_compute_loss` hand-made micro-batches."""
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_config(family, len(tokenizer), **(config_overrides or {}))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    kwargs = dict(
+        output_dir="unused",
+        per_device_train_batch_size=G * GROUPS,
+        num_generations=G,
+        max_completion_length=COMPLETION_WIDTH,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        epsilon_high=0.28,
+        temperature=0.7,
+    )
+    kwargs.update(args)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=GRPOConfig(**kwargs),
+        train_dataset=prompt_dataset(4),
+        processing_class=tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def micro_batch(trainer: GRPOTrainer, seed: int = 0, dead_groups=(0, 2), off_policy: float = 0.3) -> dict:
+    """GROUPS groups of G rows: left-padded prompts of different lengths, ragged completions, half the groups dead
+    (advantage 0), one unscorable row (advantage 0) in a live group, old log-probs off-policy by `off_policy`."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = trainer.model.config.vocab_size
+    prompt_ids = torch.zeros(G * GROUPS, PROMPT_WIDTH, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for group in range(GROUPS):
+        length = PROMPT_WIDTH - 3 * (group % 3)
+        tokens = torch.randint(3, vocab, (length,), generator=generator)
+        rows = slice(group * G, (group + 1) * G)
+        prompt_ids[rows, PROMPT_WIDTH - length :] = tokens
+        prompt_mask[rows, PROMPT_WIDTH - length :] = 1
+    lengths = torch.randint(1, COMPLETION_WIDTH, (G * GROUPS,), generator=generator)
+    lengths[-1] = COMPLETION_WIDTH - 2  # the widest row still leaves padding columns after it
+    completion_mask = (torch.arange(COMPLETION_WIDTH) < lengths.unsqueeze(1)).long()
+    completion_ids = torch.randint(3, vocab, (G * GROUPS, COMPLETION_WIDTH), generator=generator) * completion_mask
+    advantages = torch.randn(G * GROUPS, generator=generator, dtype=trainer.model.dtype)
+    for group in dead_groups:
+        advantages[group * G : (group + 1) * G] = 0.0
+    advantages[G + 1] = 0.0  # an unscorable completion inside a live group
+    with torch.no_grad():
+        logps, _, _ = trl_full_pass(trainer, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    noise = off_policy * torch.randn(logps.shape, generator=generator, dtype=logps.dtype)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "old_per_token_logps": (logps + noise) * completion_mask,
+        "num_items_in_batch": completion_mask.sum().to(trainer.model.dtype),
+    }
+
+
+def trl_full_pass(trainer, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Stock TRL's log-prob computation on the whole micro-batch (the oracle)."""
+    import trl
+
+    return trl.GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer,
+        trainer.model,
+        torch.cat([prompt_ids, completion_ids], dim=1),
+        torch.cat([prompt_mask, completion_mask], dim=1),
+        completion_ids.shape[1],
+        compute_entropy=True,
+    )
+
+
+def set_zero_waste(trainer: GRPOTrainer, on: bool, shared_prompt: bool = True) -> None:
+    trainer.args.zero_waste_pass = on
+    trainer.args.zero_waste_shared_prompt = shared_prompt
+    trainer._row_skip_blocker = trainer._find_row_skip_blocker()
+
+
+def loss_and_grads(trainer: GRPOTrainer, inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+def assert_same_gradient(full: tuple[float, dict], saved: tuple[float, dict], tol: float = 1e-6) -> None:
+    assert saved[0] == pytest.approx(full[0], abs=tol, rel=tol)
+    assert full[1].keys() == saved[1].keys()
+    moved = max(g.abs().max().item() for g in full[1].values())
+    assert moved > 1e-3, "the full pass has no gradient: the comparison would be vacuous"
+    diff = max((full[1][name] - saved[1][name]).abs().max().item() for name in full[1])
+    assert diff <= tol, f"max gradient difference {diff}"
+
+
+# ---- exactness ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def family_trainer(request):
+    return make_trainer(request.param)
+
+
+@pytest.mark.parametrize("importance_sampling_level", ["token", "sequence", "sequence_token"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_gradient_equals_full_pass(family_trainer, loss_type, importance_sampling_level):
+    trainer = family_trainer
+    trainer.loss_type, trainer.importance_sampling_level = loss_type, importance_sampling_level
+    trainer.args.loss_type, trainer.args.importance_sampling_level = loss_type, importance_sampling_level
+    inputs = micro_batch(trainer)
+    set_zero_waste(trainer, on=False)
+    log = ForwardLog(trainer.model)
+    full = loss_and_grads(trainer, inputs)
+    full_positions = log.positions
+    assert full_positions == G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH)
+    log.clear()
+
+    set_zero_waste(trainer, on=True)
+    saved = loss_and_grads(trainer, inputs)
+    assert_same_gradient(full, saved)
+    # One model call, with a block mask, over fewer positions than TRL's: dead rows, padding and repeated prompts
+    # were not computed.
+    assert [call["mask_dims"] for call in log.calls] == [4]
+    assert log.positions < 0.5 * full_positions, (log.positions, full_positions)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_logps_equal_trl_forward(family, attn):
+    """Per-token log-probs and entropies of every row, packed, equal stock TRL's full forward."""
+    # Eager attention in float64 makes TRL's own forward NaN on left-padded rows (transformers adds the float64
+    # minimum, then takes the softmax in float32: a fully masked padding query is all -inf), so eager runs float32.
+    dtype, tol = (torch.float32, 1e-5) if attn == "eager" else (torch.float64, 1e-6)
+    trainer = make_trainer(family, attn, dtype=dtype)
+    inputs = micro_batch(trainer)
+    parts = [inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    reference_logps, reference_entropies, _ = trl_full_pass(trainer, *parts)
+    log = ForwardLog(trainer.model)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+        trainer.model,
+        torch.cat([parts[0], parts[2]], dim=1),
+        torch.cat([parts[1], parts[3]], dim=1),
+        COMPLETION_WIDTH,
+        compute_entropy=True,
+    )
+    assert [call["mask_dims"] for call in log.calls] == [4], "the shared-prompt forward did not run"
+    assert reference_logps.abs().sum() > 0
+    torch.testing.assert_close(logps, reference_logps, atol=tol, rtol=tol)
+    torch.testing.assert_close(entropies, reference_entropies, atol=tol, rtol=tol)
+
+
+def test_old_logps_pass_shares_prompts_and_honours_batch_size():
+    """TRL's no-grad passes call the same method with batch_size: chunks keep groups whole and match TRL."""
+    trainer = make_trainer()
+    inputs = micro_batch(trainer)
+    parts = [inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    reference, _, _ = trl_full_pass(trainer, *parts)
+    log = ForwardLog(trainer.model)
+    with torch.no_grad():
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model,
+            torch.cat([parts[0], parts[2]], dim=1),
+            torch.cat([parts[1], parts[3]], dim=1),
+            COMPLETION_WIDTH,
+            batch_size=2 * G,
+        )
+    assert entropies is None
+    assert len(log.calls) == 2 and all(call["mask_dims"] == 4 for call in log.calls)
+    torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_all_dead_micro_batch_still_backpropagates_a_zero_gradient():
+    trainer = make_trainer()
+    inputs = micro_batch(trainer, dead_groups=range(GROUPS))
+    inputs["advantages"].zero_()
+    log = ForwardLog(trainer.model)
+    loss, grads = loss_and_grads(trainer, inputs)
+    assert loss == 0.0
+    # Every parameter takes part in backward (DDP's all-reduce needs it), with exactly zero gradient.
+    assert set(grads) == {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert all(g.abs().max() == 0 for g in grads.values())
+    assert log.positions <= 2, "an all-dead micro-batch should cost one position"
+
+
+def test_sequence_level_tensors_and_metrics_match_full_pass():
+    """Clip fractions (TRL's metrics) are unchanged by skipping; entropy covers the computed rows."""
+    trainer = make_trainer(importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.05)
+    inputs = micro_batch(trainer, off_policy=1.0)
+    metrics = {}
+    for on in (False, True):
+        set_zero_waste(trainer, on=on)
+        trainer._metrics["train"].clear()
+        trainer._compute_loss(trainer.model, inputs)
+        metrics[on] = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert metrics[False]["clip_ratio/region_mean"] > 0, "nothing was clipped: the comparison would be vacuous"
+    for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/high_max"):
+        assert metrics[True][name] == pytest.approx(metrics[False][name], abs=1e-9), name
+    live = rows_with_gradient(inputs["advantages"], inputs["completion_mask"])
+    assert metrics[True]["zero_waste/rows_computed_frac"] == pytest.approx(live.float().mean().item())
+    parts = [inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    _, entropies, _ = trl_full_pass(trainer, *parts)
+    mask = inputs["completion_mask"][live]
+    expected = (entropies[live] * mask).sum() / mask.sum()
+    assert metrics[True]["entropy"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+# ---- fallbacks ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        (dict(beta=0.1), "beta=0.1"),
+        (dict(entropy_coef=0.01), "entropy bonus"),
+        (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
+        (dict(loss_type="my_unsafe_mode"), "did not declare"),
+        (dict(loss_type="cispo"), "TRL's own _compute_loss"),
+    ],
+    ids=["beta", "entropy_bonus", "entropy_quantile", "undeclared_user_mode", "trl_native_loss"],
+)
+def test_row_skipping_falls_back_to_the_full_pass(args, reason, caplog):
+    if args.get("loss_type") == "my_unsafe_mode":
+        grpo_plus.register_loss_type("my_unsafe_mode", override=True)(lambda loss, ctx: loss.sum() / ctx.B)
+    beta = args.pop("beta", 0.0)
+    trainer = make_trainer(**args)
+    inputs = micro_batch(trainer)
+    if beta:  # set after construction: the tiny model has no hub id TRL could build a reference model from
+        trainer.beta = beta
+        inputs["ref_per_token_logps"] = inputs["old_per_token_logps"].clone()
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        trainer._row_skip_blocker = trainer._find_row_skip_blocker()
+        trainer._compute_loss(trainer.model, inputs)
+    assert trainer._row_skip_blocker is not None and reason in trainer._row_skip_blocker
+    assert any("zero-advantage rows" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+    # Every row went through the model (packed, since prompts may still be shared): nothing was skipped.
+    rows_fed = sum(1 for call in log.calls for _ in range(call["shape"][0]))
+    assert rows_fed == GROUPS or rows_fed == G * GROUPS, log.calls
+    packed = pack_shared_prompts(
+        *[inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")], 32
+    )
+    assert log.positions in (packed.positions, G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH)), log.positions
+
+
+def test_router_aux_loss_computes_every_row_without_packing(caplog):
+    from transformers import MixtralConfig
+
+    tokenizer = make_tokenizer()
+    config = MixtralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, output_router_logits=True, pad_token_id=0,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # grouped expert matmuls need float32
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+        args=GRPOConfig(
+            output_dir="unused",
+            per_device_train_batch_size=G * GROUPS,
+            num_generations=G,
+            max_completion_length=COMPLETION_WIDTH,
+            report_to="none",
+            use_cpu=True,
+        ),  # fmt: skip
+        train_dataset=prompt_dataset(4),
+        processing_class=tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    assert trainer.aux_loss_enabled
+    inputs = micro_batch(trainer)
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        trainer._compute_loss(trainer.model, inputs)
+    assert [(call["shape"][0], call["mask_dims"]) for call in log.calls] == [(G * GROUPS, 2)]
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert "router aux loss" in messages and "zero-advantage rows" in messages and "shared prompt" in messages
+
+
+@pytest.mark.parametrize(
+    "family, attn, config_overrides, reason",
+    [
+        ("llama", "custom_sdpa", None, "attn_implementation='custom_sdpa'"),
+        ("mistral", "sdpa", dict(sliding_window=8), "sliding_window=8"),
+    ],
+    ids=["attention_implementation", "sliding_window"],
+)
+def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, config_overrides, reason, caplog):
+    if attn == "custom_sdpa":  # a user-registered attention function: grpo_plus cannot know how it reads a mask
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register("custom_sdpa", sdpa_attention_forward)
+        AttentionMaskInterface.register("custom_sdpa", sdpa_mask)
+    trainer = make_trainer(family, attn, config_overrides)
+    inputs = micro_batch(trainer)
+    set_zero_waste(trainer, on=False)
+    full = loss_and_grads(trainer, inputs)
+    set_zero_waste(trainer, on=True)
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        saved = loss_and_grads(trainer, inputs)
+    assert_same_gradient(full, saved)
+    live = int(rows_with_gradient(inputs["advantages"], inputs["completion_mask"]).sum())
+    widest = int(inputs["completion_mask"].sum(1).max())
+    assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [((live, PROMPT_WIDTH + widest), 2)]
+    assert any(reason in record.getMessage() and "shared prompt" in record.getMessage() for record in caplog.records)
+
+
+def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
+    """TRL 1.14 has no fused LM head: the shared prompt falls back, row skipping and padding trimming do not."""
+    monkeypatch.setattr("grpo_plus.trainer.HAS_FUSED_LM_HEAD", False)
+    trainer = make_trainer()
+    inputs = micro_batch(trainer)
+    log = ForwardLog(trainer.model)
+    trainer._compute_loss(trainer.model, inputs)
+    live = int(rows_with_gradient(inputs["advantages"], inputs["completion_mask"]).sum())
+    assert [call["mask_dims"] for call in log.calls] == [2] and log.calls[0]["shape"][0] == live
+
+
+def test_config_field_turns_it_off():
+    trainer = make_trainer(zero_waste_pass=False)
+    inputs = micro_batch(trainer)
+    log = ForwardLog(trainer.model)
+    trainer._compute_loss(trainer.model, inputs)
+    assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [
+        ((G * GROUPS, PROMPT_WIDTH + COMPLETION_WIDTH), 2)
+    ]
+
+
+# ---- packing ------------------------------------------------------------------------------------------------------
+
+
+def test_pack_layout_positions_targets_and_mask():
+    prompt_ids = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [8, 9, 10, 11]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    completion_ids = torch.tensor([[20, 21, 22], [30, 0, 0], [40, 41, 0]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, hidden_size=1024)
+    # Pack 0: prompt [5, 6] once, then [7, 20, 21] -> predicts [20, 21, 22] and [7] -> predicts [30].
+    assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 7], [8, 9, 10, 11, 40, 0]]
+    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5, 3], [0, 1, 2, 3, 4, 0]]
+    ignore = IGNORE_INDEX
+    assert batch.targets.tolist() == [[ignore, ignore, 20, 21, 22, 30], [ignore] * 3 + [40, 41, ignore]]
+    # The second completion of the first group sees the prompt (positions 0-1) and itself, not the first completion.
+    assert batch.block_mask[0, 0, 5].tolist() == [True, True, False, False, False, True]
+    assert batch.block_mask[1, 0, 5].tolist() == [False] * 5 + [True]  # padding attends only itself
+    assert sorted(zip(*[t.tolist() for t in batch.destination], strict=True)) == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1),
+    ]  # fmt: skip
+
+
+def test_masked_token_inside_a_completion_stays_invisible():
+    segments = torch.tensor([[-1, 0, 0, 0]])
+    valid = torch.tensor([[True, True, False, True]])
+    mask = block_attention_mask(segments, valid)[0, 0]
+    assert mask[3].tolist() == [True, True, False, True]
+
+
+def test_packing_stops_where_attention_would_cost_more_than_a_second_prompt_copy():
+    assert plan_packs(prefix_length=60, completion_lengths=[12] * 8, hidden_size=576) == [list(range(8))]
+    packs = plan_packs(prefix_length=200, completion_lengths=[512] * 8, hidden_size=896)
+    assert [len(p) for p in packs] == [2, 2, 2, 2]
+
+
+def test_rows_with_gradient_and_chunks():
+    advantages = torch.tensor([0.0, 1.0, float("nan"), -2.0])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
+    assert rows_with_gradient(advantages, mask).tolist() == [False, True, True, False]
+    assert chunk_rows([[0, 1], [2, 3], [4]], max_rows=4) == [[0, 1, 2, 3], [4]]
+    assert chunk_rows([[0, 1], [2, 3]], max_rows=None) == [[0, 1, 2, 3]]
