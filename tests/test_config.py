@@ -35,6 +35,15 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "max_sampling_rounds",
         "overlong_buffer_length",
         "overlong_penalty",
+        "selective_rollout",
+        "selective_rollout_explore_solved",
+        "selective_rollout_explore_unsolved",
+        "selective_rollout_explore_min",
+        "selective_rollout_explore_max",
+        "selective_rollout_explore_step",
+        "selective_rollout_target_dead_frac",
+        "selective_rollout_history",
+        "selective_rollout_solved_reward",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 
