@@ -6,7 +6,6 @@ Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo, vespo) run
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ _FORWARD_INPUT_KEYS = (
 
 
 logger = logging.getLogger(__name__)
-SELECTIVE_ROLLOUT_STATE = "selective_rollout_state.json"
 
 
 class RewardFunctionError(RuntimeError):
@@ -305,21 +303,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
         # complete: a complete checkpoint always holds the history its step left behind.
         if self._selective_rollout is not None and self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f"{SELECTIVE_ROLLOUT_STATE}.partial"
-            partial.write_text(json.dumps(self._selective_rollout.state_dict()))
-            partial.replace(folder / SELECTIVE_ROLLOUT_STATE)
+            run_dir = Path(self._get_output_dir(trial=trial))
+            self._selective_rollout.save(run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         super()._save_checkpoint(model, trial)
 
     def _load_selective_rollout_state(self, checkpoint: str) -> None:
-        if self._selective_rollout is None:
-            return
-        path = Path(checkpoint) / SELECTIVE_ROLLOUT_STATE
-        if not path.is_file():
-            logger.warning("%s has no %s: selective rollout starts with an empty history.", checkpoint, path.name)
-            return
-        self._selective_rollout.load_state_dict(json.loads(path.read_text()))
+        if self._selective_rollout is not None and not self._selective_rollout.load(checkpoint):
+            logger.warning("%s holds no selective-rollout history: selective rollout starts afresh.", checkpoint)
 
     # ---- loss ---------------------------------------------------------------------------------------------------
 

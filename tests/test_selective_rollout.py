@@ -27,6 +27,7 @@ from grpo_plus.config import ConfigError
 from grpo_plus.selective_rollout import (
     MIN_KEEP_PROBABILITY,
     SOLVED,
+    STATE_FILE,
     UNSOLVED,
     SelectiveRollout,
     SelectiveRolloutSettings,
@@ -168,7 +169,7 @@ def test_dead_kind_follows_the_reward_range_or_the_configured_threshold():
     assert explicit.streaks == {draw.indices[0]: (UNSOLVED, 1), draw.indices[1]: (SOLVED, 1)}
 
 
-def test_same_history_gives_same_decisions_and_state_survives_a_json_round_trip():
+def test_same_history_gives_same_decisions_and_state_survives_a_checkpoint_round_trip(tmp_path):
     def dead(index, _):
         return index % 3 == 0
 
@@ -177,7 +178,9 @@ def test_same_history_gives_same_decisions_and_state_survives_a_json_round_trip(
     assert run(one, 40, 3, dead) == run(two, 40, 3, dead)  # e.g. two DDP processes
 
     restored = SelectiveRollout(12, settings, seed=0)
-    restored.load_state_dict(json.loads(json.dumps(one.state_dict())))
+    assert not restored.load(tmp_path / "checkpoint-1"), "loaded a state that was never saved"
+    one.save(tmp_path / "checkpoint-1")
+    assert restored.load(tmp_path / "checkpoint-1")
     assert restored.state_dict() == one.state_dict()
     continued = run(one, 40, 3, dead)
     assert any(skipped for appearances in continued.values() for _, skipped in appearances)
@@ -415,7 +418,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_decisions(tiny_model_dir, 
     kill_after_checkpoint(first, out / "checkpoint-6")
     killed_step = int(last_complete_checkpoint(out).rsplit("-", 1)[1])
     assert 6 <= killed_step < 14
-    assert (out / f"checkpoint-{killed_step}" / "selective_rollout_state.json").is_file()
+    assert (out / f"checkpoint-{killed_step}" / STATE_FILE).is_file()
 
     run_script(*flags("killed"), "--resume", "--record_draws", str(tmp_path / "resumed"))
     resumed = draw_lines(tmp_path / "resumed.rank0")
