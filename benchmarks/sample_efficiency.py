@@ -1,24 +1,37 @@
-"""Sample efficiency on the embedded task: stock TRL's objective vs grpo_plus's best, same CPU budget, 3 seeds.
+"""Sample efficiency on the embedded task: stock TRL's objective vs grpo_plus, same CPU budget, 3 seeds.
 
-    .venv/bin/python benchmarks/sample_efficiency.py [--budget-minutes 3] [--seeds 0 1 2] [--level word-mixed]
+    .venv/bin/python benchmarks/sample_efficiency.py [--setting fresh|multi-epoch] [--budget-minutes 6] [--seeds 0 1 2]
 
-Both sides train SmolLM2-135M-Instruct + LoRA with the same batch, learning rate, sampling and token budget
-(grpo_plus.compare.BASE_SETTINGS); they differ only in the objective:
-  trl_defaults   trl.GRPOTrainer with TRL 1.16's default objective: loss_type dapo, epsilon 0.2 (symmetric),
-                 scale_rewards group, every sampled group trained on.
-  grpo_plus      grpo_plus.GRPOTrainer with dapo + clip-higher (epsilon_high 0.28) + dynamic sampling.
+Every side trains SmolLM2-135M-Instruct + LoRA with the same batch, learning rate, sampling and token budget
+(grpo_plus.compare.BASE_SETTINGS); they differ in the objective and in how prompts are sampled:
+  trl_defaults        trl.GRPOTrainer with TRL 1.16's default objective: loss_type dapo, epsilon 0.2 (symmetric),
+                      scale_rewards group, every sampled group trained on.
+  dynamic_sampling    grpo_plus.GRPOTrainer, dapo + clip-higher (epsilon_high 0.28) + DAPO dynamic sampling.
+  selective_rollout   grpo_plus.GRPOTrainer, dapo + clip-higher + selective rollout (GRESO).
+  selective+dynamic   grpo_plus.GRPOTrainer, dapo + clip-higher + both.
+Settings:
+  fresh        the level's whole training split (prompts rarely repeat within the budget); trl_defaults vs
+               dynamic_sampling, rewards correctness + 0.5 x format, 3 CPU-minutes.
+  multi-epoch  a training set of --train-size prompts (default 8), small enough that the budget passes over it
+               several times, so selective rollout has history to act on; all four sides, binary correctness
+               reward, 6 CPU-minutes.
 Each run stops when its training CPU time (process time, held-out evaluations excluded) reaches the budget.
-Reported per side, mean over seeds:
-  informative    fraction of trained groups with non-zero advantage (TRL: 1 - frac_reward_zero_std of each
-                 trained batch; grpo_plus: dynamic_sampling/trained_informative_frac)
-  acc0 / acc     held-out greedy accuracy before training and at the end of the budget
-  gain/CPU-min   (acc - acc0) / training CPU minutes
+Reported per side, mean over seeds (± sample std over seeds):
+  acc0 / acc          held-out greedy accuracy before training and at the end of the budget
+  gain/CPU-min        (acc - acc0) / training CPU minutes; `vs TRL` is its ratio to trl_defaults' mean
+  trained informative fraction of trained groups with non-zero advantage
+  generated informative  fraction of generated groups with non-zero advantage (what generation was not wasted on)
+  generation calls    generation rounds (1 per generation batch, more with dynamic-sampling refills)
+  passes              prompts generated for / training-set size
+  skipped, precision  prompts skipped by selective rollout; share of explored predicted-dead prompts that were dead
+Writes <output-dir>/results.json (every run and the summary) and <output-dir>/results.md (the table).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -27,49 +40,161 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo_plus import tasks  # noqa: E402
-from grpo_plus.compare import run_configuration  # noqa: E402
+from grpo_plus.compare import BASE_SETTINGS, run_configuration  # noqa: E402
 
+_GRPO_PLUS = dict(loss_type="dapo", epsilon_high=0.28)
 SIDES = {
     "trl_defaults": dict(stock_trl=True, overrides=dict(loss_type="dapo")),
-    "grpo_plus": dict(stock_trl=False, overrides=dict(loss_type="dapo", epsilon_high=0.28, dynamic_sampling=True)),
-}
+    "dynamic_sampling": dict(stock_trl=False, overrides=dict(_GRPO_PLUS, dynamic_sampling=True)),
+    "selective_rollout": dict(stock_trl=False, overrides=dict(_GRPO_PLUS, selective_rollout=True)),
+    "selective+dynamic": dict(stock_trl=False, overrides=dict(_GRPO_PLUS, selective_rollout=True, dynamic_sampling=True)),
+}  # fmt: skip
+SETTINGS = {
+    "fresh": dict(train_size=None, sides=["trl_defaults", "dynamic_sampling"], rewards=["correctness", "format"],
+                  budget_minutes=3.0),
+    "multi-epoch": dict(train_size=8, sides=list(SIDES), rewards=["correctness"], budget_minutes=6.0),
+}  # fmt: skip
+PROMPTS_PER_GENERATION = BASE_SETTINGS["per_device_train_batch_size"] // BASE_SETTINGS["num_generations"]
 
 
-def informative_fraction(log_history: list[dict], dynamic: bool) -> float:
-    key = "dynamic_sampling/trained_informative_frac" if dynamic else "frac_reward_zero_std"
-    values = [entry[key] for entry in log_history if key in entry]
-    mean = statistics.fmean(values)
-    return mean if dynamic else 1.0 - mean
+def per_step(log_history: list[dict], key: str) -> list[float]:
+    return [entry[key] for entry in log_history if key in entry]
 
 
-def main() -> None:
+def run_row(log_history: list[dict], dynamic: bool, train_size: int) -> dict[str, float]:
+    """Sampling figures of one run from its per-step log (logging_steps=1, one generation batch per step)."""
+    zero_std = per_step(log_history, "frac_reward_zero_std")  # TRL's: mean over the step's generation rounds
+    rounds = per_step(log_history, "dynamic_sampling/rounds") if dynamic else [1.0] * len(zero_std)
+    calls = sum(rounds)
+    if dynamic:
+        trained_informative = statistics.fmean(per_step(log_history, "dynamic_sampling/trained_informative_frac"))
+    else:
+        trained_informative = 1.0 - statistics.fmean(zero_std)
+    explored = sum(per_step(log_history, "selective_rollout/explored_predicted_dead"))
+    were_dead = sum(per_step(log_history, "selective_rollout/explored_were_dead"))
+    return {
+        "trained_informative": trained_informative,
+        "generated_informative": sum((1 - z) * r for z, r in zip(zero_std, rounds, strict=True)) / calls,
+        "generation_calls": calls,
+        "passes": calls * PROMPTS_PER_GENERATION / train_size,
+        "skipped": sum(per_step(log_history, "selective_rollout/skipped")),
+        "precision": were_dead / explored if explored else math.nan,
+    }
+
+
+def mean_and_spread(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(rows: dict[str, list[dict]]) -> list[dict]:
+    """One row per side: means over seeds, the spread of accuracy and gain, gain relative to trl_defaults."""
+    keys = ["steps", "trained_informative", "generated_informative", "generation_calls", "passes", "skipped"]
+    baseline = (
+        statistics.fmean(r["gain_per_cpu_min"] for r in rows["trl_defaults"]) if "trl_defaults" in rows else None
+    )
+    summary = []
+    for side, side_rows in rows.items():
+        acc, acc_spread = mean_and_spread([r["acc"] for r in side_rows])
+        gain, gain_spread = mean_and_spread([r["gain_per_cpu_min"] for r in side_rows])
+        row = {
+            "side": side,
+            "seeds": len(side_rows),
+            **{k: mean_and_spread([r[k] for r in side_rows])[0] for k in keys},
+        }
+        row.update(
+            precision=mean_and_spread([r["precision"] for r in side_rows])[0],
+            acc0=statistics.fmean(r["acc0"] for r in side_rows),
+            acc_per_seed=[r["acc"] for r in side_rows],
+            acc=acc,
+            acc_spread=acc_spread,
+            gain_per_cpu_min=gain,
+            gain_spread=gain_spread,
+            gain_vs_trl=gain / baseline if baseline else math.nan,
+        )
+        summary.append(row)
+    return summary
+
+
+def markdown(summary: list[dict]) -> str:
+    headers = ["side", "steps", "generation calls", "passes over train set", "skipped", "precision",
+               "informative (generated)", "informative (trained)", "held-out acc at budget (per seed)", "mean acc",
+               "acc gain per CPU-min", "vs TRL"]  # fmt: skip
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for r in summary:
+        cells = [
+            r["side"],
+            f"{r['steps']:.1f}",
+            f"{r['generation_calls']:.1f}",
+            f"{r['passes']:.1f}",
+            f"{r['skipped']:.1f}",
+            "—" if math.isnan(r["precision"]) else f"{r['precision']:.2f}",
+            f"{r['generated_informative']:.3f}",
+            f"{r['trained_informative']:.3f}",
+            " / ".join(f"{a:.3f}" for a in r["acc_per_seed"]),
+            f"{r['acc']:.3f} ± {r['acc_spread']:.3f}",
+            f"{r['gain_per_cpu_min']:+.4f} ± {r['gain_spread']:.4f}",
+            "—" if math.isnan(r["gain_vs_trl"]) else f"{r['gain_vs_trl']:.2f}x",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def without_nan(value):
+    """NaN (no figure, e.g. no precision without selective rollout) as JSON null."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: without_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_nan(v) for v in value]
+    return value
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-minutes", type=float, default=3.0, help="training CPU minutes per run")
+    parser.add_argument("--setting", choices=list(SETTINGS), default="fresh")
+    parser.add_argument("--budget-minutes", type=float, default=None, help="training CPU minutes per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--level", default=tasks.BENCHMARK_LEVEL, choices=list(tasks.LEVELS))
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-size", type=int, default=48)
-    parser.add_argument("--output-dir", default="outputs/sample_efficiency")
+    parser.add_argument("--output-dir", default=None, help="default: outputs/sample_efficiency/<setting>")
+    parser.add_argument("--train-size", type=int, default=None, help="training prompts (default: the setting's)")
     parser.add_argument(
         "--rewards",
         nargs="+",
-        default=["correctness", "format"],
-        help="reward functions; 'correctness' alone is binary, so many groups are all right or all wrong",
+        default=None,
+        help="reward functions (default: the setting's); 'correctness' alone is binary, so many groups are all right "
+        "or all wrong",
     )
-    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument("--sides", nargs="+", default=None, choices=list(SIDES), help="default: the setting's")
     args = parser.parse_args()
+    setting = SETTINGS[args.setting]
+    args.train_size = args.train_size if args.train_size is not None else setting["train_size"]
+    args.rewards = args.rewards or setting["rewards"]
+    args.sides = args.sides or setting["sides"]
+    args.budget_minutes = args.budget_minutes or setting["budget_minutes"]
+    args.output_dir = Path(args.output_dir or f"outputs/sample_efficiency/{args.setting}")
+    return args
 
+
+def main() -> None:
+    args = parse_args()
+    train_size = args.train_size or len(tasks.make_dataset("train", args.level))
     rows = {side: [] for side in args.sides}
     started = time.perf_counter()
     for seed in args.seeds:
-        for side in args.sides:  # alternate sides within a seed so machine load drifts hit both alike
+        for side in args.sides:  # alternate sides within a seed so machine load drifts hit all alike
             spec = SIDES[side]
             result = run_configuration(
                 side,
                 spec["overrides"],
                 seed=seed,
-                output_dir=Path(args.output_dir) / f"{side}-seed{seed}",
+                output_dir=args.output_dir / f"{side}-seed{seed}",
                 model=args.model,
                 task_level=args.level,
                 max_steps=10_000,
@@ -78,42 +203,35 @@ def main() -> None:
                 max_cpu_minutes=args.budget_minutes,
                 stock_trl=spec["stock_trl"],
                 reward_funcs=args.rewards,
+                train_size=args.train_size,
             )
             evals = result.evals()
             row = {
                 "seed": seed,
                 "steps": max(e.get("step", 0) for e in result.log_history),
-                "informative": informative_fraction(result.log_history, dynamic=not spec["stock_trl"]),
                 "acc0": evals[0]["eval_accuracy"],
                 "acc": evals[-1]["eval_accuracy"],
                 "cpu_min": result.train_cpu_minutes,
+                **run_row(result.log_history, spec["overrides"].get("dynamic_sampling", False), train_size),
             }
             row["gain_per_cpu_min"] = (row["acc"] - row["acc0"]) / row["cpu_min"]
             rows[side].append(row)
-            result_file = Path(args.output_dir) / f"{side}-seed{seed}" / "result.json"
-            result_file.parent.mkdir(parents=True, exist_ok=True)
-            result_file.write_text(json.dumps(row, indent=1))
-            print(f"{side:13s} seed {seed}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "seed"))
+            print(f"{side:17s} seed {seed}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "seed"))
 
-    print(
-        f"\nlevel {args.level}, rewards {args.rewards}, budget {args.budget_minutes} training CPU-minutes per run, "
-        f"seeds {args.seeds}"
+    summary = summarize(rows)
+    table = markdown(summary)
+    wall_minutes = (time.perf_counter() - started) / 60
+    header = (
+        f"setting {args.setting}: level {args.level}, {train_size} training prompts, rewards {args.rewards}, "
+        f"budget {args.budget_minutes} training CPU-minutes per run, seeds {args.seeds}, wall {wall_minutes:.1f} min"
     )
-    header = f"{'side':13s} {'steps':>6s} {'informative':>11s} {'acc0':>6s} {'acc':>6s} {'gain/CPU-min':>12s}"
-    print(header + "\n" + "-" * len(header))
-    for side, side_rows in rows.items():
-
-        def mean(key, side_rows=side_rows):
-            return statistics.fmean(r[key] for r in side_rows)
-
-        def spread(key, side_rows=side_rows):
-            return statistics.stdev(r[key] for r in side_rows) if len(side_rows) > 1 else 0.0
-
-        print(
-            f"{side:13s} {mean('steps'):6.1f} {mean('informative'):11.3f} {mean('acc0'):6.3f} "
-            f"{mean('acc'):6.3f}±{spread('acc'):.3f} {mean('gain_per_cpu_min'):+8.4f}±{spread('gain_per_cpu_min'):.4f}"
-        )
-    print(f"\nwall time {(time.perf_counter() - started) / 60:.1f} min")
+    print(f"\n{header}\n\n{table}")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "results.md").write_text(f"{header}\n\n{table}\n")
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    results = {"settings": settings, "train_size": train_size, "wall_minutes": wall_minutes, "runs": rows}
+    (args.output_dir / "results.json").write_text(json.dumps(without_nan({**results, "summary": summary}), indent=1))
+    print(f"\nwrote {args.output_dir / 'results.json'} and {args.output_dir / 'results.md'}")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ def run_configuration(
     stock_trl: bool = False,
     lora_r: int = 16,
     reward_funcs: Sequence[str] = ("correctness", "format"),
+    train_size: int | None = None,
 ) -> RunResult:
     """Train one configuration with LoRA on the built-in task; held-out accuracy is logged along the way."""
     import torch
@@ -141,7 +142,7 @@ def run_configuration(
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     policy = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    train = tasks.make_dataset("train", task_level, seed=seed)
+    train = tasks.make_dataset("train", task_level, size=train_size, seed=seed)  # None: the level's whole split
     held_out = tasks.make_dataset("test", task_level, size=eval_size)
     settings = {**BASE_SETTINGS, **overrides, "seed": seed, "max_steps": max_steps, "output_dir": str(output_dir)}
     if list(reward_funcs) != ["correctness", "format"]:

@@ -12,11 +12,13 @@ from .advantages import ADVANTAGE_NORMALIZERS
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
 from .plugins import load_plugins
 from .registry import did_you_mean
+from .selective_rollout import SelectiveRolloutSettings
 
 # Loss types TRL 1.16 implements and grpo_plus leaves to TRL's own `_compute_loss` (token/sequence levels only).
 TRL_NATIVE_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
 TRL_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 _BOOL_STRINGS = {"true": "group", "false": "none"}
+_SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
 
 
 class ConfigError(ValueError):
@@ -58,6 +60,7 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
 
     _check_ranges(args)
     _check_combinations(args, trl_native)
+    _check_selective_rollout(args)
 
 
 def _check_ranges(args: trl.GRPOConfig) -> None:
@@ -128,6 +131,30 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
             "delta > 1 + epsilon_high so the bound only caps ratios the clip would not.",
             stacklevel=3,
         )
+
+
+def _check_selective_rollout(args: trl.GRPOConfig) -> None:
+    """The `selective_rollout_*` fields (checked whether or not selective rollout is on, so a YAML typo surfaces)."""
+    if not hasattr(args, "selective_rollout"):
+        return  # a plain trl.GRPOConfig
+
+    def fail(name: str, allowed: str) -> None:
+        raise ConfigError(f"{name}={getattr(args, name)!r} is not allowed: {name} must be {allowed}.")
+
+    low, high = args.selective_rollout_explore_min, args.selective_rollout_explore_max
+    if not 0 < low <= 1:
+        fail("selective_rollout_explore_min", "in (0, 1] (the lowest exploration probability)")
+    if not low <= high <= 1:
+        fail("selective_rollout_explore_max", f"in [selective_rollout_explore_min={low}, 1]")
+    for name in ("selective_rollout_explore_solved", "selective_rollout_explore_unsolved"):
+        if not low <= getattr(args, name) <= high:
+            fail(name, f"in [selective_rollout_explore_min={low}, selective_rollout_explore_max={high}]")
+    if not 0 <= args.selective_rollout_explore_step <= 1:
+        fail("selective_rollout_explore_step", "in [0, 1] (0 keeps the exploration probabilities fixed)")
+    if not 0 <= args.selective_rollout_target_dead_frac <= 1:
+        fail("selective_rollout_target_dead_frac", "in [0, 1]")
+    if args.selective_rollout_history < 1:
+        fail("selective_rollout_history", ">= 1 (the longest dead streak that counts)")
 
 
 @dataclass
@@ -207,6 +234,63 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Python modules to import before the config is validated, so modes they register can be named "
             "in `loss_type`, `importance_sampling_level` or `scale_rewards` (e.g. from a YAML config). Packages can "
             "instead declare a `grpo_plus.plugins` entry point, which is loaded automatically."
+        },
+    )
+
+    selective_rollout: bool = field(
+        default=False,
+        metadata={
+            "help": "Selective rollout (GRESO): before generating, skip prompts whose recent groups all had equal "
+            "rewards (all right or all wrong) with a probability that grows with the streak, and draw other prompts "
+            "instead, so every generation batch stays full. Helps when training passes over a fixed prompt set "
+            "several times. Needs a map-style train_dataset; the per-prompt history is saved in checkpoints."
+        },
+    )
+    selective_rollout_explore_solved: float = field(
+        default=_SELECTIVE_DEFAULTS.explore_solved,
+        metadata={
+            "help": "Initial exploration probability p for prompts whose last z groups were all right: such a prompt "
+            "is generated for with probability max(p**z, 0.01) when it comes up, else skipped. Adapted during "
+            "training between selective_rollout_explore_min and selective_rollout_explore_max."
+        },
+    )
+    selective_rollout_explore_unsolved: float = field(
+        default=_SELECTIVE_DEFAULTS.explore_unsolved,
+        metadata={"help": "Initial exploration probability p for prompts whose last z groups were all wrong."},
+    )
+    selective_rollout_explore_min: float = field(
+        default=_SELECTIVE_DEFAULTS.explore_min,
+        metadata={"help": "Lowest value the adapted exploration probabilities may reach."},
+    )
+    selective_rollout_explore_max: float = field(
+        default=_SELECTIVE_DEFAULTS.explore_max,
+        metadata={"help": "Highest value the adapted exploration probabilities may reach."},
+    )
+    selective_rollout_explore_step: float = field(
+        default=_SELECTIVE_DEFAULTS.explore_step,
+        metadata={
+            "help": "After every generation batch (from the second pass over the data on), each exploration "
+            "probability moves down by this step when its kind of dead group made up at least its target share of "
+            "the generated groups, up otherwise. 0 keeps them fixed."
+        },
+    )
+    selective_rollout_target_dead_frac: float = field(
+        default=_SELECTIVE_DEFAULTS.target_dead_frac,
+        metadata={
+            "help": "Target share of dead (zero-variance) groups among the generated ones, split one third to "
+            "all-right and two thirds to all-wrong prompts (GRESO's split: all-wrong prompts are explored more)."
+        },
+    )
+    selective_rollout_history: int = field(
+        default=_SELECTIVE_DEFAULTS.history,
+        metadata={"help": "Longest dead streak z that counts toward a prompt's skip probability 1 - p**z."},
+    )
+    selective_rollout_solved_reward: float | None = field(
+        default=_SELECTIVE_DEFAULTS.solved_reward,
+        metadata={
+            "help": "A dead group whose reward is at least this counts as all right, below as all wrong. None: the "
+            "midpoint of the lowest and highest reward seen so far (0.5 for a 0/1 reward). A group counts as dead "
+            "when its reward std is at most dynamic_sampling_min_std."
         },
     )
 

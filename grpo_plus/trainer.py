@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import trl
 from datasets import IterableDataset
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.rewards import get_soft_overlong_punishment
 from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
 
@@ -24,6 +25,7 @@ from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, PolicyLossOutput, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
+from .selective_rollout import SelectiveRollout, SelectiveRolloutSettings
 from .train_pass import (
     additive_mask,
     chunk_rows,
@@ -120,6 +122,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._refill_draws = None
         if self.dynamic_sampling and isinstance(self.train_dataset, IterableDataset):
             raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
+        self._selective_rollout = self._make_selective_rollout()
+        self._selective_draw = None  # the draw whose completions are being generated and scored
         self.reward_funcs = [
             _GuardedReward(func, name)
             if callable(func) and not isinstance(func, torch.nn.Module) and not is_async_callable(func)
@@ -153,6 +157,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 raise ValueError(
                     f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint."
                 )
+        if resume_from_checkpoint:
+            self._load_selective_rollout_state(resume_from_checkpoint)
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):
@@ -186,9 +192,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        selective = self._selective_rollout is not None and self.model.training
+        if selective:
+            inputs = self._draw_selective_inputs(len(inputs))
         output = self._score_round(inputs)
         if self.dynamic_sampling and self.model.training:
             output = self._keep_informative_groups(inputs, output)
+        if selective:
+            self._log_selective_batch()
         return output
 
     def _score_round(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -200,6 +211,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             output = super()._generate_and_score_completions(inputs)
         finally:
             self.scale_rewards = normalizer
+        self._record_selective_round()
         if self.multi_objective_aggregation == "sum_then_normalize":
             output["advantages"] = self._local_advantages(len(inputs))
         return output
@@ -274,14 +286,67 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _draw_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
         """This process's slice of a fresh draw of prompts, each repeated num_generations times."""
+        if self._selective_rollout is not None:
+            return self._draw_selective_inputs(num_rows)
         groups = num_rows // self.num_generations
         if self._refill_draws is None:
             self._refill_draws = refill_prompts(
                 self.train_dataset, self.num_generations, groups * self.accelerator.num_processes, self.args.seed + 1
             )
-        indices = next(self._refill_draws)
+        return self._local_rows(next(self._refill_draws), num_rows)
+
+    def _local_rows(self, rows: list[int], num_rows: int) -> list[dict[str, Any]]:
+        """This process's `num_rows` dataset rows of a draw that spans all processes."""
         start = self.accelerator.process_index * num_rows
-        return [self.train_dataset[i] for i in indices[start : start + num_rows]]
+        return [self.train_dataset[i] for i in rows[start : start + num_rows]]
+
+    # ---- selective rollout (GRESO) ------------------------------------------------------------------------------
+    # The history and decisions live in grpo_plus/selective_rollout.py. Every process holds the same history (it is
+    # updated from the rewards TRL gathers from all processes) and draws the same global batch, then takes its slice.
+
+    def _make_selective_rollout(self) -> SelectiveRollout | None:
+        if not getattr(self.args, "selective_rollout", False):
+            return None
+        if isinstance(self.train_dataset, IterableDataset) or not hasattr(self.train_dataset, "__len__"):
+            raise ValueError("selective_rollout=True needs a map-style train_dataset (rows addressed by index).")
+        return SelectiveRollout(
+            len(self.train_dataset),
+            SelectiveRolloutSettings.from_args(self.args),
+            seed=self.args.seed,
+            shuffle=self.shuffle_dataset,
+        )
+
+    def _draw_selective_inputs(self, num_rows: int) -> list[dict[str, Any]]:
+        """Replace a generation round's prompts with a selective draw (predicted-dead prompts skipped, the round
+        kept full); the dataset row index is the prompt's identity, so reward functions see the rows unchanged."""
+        num_prompts = num_rows * self.accelerator.num_processes // self.num_generations
+        self._selective_draw = self._selective_rollout.draw(num_prompts)
+        return self._local_rows(self._selective_draw.rows(self.num_generations), num_rows)
+
+    def _record_selective_round(self) -> None:
+        """Feed the round's gathered rewards (all processes, draw order) to the history."""
+        if self._selective_draw is None or not self.model.training:
+            return
+        rewards = combine_rewards(self._rewards_per_func, self.reward_weights)
+        self._selective_rollout.record(self._selective_draw, rewards, self.num_generations)
+        self._selective_draw = None
+
+    def _log_selective_batch(self) -> None:
+        metrics = self._metrics["train"]
+        for name, value in self._selective_rollout.end_batch().items():
+            metrics[f"selective_rollout/{name}"].append(value)
+
+    def _save_checkpoint(self, model, trial):
+        # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
+        # complete: a complete checkpoint always holds the history its step left behind.
+        if self._selective_rollout is not None and self.args.should_save:
+            run_dir = Path(self._get_output_dir(trial=trial))
+            self._selective_rollout.save(run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        super()._save_checkpoint(model, trial)
+
+    def _load_selective_rollout_state(self, checkpoint: str) -> None:
+        if self._selective_rollout is not None and not self._selective_rollout.load(checkpoint):
+            logger.warning("%s holds no selective-rollout history: selective rollout starts afresh.", checkpoint)
 
     # ---- zero-waste training pass (grpo_plus.train_pass) ----------------------------------------------------------
 

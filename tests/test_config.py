@@ -37,6 +37,15 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "overlong_penalty",
         "zero_waste_pass",
         "zero_waste_shared_prompt",
+        "selective_rollout",
+        "selective_rollout_explore_solved",
+        "selective_rollout_explore_unsolved",
+        "selective_rollout_explore_min",
+        "selective_rollout_explore_max",
+        "selective_rollout_explore_step",
+        "selective_rollout_target_dead_frac",
+        "selective_rollout_history",
+        "selective_rollout_solved_reward",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 

@@ -37,7 +37,7 @@ def tiny_config(family: str, vocab_size: int, **overrides):
 
 
 def make_trainer(
-    family: str = "llama", attn: str = "sdpa", config_overrides=None, dtype=torch.float64, **args
+    family: str = "llama", attn: str = "sdpa", config_overrides=None, dtype=torch.float64, peft_config=None, **args
 ) -> GRPOTrainer:
     """A grpo_plus trainer around a tiny model; the tests feed `_compute_loss` hand-made micro-batches."""
     tokenizer = make_tokenizer()
@@ -62,6 +62,7 @@ def make_trainer(
         args=GRPOConfig(**kwargs),
         train_dataset=prompt_dataset(4),
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -168,6 +169,27 @@ def test_gradient_equals_full_pass(family_trainer, loss_type, importance_samplin
     # were not computed.
     assert [call["mask_dims"] for call in log.calls] == [4]
     assert log.positions < 0.5 * full_positions, (log.positions, full_positions)
+
+
+@pytest.mark.parametrize("setting", ["lora", "gradient_checkpointing"])
+def test_gradient_equals_full_pass_with_lora_and_gradient_checkpointing(setting):
+    """The recipes' settings: a LoRA adapter on all linear layers, checkpointed layers (QLoRA / 1.5B recipes)."""
+    from peft import LoraConfig
+
+    if setting == "lora":
+        trainer = make_trainer(peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    else:
+        trainer = make_trainer(gradient_checkpointing=True)
+    inputs = micro_batch(trainer)
+    set_zero_waste(trainer, on=False)
+    full = loss_and_grads(trainer, inputs)
+    set_zero_waste(trainer, on=True)
+    log = ForwardLog(trainer.model)
+    saved = loss_and_grads(trainer, inputs)
+    assert_same_gradient(full, saved)
+    assert log.calls and log.calls[0]["mask_dims"] == 4
+    if setting == "lora":
+        assert all("lora_" in name for name in full[1]), "only the adapter should train"
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gpt2"])

@@ -2,17 +2,15 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
 from safetensors.torch import load_file
-from tiny import accelerate_launch, length_reward, prompt_dataset, tiny_run_kwargs
+from tiny import accelerate_launch, kill_after_checkpoint, length_reward, prompt_dataset, tiny_run_kwargs
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo_plus import GRPOConfig, GRPOTrainer
@@ -152,20 +150,7 @@ def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
         dual_clip=3.0,
         scale_rewards="batch",
     )
-    process = subprocess.Popen(
-        [sys.executable, SCRIPT, *args, "--step_delay", "0.4"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.monotonic() + 240
-    while not is_complete_checkpoint(out / "checkpoint-4"):
-        assert process.poll() is None, process.stdout.read()[-3000:]
-        assert time.monotonic() < deadline, "no checkpoint-4 in time"
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL
+    kill_after_checkpoint([sys.executable, SCRIPT, *args, "--step_delay", "0.4"], out / "checkpoint-4")
     assert not (out / "checkpoint-12").exists(), "the run finished before it could be killed"
     killed_at = last_complete_checkpoint(out)
     killed_step = int(killed_at.rsplit("-", 1)[1])

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import signal
 import string
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from grpo_plus.checkpoints import is_complete_checkpoint
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>"]
 CHARS = string.ascii_letters + string.digits + " .,:;!?+-*/=()<>'\"#\n"
@@ -231,3 +236,30 @@ class ForwardLog:
 
     def clear(self) -> None:
         self.calls.clear()
+
+
+def odd_prompts_dead_reward(completions, prompts, **kwargs) -> list[float]:
+    """1.0 for every completion of a prompt starting with an odd digit (always dead, "solved"); 0/1 alternating by
+    row otherwise, so those groups (consecutive rows) are always informative whatever the model writes."""
+    prompt_texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+    return [1.0 if int(p[0]) % 2 else float(row % 2) for row, p in enumerate(prompt_texts)]
+
+
+def dead_rows(dataset) -> set[int]:
+    """Rows of `prompt_dataset` that `odd_prompts_dead_reward` makes dead."""
+    return {i for i, row in enumerate(dataset) if int(str(row["prompt"])[0]) % 2}
+
+
+def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float = 240) -> str:
+    """Run `command`, SIGKILL it as soon as `checkpoint` is complete (kill -9: no cleanup, no crash handler); returns
+    what it printed."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while not is_complete_checkpoint(checkpoint):
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"no {checkpoint.name} in time"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    output, _ = process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    return output

@@ -25,6 +25,7 @@ from tiny import (  # noqa: E402
     half_dead_reward,
     length_reward,
     odd_prompts_constant_reward,
+    odd_prompts_dead_reward,
     prompt_dataset,
     use_row_seeded_sampling,
 )
@@ -45,8 +46,13 @@ class TinyArgs:
     stock_trl: bool = field(default=False, metadata={"help": "Use trl.GRPOTrainer instead of grpo_plus's."})
     step_delay: float = field(default=0.0, metadata={"help": "Sleep this long after each optimizer step."})
     peft: bool = field(default=False, metadata={"help": "Train a LoRA adapter."})
-    reward: str = field(default="length_digit", metadata={"help": "length_digit | odd_constant | constant | half_dead"})
+    reward: str = field(
+        default="length_digit", metadata={"help": "length_digit | odd_constant | constant | half_dead | odd_dead"}
+    )
     record_groups: str | None = field(default=None, metadata={"help": "Write per-group checks here (json, per rank)."})
+    record_draws: str | None = field(
+        default=None, metadata={"help": "Append every selective-rollout draw here (json lines, per rank)."}
+    )
 
 
 class SlowDown(TrainerCallback):
@@ -73,7 +79,24 @@ REWARDS = {
     "odd_constant": [odd_prompts_constant_reward],
     "constant": [constant_reward],
     "half_dead": [half_dead_reward],
+    "odd_dead": [odd_prompts_dead_reward],
 }
+
+
+def record_selective_draws(trainer, path: str) -> None:
+    """Append each draw (the step it was made after, drawn and skipped rows) as a line, flushed: a killed run
+    leaves every decision it made."""
+    selector = trainer._selective_rollout
+    draw = selector.draw
+
+    def recording_draw(num_prompts):
+        result = draw(num_prompts)
+        line = {"after_step": trainer.state.global_step, "indices": result.indices, "skipped": result.skipped}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        return result
+
+    selector.draw = recording_draw
 
 
 def main() -> None:
@@ -99,6 +122,8 @@ def main() -> None:
         local_rows = training_args.per_device_train_batch_size * training_args.steps_per_generation
         use_row_seeded_sampling(model, training_args.seed, row_offset=trainer.accelerator.process_index * local_rows)
     recorder = GroupRecorder(trainer, training_args.num_generations) if tiny_args.record_groups else None
+    if tiny_args.record_draws:
+        record_selective_draws(trainer, f"{tiny_args.record_draws}.rank{trainer.accelerator.process_index}")
     trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)
     if recorder is not None:
         groups = [
