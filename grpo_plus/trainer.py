@@ -646,8 +646,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         totals["entropy"] = _masked_total(entropies, mask)
         names = list(totals)
         reduced = self.accelerator.reduce(torch.stack([totals[n].float() for n in names]), reduction="sum")
+        computed_only = ("entropy", "ratio/mean") if computed_rows is not None else ()
         for name, (total, count) in zip(names, reduced.tolist(), strict=True):
-            metrics[name].append(total / max(count, 1.0))
+            if name in computed_only and count == 0:  # every row skipped: nothing to average
+                metrics[name].append(float("nan"))
+            else:
+                metrics[name].append(total / max(count, 1.0))
         low, high = out.sequence_clip_fractions()
         metrics["clip_ratio/low_min"].append(nanmin(self.accelerator.gather(low.float())).item())
         metrics["clip_ratio/high_max"].append(nanmax(self.accelerator.gather(high.float())).item())
