@@ -13,8 +13,6 @@ from typing import Any
 import torch
 import trl
 from datasets import IterableDataset
-from trl.rewards import get_soft_overlong_punishment
-from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
 
 from .advantages import compute_advantages
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
@@ -22,21 +20,15 @@ from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
 from .losses import PolicyLossOutput, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
-
-# Model inputs TRL's `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models).
-_FORWARD_INPUT_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
+from .trl_compat import FORWARD_INPUT_KEYS as _FORWARD_INPUT_KEYS
+from .trl_compat import (
+    check_trl_compatibility,
+    get_soft_overlong_punishment,
+    is_async_callable,
+    nanmax,
+    nanmin,
+    split_tensor_dict,
 )
-
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +68,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     """Drop-in for `trl.GRPOTrainer`: same arguments, same numbers for TRL's modes, plus grpo_plus's modes."""
 
     def __init__(self, model, reward_funcs=None, args: trl.GRPOConfig | None = None, *pos_args, **kwargs):
+        check_trl_compatibility()  # an untested TRL warns; a changed private method fails here, not mid-training
         if args is not None:
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
