@@ -362,6 +362,19 @@ def test_push_bin_weights_when_no_safetensors(monkeypatch, trained_output_dir):
     assert paths == ADAPTER_PUSH - {"adapter_model.safetensors"} | {"adapter_model.bin"}
 
 
+def test_push_refused_by_the_hub_is_a_hub_access_error(monkeypatch, trained_output_dir):
+    """An HTTP error while pushing (e.g. write access revoked during training) reads like the access check's errors,
+    so the recipe prints it as an `error:` line."""
+    fake_upload(monkeypatch)
+
+    def forbidden(self, repo_id, operations, **kwargs):
+        raise http_error(403)
+
+    monkeypatch.setattr(HfApi, "create_commit", forbidden)
+    with pytest.raises(HubAccessError, match="Pushing the adapter to alice/x failed \\(HTTP 403\\)"):
+        push_adapter(trained_output_dir, "alice/x", token="hf_test")
+
+
 def test_push_without_adapter_is_a_clear_error(monkeypatch, tmp_path):
     """A full fine-tune (no LoRA) leaves model weights only: refuse before touching the Hub."""
     for name in ("config.json", "model.safetensors", "README.md"):
