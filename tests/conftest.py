@@ -33,6 +33,17 @@ def pytest_report_header(config) -> str:
     return "versions: " + ", ".join(f"{name} {installed(name)}" for name in names)
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Undo environment variables a test left behind: transformers 4.x's TrainingArguments exports settings such as
+    ACCELERATE_MIXED_PRECISION=bf16, which every later subprocess (accelerate launch, recipes) would inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama + character tokenizer saved once per session."""

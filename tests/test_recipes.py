@@ -176,7 +176,9 @@ def test_unknown_config_key_names_the_closest_field(tmp_path, capsys):
 
 def test_unknown_flag_names_the_closest_field(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_recipe_args(["--output_dir", str(tmp_path), "--use_cpu", "true", "--epsilon_hgh", "0.3"])
+        parse_recipe_args(
+            ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--epsilon_hgh", "0.3"]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown flag: '--epsilon_hgh' (did you mean '--epsilon_high'?)")
