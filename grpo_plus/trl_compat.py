@@ -32,7 +32,7 @@ __all__ = [
     "has_fused_lm_head",
     "is_async_callable",
     "is_tested_trl_version",
-    "missing_logps_kernel_reason",
+    "logps_unavailable_reason",
     "nanmax",
     "nanmin",
     "split_tensor_dict",
@@ -173,15 +173,22 @@ def has_fused_lm_head() -> bool:
     return hasattr(trl_utils, "add_fused_lm_head")
 
 
-def missing_logps_kernel_reason() -> str | None:
-    """Why this TRL cannot compute training log-probs on this machine, or None if it can.
+def logps_unavailable_reason(device_type: str = "cpu") -> str | None:
+    """Why this TRL cannot compute training log-probs on `device_type`, or None if it can.
 
-    TRL 1.15's fused LM head runs only through its Triton kernel (`_ChunkedLogProbFunction` is None without Triton,
-    e.g. with a CPU-only torch); 1.14 computes full logits and 1.16 added a plain-torch fallback.
+    TRL 1.15's fused LM head has only a Triton kernel, which runs on CUDA/XPU (and is None without Triton, e.g. with
+    a CPU-only torch); 1.14 computes full logits and 1.16 added a plain-torch fallback (`_use_triton` picks it).
     """
-    if has_fused_lm_head() and getattr(trl_utils, "_ChunkedLogProbFunction", None) is None:
+    if not has_fused_lm_head() or hasattr(trl_utils, "_use_triton"):
+        return None
+    if getattr(trl_utils, "_ChunkedLogProbFunction", None) is None:
         return (
             f"TRL {trl.__version__} computes log-probs only with its Triton kernel, and Triton is not installed "
             "(CPU-only torch); TRL 1.14 and 1.16+ run without it"
+        )
+    if device_type not in ("cuda", "xpu"):
+        return (
+            f"TRL {trl.__version__} computes log-probs only with its Triton kernel, which runs on CUDA/XPU, not "
+            f"{device_type}; TRL 1.14 and 1.16+ run on {device_type}"
         )
     return None

@@ -9,13 +9,13 @@ from tiny import digit_reward, length_reward, prompt_dataset, tiny_run_kwargs
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
-from grpo_plus.trl_compat import missing_logps_kernel_reason
+from grpo_plus.trl_compat import logps_unavailable_reason
 
 pytestmark = [
     pytest.mark.slow,
-    # TRL 1.15 on a CPU-only torch: stock TRL itself cannot train, so there is nothing to compare against here
-    # (tests/test_losses_parity.py still checks its _compute_loss against the core; a GPU run covers the rest).
-    pytest.mark.skipif(missing_logps_kernel_reason() is not None, reason=str(missing_logps_kernel_reason())),
+    # TRL 1.15 on CPU (where these tests train): stock TRL itself cannot train, so there is nothing to compare
+    # against (tests/test_losses_parity.py still checks its _compute_loss against the core).
+    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
 ]
 
 

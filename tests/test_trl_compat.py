@@ -23,7 +23,7 @@ from grpo_plus.trl_compat import (
     check_hooked_methods,
     check_trl_compatibility,
     is_tested_trl_version,
-    missing_logps_kernel_reason,
+    logps_unavailable_reason,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,17 +182,21 @@ def test_every_hooked_method_is_one_grpo_plus_overrides_or_calls():
 # ------------------------------------------------------------------------------------------------ log-prob kernel
 
 
-def test_missing_logps_kernel_reason_follows_trl(monkeypatch):
+def test_logps_unavailable_reason_follows_trl(monkeypatch):
     monkeypatch.delattr(trl_utils, "add_fused_lm_head", raising=False)
-    assert missing_logps_kernel_reason() is None  # 1.14: full logits, no kernel needed
+    assert logps_unavailable_reason("cpu") is None  # 1.14: full logits, no kernel needed
     monkeypatch.setattr(trl_utils, "add_fused_lm_head", object(), raising=False)
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: False, raising=False)
+    assert logps_unavailable_reason("cpu") is None  # 1.16: a plain-torch fallback
+    monkeypatch.delattr(trl_utils, "_use_triton")
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None, raising=False)
-    assert "Triton" in missing_logps_kernel_reason()  # 1.15 without Triton
+    assert "Triton is not installed" in logps_unavailable_reason("cuda")  # 1.15 with a CPU-only torch
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", object())
-    assert missing_logps_kernel_reason() is None  # a kernel (1.15 with Triton, or 1.16's torch fallback)
+    assert "runs on CUDA/XPU, not cpu" in logps_unavailable_reason("cpu")  # 1.15 with Triton, on CPU
+    assert logps_unavailable_reason("cuda") is None  # 1.15 with Triton, on a GPU
 
 
-def test_missing_logps_kernel_reason_is_true_of_stock_trl(tiny_model_dir, tmp_path):
+def test_logps_unavailable_reason_is_true_of_stock_trl(tiny_model_dir, tmp_path):
     """The reason the matrix skips training tests is a fact, not an assumption: stock TRL's log-prob computation
     fails exactly when a reason is given."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
@@ -206,7 +210,7 @@ def test_missing_logps_kernel_reason_is_true_of_stock_trl(tiny_model_dir, tmp_pa
     call = lambda: trainer._get_per_token_logps_and_entropies(  # noqa: E731
         trainer.model, input_ids, torch.ones_like(input_ids), 3, compute_entropy=True
     )
-    if missing_logps_kernel_reason() is None:
+    if logps_unavailable_reason("cpu") is None:
         logps, entropies, _ = call()
         assert logps.shape == entropies.shape == (2, 3) and torch.isfinite(logps).all()
     else:
