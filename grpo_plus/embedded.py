@@ -110,8 +110,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
         del model.config.quantization_config
     # The GGUF carries no length limit for the tokenizer; use the model's (the hub tokenizer says 8192 too).
     tokenizer.model_max_length = model.config.max_position_embeddings
-    if tokenizer.pad_token is None:  # SmolLM2 ships pad = <|im_end|>; keep TRL's padding working regardless
-        tokenizer.pad_token = tokenizer.eos_token
+    # The model config read from the GGUF has SmolLM2's end-of-turn token <|im_end|> as eos and pad (as the hub
+    # tokenizer does); transformers 4.5x's GGUF tokenizer reader takes <|im_start|> as eos and sets no pad.
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model.config.eos_token_id)
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id or model.config.eos_token_id)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     manifest = {

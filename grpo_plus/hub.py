@@ -116,7 +116,9 @@ def _resolve_token(token: str | None) -> str:
 def _hub_offline() -> bool:
     """Offline mode, read at call time (huggingface_hub reads its env vars once, at import)."""
     env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return huggingface_hub.constants.is_offline_mode() or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+    is_offline_mode = getattr(huggingface_hub.constants, "is_offline_mode", None)  # huggingface_hub >= 1.0
+    offline = is_offline_mode() if is_offline_mode is not None else huggingface_hub.constants.HF_HUB_OFFLINE
+    return offline or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 def _network_error(e: BaseException | None = None) -> HubAccessError:
@@ -129,11 +131,13 @@ def _network_error(e: BaseException | None = None) -> HubAccessError:
 
 
 def _is_network_error(e: BaseException) -> bool:
-    """Connection failures as raised by huggingface_hub's HTTP client (httpx/httpx2 transport errors)."""
+    """Connection failures as raised by huggingface_hub's HTTP client (httpx2, httpx or, before 1.0, requests)."""
     if isinstance(e, (OfflineModeIsEnabled, ConnectionError, TimeoutError)):
         return True
-    # Transport errors of the HTTP client, matched by name so this works whichever httpx flavour is installed.
-    return any(cls.__name__ in {"TransportError", "ConnectError", "TimeoutException"} for cls in type(e).__mro__)
+    # Matched by name so this works whichever HTTP library is installed: httpx's transport errors, requests'
+    # ConnectionError / Timeout (not subclasses of the built-in exceptions of the same name).
+    names = {"TransportError", "ConnectError", "TimeoutException", "ConnectionError", "Timeout"}
+    return any(cls.__name__ in names for cls in type(e).__mro__)
 
 
 def _whoami(token: str) -> dict[str, Any]:
@@ -397,6 +401,9 @@ def push_adapter(
         # training_args.bin in output_dir can never slip in.
         operations = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
         api.create_commit(repo_url.repo_id, operations, commit_message=commit_message, repo_type="model", token=token)
+    except HfHubHTTPError as e:
+        status = getattr(e.response, "status_code", None)
+        raise HubAccessError(f"Pushing the adapter to {repo_id} failed (HTTP {status}): {e}") from e
     except Exception as e:
         if _is_network_error(e):
             raise _network_error(e) from e

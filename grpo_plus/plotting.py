@@ -22,8 +22,13 @@ __all__ = ["DEFAULT_COMPARE_METRICS", "DEFAULT_TRAINING_KEYS", "plot_comparison"
 DEFAULT_TRAINING_KEYS: tuple[str | tuple[str, ...], ...] = (
     ("reward", "rewards/*/mean"),
     "completions/mean_length",
+    "frac_reward_zero_std",
+    "eval_accuracy",
     "clip_ratio/region_mean",
 )
+# Panels left out when every logged value is 0. The clip fraction is exactly 0 in any run that takes one optimizer
+# step per generation batch (the ratio is 1), which says nothing; where clipping happens the panel is kept.
+DEFAULT_HIDDEN_WHEN_ZERO = ("clip_ratio/*",)
 DEFAULT_COMPARE_METRICS = ("reward", "eval_accuracy", "completions/mean_length", "clip_ratio/region_mean")
 
 # Readable axis labels for the keys TRL's GRPOTrainer logs.
@@ -32,6 +37,7 @@ _LABELS = {
     "reward_std": "reward std",
     "completions/mean_length": "mean completion length (tokens)",
     "clip_ratio/region_mean": "fraction of tokens clipped",
+    "frac_reward_zero_std": "fraction of groups with equal rewards",
     "kl": "KL to reference",
     "entropy": "entropy",
     "loss": "loss",
@@ -105,11 +111,19 @@ def plot_training_curves(
     path: str | os.PathLike,
     *,
     keys: Sequence[str | Sequence[str]] = DEFAULT_TRAINING_KEYS,
+    hidden_when_zero: Sequence[str] = DEFAULT_HIDDEN_WHEN_ZERO,
     title: str | None = "GRPO training",
     x: str = "step",
 ) -> Figure:
-    """Plot logged training metrics (one panel per entry of `keys`, missing keys skipped) to a PNG; return the Figure."""
-    panels = [found for patterns in keys if (found := _expand(log_history, patterns))]
+    """Plot logged training metrics (one panel per entry of `keys`, missing keys skipped) to a PNG; return the Figure.
+
+    A panel whose keys all match a pattern of `hidden_when_zero` and never leave 0 is skipped too.
+    """
+    panels = [
+        found
+        for patterns in keys
+        if (found := _expand(log_history, patterns)) and not _flat_zero(log_history, found, hidden_when_zero, x)
+    ]
     if not panels:
         fig = _empty_figure(title, "no metrics logged")
         _save(fig, path)
@@ -120,6 +134,13 @@ def plot_training_curves(
     fig = axes[0].figure
     _save(fig, path)
     return fig
+
+
+def _flat_zero(log_history: Sequence[Mapping[str, Any]], keys: list[str], patterns: Sequence[str], x: str) -> bool:
+    """True if every key matches one of `patterns` and all its logged values are 0."""
+    return all(
+        any(fnmatch.fnmatchcase(key, p) for p in patterns) and not any(series(log_history, key, x)[1]) for key in keys
+    )
 
 
 def _plot_panel(ax: Axes, log_history: Sequence[Mapping[str, Any]], keys: list[str], x: str) -> None:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from trl import ModelConfig, TrlParser
 
@@ -62,22 +62,39 @@ def parse_recipe_args(argv: list[str] | None = None) -> tuple[ScriptArguments, G
     """CLI flags and/or --config YAML -> (script, training, model) arguments; bad input exits with its reason."""
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
     try:
-        return parser.parse_args_and_config(argv)
+        *parsed, config_unknown, cli_unknown = parser.parse_args_and_config(
+            argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
     except ValueError as error:
-        fail(_explain_unknown_keys(str(error)))
+        fail(str(error))
+    if config_unknown or cli_unknown:
+        fail(_unknown_arguments_message(config_unknown, cli_unknown))
+    script_args, training_args, model_args = parsed
+    return script_args, training_args, model_args
 
 
-def _explain_unknown_keys(message: str) -> str:
-    """Add 'did you mean' hints to TrlParser's 'Unknown arguments from config file' error."""
-    if "Unknown arguments" not in message:
-        return message
+def _unknown_arguments_message(config_unknown: list[str], cli_unknown: list[str]) -> str:
+    """Name every unknown config key and flag with the closest field (TrlParser leaves them over as '--name value')."""
     known = {f.name for cls in (ScriptArguments, GRPOConfig, ModelConfig) for f in fields(cls)}
-    hints = []
-    for token in message.replace("'", " ").replace(",", " ").replace("[", " ").replace("]", " ").split():
-        if token.startswith("--"):
-            close = closest_name(token[2:], known)
-            hints.append(f"{token[2:]!r}" + (f" (did you mean {close!r}?)" if close else ""))
-    return f"{message}\nNot a recipe, GRPOConfig or ModelConfig field: {', '.join(hints)}" if hints else message
+
+    def described(strings: list[str], prefix: str) -> str:
+        names = [s[2:].split("=", 1)[0] for s in strings if s.startswith("--")]
+        hints = [(f"'{prefix}{name}'", closest_name(name, known)) for name in names]
+        return ", ".join(name + (f" (did you mean '{prefix}{close}'?)" if close else "") for name, close in hints)
+
+    def plural(noun: str, strings: list[str]) -> str:
+        return noun + ("s" if sum(s.startswith("--") for s in strings) > 1 else "")
+
+    problems = []
+    if config_unknown:
+        problems.append(f"{plural('unknown key', config_unknown)} in the config file: {described(config_unknown, '')}")
+    if any(s.startswith("--") for s in cli_unknown):
+        problems.append(f"{plural('unknown flag', cli_unknown)}: {described(cli_unknown, '--')}")
+    elif cli_unknown:
+        problems.append(f"unexpected argument: {' '.join(cli_unknown)}")
+    return (
+        "; ".join(problems) + ". Every recipe, GRPOConfig and ModelConfig field is a flag and a config key (--help)."
+    )
 
 
 def prepare_hub_push(training_args: GRPOConfig) -> str | None:
@@ -87,10 +104,13 @@ def prepare_hub_push(training_args: GRPOConfig) -> str | None:
     """
     if not training_args.push_to_hub:
         return None
-    from .hub import check_hub_access
+    from .hub import HubAccessError, check_hub_access
 
     repo = training_args.hub_model_id or training_args.output_dir.rstrip("/").split("/")[-1]
-    repo_id = check_hub_access(repo, training_args.hub_token)
+    try:
+        repo_id = check_hub_access(repo, training_args.hub_token)
+    except HubAccessError as error:
+        fail(str(error))
     training_args.push_to_hub = False
     return repo_id
 
@@ -183,6 +203,15 @@ def eval_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> s
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
+def held_out_accuracy_points(
+    before: dict[str, Any] | None, after: dict[str, Any] | None, final_step: int
+) -> list[dict[str, Any]]:
+    """The held-out accuracy before (step 0) and after training as log entries, so the reward plot shows it."""
+    if not before or not after or "accuracy" not in before or "accuracy" not in after:
+        return []
+    return [{"step": 0, "eval_accuracy": before["accuracy"]}, {"step": final_step, "eval_accuracy": after["accuracy"]}]
+
+
 def task_description(args: ScriptArguments) -> dict[str, Any] | str:
     """What the model card says the run trained on."""
     if args.dataset_name is not None:
@@ -206,7 +235,7 @@ def finish_run(
     hub_repo_id: str | None,
 ) -> None:
     """Plot, model card, optional adapter push and merge: everything after the adapter is saved."""
-    from .hub import loss_config_from_args, merge_adapter, push_adapter, write_model_card
+    from .hub import HubAccessError, loss_config_from_args, merge_adapter, push_adapter, write_model_card
     from .plotting import plot_training_curves
 
     args = trainer.args
@@ -217,7 +246,8 @@ def finish_run(
         print(table)
     if not trainer.accelerator.is_main_process:
         return
-    plot_training_curves(trainer.state.log_history, output_dir / "reward_curve.png", title=f"GRPO on {base_model}")
+    history = trainer.state.log_history + held_out_accuracy_points(before, after, trainer.state.global_step)
+    plot_training_curves(history, output_dir / "reward_curve.png", title=f"GRPO on {base_model}")
     write_model_card(
         output_dir,
         base_model=EMBEDDED_HUB_ID if is_embedded_name(base_model) else base_model,
@@ -236,14 +266,20 @@ def finish_run(
     )
     print(f"\nAdapter, model card and reward_curve.png written to {output_dir}")
     if hub_repo_id is not None:
-        url = push_adapter(output_dir, hub_repo_id, token=args.hub_token, private=args.hub_private_repo)
+        try:
+            url = push_adapter(output_dir, hub_repo_id, token=args.hub_token, private=args.hub_private_repo)
+        except HubAccessError as error:
+            retry = (
+                f"python -c \"from grpo_plus.hub import push_adapter; push_adapter('{output_dir}', '{hub_repo_id}')\""
+            )
+            fail(f"{error}\nThe adapter is saved in {output_dir}; push it later with: {retry}")
         print(f"Pushed the LoRA adapter to {url}")
     if script_args.merge:
         merged = merge_adapter(base_model_path, output_dir, output_dir / "merged")
         print(f"Merged model saved to {merged}")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     """Exit with a one-line reason instead of a traceback (bad input the user can fix)."""
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)

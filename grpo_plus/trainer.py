@@ -16,8 +16,6 @@ import torch
 import trl
 from datasets import IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-from trl.rewards import get_soft_overlong_punishment
-from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
 
 from .advantages import compute_advantages
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
@@ -38,22 +36,18 @@ from .train_pass import (
     shared_prompt_blocker,
     unpack,
 )
-from .trl_compat import HAS_FUSED_LM_HEAD
-
-# Model inputs TRL's `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models).
-_FORWARD_INPUT_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
+from .trl_compat import FORWARD_INPUT_KEYS as _FORWARD_INPUT_KEYS
+from .trl_compat import (
+    TRLCompatibilityError,
+    check_trl_compatibility,
+    get_soft_overlong_punishment,
+    has_fused_lm_head,
+    is_async_callable,
+    logps_unavailable_reason,
+    nanmax,
+    nanmin,
+    split_tensor_dict,
 )
-
 
 logger = logging.getLogger(__name__)
 
@@ -112,9 +106,13 @@ class GRPOTrainer(trl.GRPOTrainer):
     """Drop-in for `trl.GRPOTrainer`: same arguments, same numbers for TRL's modes, plus grpo_plus's modes."""
 
     def __init__(self, model, reward_funcs=None, args: trl.GRPOConfig | None = None, *pos_args, **kwargs):
+        check_trl_compatibility()  # an untested TRL warns; a changed private method fails here, not mid-training
         if args is not None:
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        unavailable = logps_unavailable_reason(self.accelerator.device.type)
+        if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
+            raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
         self.dual_clip = getattr(self.args, "dual_clip", None)
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None
@@ -474,7 +472,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return pad(logps), None if entropies is None else pad(entropies), aux_loss
 
     def _shared_prompt_blocker(self, model, input_ids, attention_mask, prompt_width, compute_aux_loss) -> str | None:
-        if not HAS_FUSED_LM_HEAD:
+        if not has_fused_lm_head():
             return f"TRL {trl.__version__} has no fused LM head to score packed rows (TRL >= 1.15 has)"
         if compute_aux_loss:
             return "the router aux loss is taken over every row's tokens"

@@ -1,10 +1,196 @@
-"""Differences between the TRL versions grpo_plus supports, in one place."""
+"""Everything grpo_plus knows about differences between TRL releases, in one place.
+
+grpo_plus overrides or calls private `trl.GRPOTrainer` methods, which TRL may change in any release. This module
+names the TRL minors `make test-matrix` has tested, warns once about any other, and checks, when a trainer is
+built, that the private methods grpo_plus hooks still take the arguments it passes, so a changed method fails
+loudly instead of giving silently wrong numbers. The TRL helpers grpo_plus uses are imported from here, so a
+helper TRL moves or renames is one edit. A new difference between TRL versions belongs here as one small function
+or constant.
+"""
 
 from __future__ import annotations
 
-import trl.trainer.utils
+import inspect
+import warnings
+from dataclasses import dataclass
 
-# TRL >= 1.15 patches the policy with a fused LM head: `model(..., shift_labels=..., fused_lm_head=True)` returns
-# per-token log-probs (and entropies) without materializing logits. The shared-prompt forward scores packed rows
-# through it; TRL 1.14 computes full logits inside `_get_per_token_logps_and_entropies` instead.
-HAS_FUSED_LM_HEAD = hasattr(trl.trainer.utils, "add_fused_lm_head")
+import trl
+import trl.trainer.utils as trl_utils
+from packaging.version import Version
+from trl.rewards import get_soft_overlong_punishment
+from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
+
+__all__ = [
+    "FORWARD_INPUT_KEYS",
+    "HOOKED_METHODS",
+    "TESTED_TRL_MINORS",
+    "TRLCompatibilityError",
+    "UntestedTRLVersionWarning",
+    "check_hooked_methods",
+    "check_trl_compatibility",
+    "get_soft_overlong_punishment",
+    "has_fused_lm_head",
+    "is_async_callable",
+    "is_tested_trl_version",
+    "logps_unavailable_reason",
+    "nanmax",
+    "nanmin",
+    "split_tensor_dict",
+    "tested_trl_versions_text",
+]
+
+# The TRL minors `make test-matrix` runs the parity tests against (every patch release of each). pyproject.toml caps
+# TRL below the next minor; tests/test_trl_compat.py checks that the cap, this list and the Makefile agree.
+TESTED_TRL_MINORS = ("1.14", "1.15", "1.16")
+
+# Model inputs `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models), by keyword.
+FORWARD_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class UntestedTRLVersionWarning(UserWarning):
+    """The installed TRL is outside the versions grpo_plus is tested with."""
+
+
+class TRLCompatibilityError(RuntimeError):
+    """A private TRL method grpo_plus hooks no longer takes the arguments grpo_plus passes."""
+
+
+@dataclass(frozen=True)
+class HookedMethod:
+    """A private `trl.GRPOTrainer` method grpo_plus relies on, and the arguments it must accept.
+
+    `overridden`: grpo_plus replaces the method and TRL calls the replacement, so TRL's parameters must be exactly
+    `positional` (a new parameter would be passed to an override that does not take it). Otherwise grpo_plus only
+    calls it, and TRL's signature must accept `positional` (under these names, or through *args) and `keywords`.
+    """
+
+    name: str
+    positional: tuple[str, ...]
+    keywords: tuple[str, ...] = ()
+    overridden: bool = True
+
+
+HOOKED_METHODS = (
+    HookedMethod("_compute_loss", ("model", "inputs")),
+    HookedMethod("_prepare_inputs", ("generation_batch",)),
+    HookedMethod("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list")),
+    HookedMethod("_generate_and_score_completions", ("inputs",)),
+    # 1.14: (model, *args, batch_size=None, compute_aux_loss=False, **kwargs); 1.15+: every argument spelled out.
+    # grpo_plus's override (the zero-waste pass) takes any keyword TRL passes and calls TRL's method this way.
+    HookedMethod(
+        "_get_per_token_logps_and_entropies",
+        ("model", "input_ids", "attention_mask", "logits_to_keep"),
+        ("batch_size", "compute_entropy", "compute_aux_loss", *FORWARD_INPUT_KEYS),
+        overridden=False,
+    ),
+)
+
+
+def tested_trl_versions_text() -> str:
+    """'1.14.x, 1.15.x, 1.16.x'"""
+    return ", ".join(f"{minor}.x" for minor in TESTED_TRL_MINORS)
+
+
+def is_tested_trl_version(version: str) -> bool:
+    """True if `version` (e.g. '1.16.0', '1.15.0.dev0') belongs to a tested TRL minor."""
+    release = Version(version).release
+    return ".".join(str(part) for part in release[:2]) in TESTED_TRL_MINORS
+
+
+def _signature_problem(method, expected: HookedMethod) -> str | None:
+    """Why `method` does not fit `expected`, or None if it does."""
+    parameters = list(inspect.signature(method).parameters.values())[1:]  # drop self
+    if expected.overridden:
+        names = tuple(p.name for p in parameters)
+        if names != expected.positional or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
+            return f"its parameters are ({', '.join(names)}), grpo_plus's override takes ({', '.join(expected.positional)})"
+        return None
+    try:
+        inspect.signature(method).bind(None, *expected.positional, **dict.fromkeys(expected.keywords))
+    except TypeError as error:
+        call = ", ".join([*expected.positional, *(f"{k}=..." for k in expected.keywords)])
+        return f"it cannot be called as ({call}): {error}"
+    # Positional arguments land by position: the named parameters they fill must mean what grpo_plus passes
+    # (TRL 1.14 takes all but `model` through *args, which is fine).
+    positional_kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    named = tuple(p.name for p in parameters if p.kind in positional_kinds)[: len(expected.positional)]
+    if named != expected.positional[: len(named)]:
+        return f"its leading parameters are ({', '.join(named)}), grpo_plus passes ({', '.join(expected.positional)})"
+    return None
+
+
+def check_hooked_methods(trainer_class: type | None = None, trl_version: str | None = None) -> None:
+    """Raise TRLCompatibilityError if a hooked method of TRL's GRPOTrainer changed its signature."""
+    trainer_class = trl.GRPOTrainer if trainer_class is None else trainer_class
+    trl_version = trl.__version__ if trl_version is None else trl_version
+    for expected in HOOKED_METHODS:
+        method = getattr(trainer_class, expected.name, None)
+        problem = "it does not exist" if method is None else _signature_problem(method, expected)
+        if problem is not None:
+            raise TRLCompatibilityError(
+                f"grpo_plus cannot run on TRL {trl_version}: GRPOTrainer.{expected.name} changed ({problem}). "
+                f"grpo_plus works with TRL {tested_trl_versions_text()}: "
+                f'pip install "trl>={TESTED_TRL_MINORS[0]},<{_next_minor(TESTED_TRL_MINORS[-1])}"'
+            )
+
+
+_warned_versions: set[str] = set()
+
+
+def check_trl_compatibility(trainer_class: type | None = None, trl_version: str | None = None) -> None:
+    """Warn once per process about a TRL outside the tested minors; raise if a hooked method's signature changed."""
+    trl_version = trl.__version__ if trl_version is None else trl_version
+    if not is_tested_trl_version(trl_version) and trl_version not in _warned_versions:
+        _warned_versions.add(trl_version)
+        warnings.warn(
+            f"grpo_plus is tested with TRL {tested_trl_versions_text()}; TRL {trl_version} is installed. grpo_plus "
+            "hooks private GRPOTrainer methods, so check results against stock TRL, or install a tested version: "
+            f'pip install "trl>={TESTED_TRL_MINORS[0]},<{_next_minor(TESTED_TRL_MINORS[-1])}"',
+            UntestedTRLVersionWarning,
+            stacklevel=3,
+        )
+    check_hooked_methods(trainer_class, trl_version)
+
+
+def _next_minor(minor: str) -> str:
+    major, minor_number = minor.split(".")
+    return f"{major}.{int(minor_number) + 1}"
+
+
+def has_fused_lm_head() -> bool:
+    """True if TRL scores completions through its fused LM head (1.15+: `model(..., labels=..., fused_lm_head=True)`
+    returns `.log_probs` / `.entropy`); False if it computes full logits (1.14). The zero-waste pass scores its
+    packed shared-prompt rows through that head (`shift_labels=...`), so on 1.14 it recomputes prompts per row."""
+    return hasattr(trl_utils, "add_fused_lm_head")
+
+
+def logps_unavailable_reason(device_type: str = "cpu") -> str | None:
+    """Why this TRL cannot compute training log-probs on `device_type`, or None if it can.
+
+    TRL 1.15's fused LM head has only a Triton kernel, which runs on CUDA/XPU (and is None without Triton, e.g. with
+    a CPU-only torch); 1.14 computes full logits and 1.16 added a plain-torch fallback (`_use_triton` picks it).
+    """
+    if not has_fused_lm_head() or hasattr(trl_utils, "_use_triton"):
+        return None
+    if getattr(trl_utils, "_ChunkedLogProbFunction", None) is None:
+        return (
+            f"TRL {trl.__version__} computes log-probs only with its Triton kernel, and Triton is not installed "
+            "(CPU-only torch); TRL 1.14 and 1.16+ run without it"
+        )
+    if device_type not in ("cuda", "xpu"):
+        return (
+            f"TRL {trl.__version__} computes log-probs only with its Triton kernel, which runs on CUDA/XPU, not "
+            f"{device_type}; TRL 1.14 and 1.16+ run on {device_type}"
+        )
+    return None

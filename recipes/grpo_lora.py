@@ -9,10 +9,8 @@
 Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field is a flag and a YAML key.
 """
 
-import torch
-from transformers import AutoModelForCausalLM
-from trl import get_peft_config
-
+# grpo_plus first: trl imports peft, peft imports bitsandbytes, and grpo_plus keeps bitsandbytes' import-time
+# notice about an optional Hub kernel out of the console (grpo_plus.quantization).
 from grpo_plus import GRPOTrainer
 from grpo_plus.recipe import (
     evaluate_held_out,
@@ -22,6 +20,11 @@ from grpo_plus.recipe import (
     parse_recipe_args,
     prepare_hub_push,
 )
+
+# isort: split
+import torch
+from transformers import AutoModelForCausalLM
+from trl import get_peft_config
 
 
 def main(argv=None):

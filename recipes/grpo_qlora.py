@@ -9,12 +9,8 @@
 Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field is a flag and a YAML key.
 """
 
-import torch
-from accelerate import PartialState
-from peft import prepare_model_for_kbit_training
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-from trl import get_peft_config
-
+# grpo_plus first: trl imports peft, peft imports bitsandbytes, and grpo_plus keeps bitsandbytes' import-time
+# notice about an optional Hub kernel out of the console (grpo_plus.quantization).
 from grpo_plus import GRPOTrainer
 from grpo_plus.quantization import keep_4bit_trainable_on_cpu
 from grpo_plus.recipe import (
@@ -25,6 +21,13 @@ from grpo_plus.recipe import (
     parse_recipe_args,
     prepare_hub_push,
 )
+
+# isort: split
+import torch
+from accelerate import PartialState
+from peft import prepare_model_for_kbit_training
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from trl import get_peft_config
 
 
 def main(argv=None):

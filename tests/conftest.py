@@ -19,6 +19,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny import save_tiny_model  # noqa: E402
 
 
+def pytest_report_header(config) -> str:
+    """The versions under test (make test-matrix runs the suite in several environments)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "-"
+
+    names = ("trl", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "torch", "huggingface_hub")
+    return "versions: " + ", ".join(f"{name} {installed(name)}" for name in names)
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """Undo environment variables a test left behind: transformers 4.x's TrainingArguments exports settings such as
+    ACCELERATE_MIXED_PRECISION=bf16, which every later subprocess (accelerate launch, recipes) would inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama + character tokenizer saved once per session."""

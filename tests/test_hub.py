@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
 
-import httpx2
 import huggingface_hub
 import pytest
 import torch
@@ -24,6 +24,11 @@ from grpo_plus.hub import (
 )
 
 ADAPTER_PUSH = {"adapter_config.json", "adapter_model.safetensors", "README.md", "reward_curve.png"}
+WHOAMI_URL = "https://huggingface.co/api/whoami-v2"
+# The HTTP library huggingface_hub sends requests with: httpx2 (hub 2.x), httpx (1.x) or requests (0.x, which
+# transformers 4.x needs).
+HTTP_SESSION_CLASS = type(huggingface_hub.utils.get_session())
+HTTP = importlib.import_module(HTTP_SESSION_CLASS.__module__.split(".")[0])
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -56,7 +61,7 @@ def no_network(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a test made a network call")
 
-    monkeypatch.setattr(httpx2.Client, "send", refuse)
+    monkeypatch.setattr(HTTP_SESSION_CLASS, "send", refuse)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -93,8 +98,19 @@ def scope(entity: str, *permissions: str, kind: str = "user") -> dict:
 
 def http_error(status: int) -> HfHubHTTPError:
     """An HfHubHTTPError as huggingface_hub raises it for an HTTP status."""
-    request = httpx2.Request("GET", "https://huggingface.co/api/whoami-v2")
-    return HfHubHTTPError(f"{status} error", response=httpx2.Response(status, request=request))
+    if HTTP.__name__ == "requests":
+        response = HTTP.Response()
+        response.status_code, response.url = status, WHOAMI_URL
+        response.request = HTTP.Request("GET", WHOAMI_URL).prepare()
+    else:
+        response = HTTP.Response(status, request=HTTP.Request("GET", WHOAMI_URL))
+    return HfHubHTTPError(f"{status} error", response=response)
+
+
+def connection_error() -> Exception:
+    """What the HTTP library raises when the Hub's address does not resolve."""
+    error_class = HTTP.exceptions.ConnectionError if HTTP.__name__ == "requests" else HTTP.ConnectError
+    return error_class("Name or service not known")
 
 
 # ------------------------------------------------------------------------------------------------ access check
@@ -200,7 +216,7 @@ def test_offline_mode_says_network_is_needed(monkeypatch):
 
 def test_unreachable_hub_says_network_is_needed(monkeypatch):
     def whoami(self, token=None, **kwargs):
-        raise httpx2.ConnectError("Name or service not known")
+        raise connection_error()
 
     monkeypatch.setattr(HfApi, "whoami", whoami)
     with pytest.raises(HubAccessError, match="could not be reached"):
@@ -344,6 +360,19 @@ def test_push_bin_weights_when_no_safetensors(monkeypatch, trained_output_dir):
     push_adapter(trained_output_dir, "alice/x", token="hf_test")
     paths = {op.path_in_repo for op in seen["commits"][0][1]}
     assert paths == ADAPTER_PUSH - {"adapter_model.safetensors"} | {"adapter_model.bin"}
+
+
+def test_push_refused_by_the_hub_is_a_hub_access_error(monkeypatch, trained_output_dir):
+    """An HTTP error while pushing (e.g. write access revoked during training) reads like the access check's errors,
+    so the recipe prints it as an `error:` line."""
+    fake_upload(monkeypatch)
+
+    def forbidden(self, repo_id, operations, **kwargs):
+        raise http_error(403)
+
+    monkeypatch.setattr(HfApi, "create_commit", forbidden)
+    with pytest.raises(HubAccessError, match="Pushing the adapter to alice/x failed \\(HTTP 403\\)"):
+        push_adapter(trained_output_dir, "alice/x", token="hf_test")
 
 
 def test_push_without_adapter_is_a_clear_error(monkeypatch, tmp_path):

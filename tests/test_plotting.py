@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from grpo_plus.plotting import plot_comparison, plot_training_curves, series  # noqa: E402
+from grpo_plus.recipe import held_out_accuracy_points  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -55,7 +56,7 @@ def test_training_curves_png_with_labels_and_legend(tmp_path):
     fig = plot_training_curves(grpo_log_history(), path)
     assert_png(path)
     axes = visible_axes(fig)
-    assert len(axes) == 3  # reward (+ per-function rewards), completion length, clip ratio
+    assert len(axes) == 4  # reward (+ per-function rewards), completion length, held-out accuracy, clip ratio
     for ax in axes:
         assert ax.get_xlabel() == "step" and ax.get_ylabel() and ax.get_title()
         assert ax.get_legend() is not None
@@ -64,6 +65,51 @@ def test_training_curves_png_with_labels_and_legend(tmp_path):
     assert {"reward", "correctness_reward", "format_reward"} <= set(labels)
     (xs, ys) = reward_ax.lines[0].get_data()
     assert list(xs) == list(range(1, 13)) and ys[-1] > ys[0]
+
+
+def demo_log_history(steps: int = 6) -> list[dict]:
+    """What the demo logs: one optimizer step per generation batch, so every clip fraction is exactly 0 (ratio 1),
+    while the fraction of groups with equal rewards moves; plus held-out accuracy before and after, as the recipe
+    adds it."""
+    dead_groups = [0.0, 0.0, 0.25, 0.5, 0.25, 0.5]
+    history = [
+        {
+            "reward": 0.4 + 0.05 * step,
+            "reward_std": 0.3,
+            "completions/mean_length": 15.0 - step,
+            "frac_reward_zero_std": dead_groups[(step - 1) % len(dead_groups)],
+            "clip_ratio/low_mean": 0.0,
+            "clip_ratio/high_mean": 0.0,
+            "clip_ratio/region_mean": 0.0,
+            "step": step,
+        }
+        for step in range(1, steps + 1)
+    ]
+    return history + held_out_accuracy_points({"accuracy": 0.556}, {"accuracy": 1.0}, steps)
+
+
+def test_flat_clip_panel_gives_way_to_panels_that_move(tmp_path):
+    fig = plot_training_curves(demo_log_history(), tmp_path / "reward_curve.png")
+    assert_png(tmp_path / "reward_curve.png")
+    axes = {ax.get_title(): ax for ax in visible_axes(fig)}
+    assert set(axes) == {"reward", "completions/mean_length", "frac_reward_zero_std", "eval_accuracy"}
+    for title, ax in axes.items():
+        assert len(set(ax.lines[0].get_ydata())) > 1, f"panel {title} is flat"
+    assert axes["frac_reward_zero_std"].get_ylabel() == "fraction of groups with equal rewards"
+    xs, ys = axes["eval_accuracy"].lines[0].get_data()
+    assert list(xs) == [0, 6] and list(ys) == [0.556, 1.0]
+
+
+def test_clip_panel_is_kept_where_clipping_happens(tmp_path):
+    history = demo_log_history()
+    history[3]["clip_ratio/region_mean"] = 0.02
+    fig = plot_training_curves(history, tmp_path / "reward_curve.png")
+    assert "clip_ratio/region_mean" in [ax.get_title() for ax in visible_axes(fig)]
+
+
+def test_held_out_points_need_both_evaluations():
+    assert held_out_accuracy_points(None, {"accuracy": 1.0}, 5) == []
+    assert held_out_accuracy_points({"format_rate": 0.1}, {"format_rate": 0.2}, 5) == []
 
 
 def test_training_curves_missing_keys_are_skipped(tmp_path):

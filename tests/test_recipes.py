@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus.hub
 from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.hub import HubAccessError
 from grpo_plus.recipe import parse_recipe_args
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -111,7 +110,8 @@ def test_push_to_hub_sends_exactly_the_adapter_files(tiny_model_dir, tmp_path, f
     assert (out / "checkpoint-2").is_dir(), "checkpoints exist locally but were not pushed"
 
 
-def test_missing_token_fails_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+def test_missing_token_fails_before_any_model_loads(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Like a config error: one `error: ...` line and exit status 2, not a traceback."""
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
@@ -120,9 +120,30 @@ def test_missing_token_fails_before_any_model_loads(tiny_model_dir, tmp_path, mo
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_model_loading)
     started = time.monotonic()
-    with pytest.raises(HubAccessError, match="hf auth login"):
+    with pytest.raises(SystemExit) as exit_info:
         load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, tmp_path, "--push_to_hub", "true"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --push_to_hub needs a Hugging Face token") and "hf auth login" in err
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.slow
+def test_failed_push_after_training_is_an_error_line_and_keeps_the_adapter(
+    tiny_model_dir, tmp_path, fake_hub, monkeypatch, capsys
+):
+    def connection_reset(self, repo_id, operations, **kwargs):
+        raise ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", connection_reset)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, out, "--push_to_hub", "true", "--hub_model_id", "x"))
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "\nerror: --push_to_hub needs network access" in err and "Connection reset by peer" in err
+    assert f"The adapter is saved in {out}; push it later with" in err and "push_adapter(" in err
+    assert (out / "adapter_model.safetensors").is_file()
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path, capsys):
@@ -151,6 +172,27 @@ def test_unknown_config_key_names_the_closest_field(tmp_path, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "lossy_type" in err and "did you mean 'loss_type'" in err
+
+
+def test_unknown_flag_names_the_closest_field(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_recipe_args(
+            ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--epsilon_hgh", "0.3"]
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown flag: '--epsilon_hgh' (did you mean '--epsilon_high'?)")
+
+
+def test_unknown_flags_and_keys_are_all_named(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nlossy_type: dapo\n")
+    with pytest.raises(SystemExit):
+        parse_recipe_args(["--config", str(config), "--lora_rr=8", "--task_levl", "add-2d", "--zzzz", "1"])
+    err = capsys.readouterr().err
+    assert "unknown key in the config file: 'lossy_type' (did you mean 'loss_type'?)" in err
+    assert "unknown flags: '--lora_rr' (did you mean '--lora_r'?), '--task_levl' (did you mean '--task_level'?)" in err
+    assert "'--zzzz'." in err  # nothing close: named without a guess
 
 
 def test_bad_grpo_value_on_the_command_line_exits_with_the_reason(tmp_path, capsys):

@@ -12,7 +12,6 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralC
 
 import grpo_plus
 from grpo_plus import GRPOConfig, GRPOTrainer
-from grpo_plus.trl_compat import HAS_FUSED_LM_HEAD
 from grpo_plus.train_pass import (
     IGNORE_INDEX,
     block_attention_mask,
@@ -21,11 +20,17 @@ from grpo_plus.train_pass import (
     plan_packs,
     rows_with_gradient,
 )
+from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
 # padding are skipped.
+HAS_FUSED_LM_HEAD = has_fused_lm_head()
 needs_fused_lm_head = pytest.mark.skipif(not HAS_FUSED_LM_HEAD, reason="TRL 1.14 has no fused LM head")
+# Every test here runs a training forward on CPU, which TRL 1.15 cannot do (its log-prob kernel is Triton-only).
+pytestmark = pytest.mark.skipif(
+    logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
+)
 
 
 def tiny_config(family: str, vocab_size: int, **overrides):
@@ -387,7 +392,7 @@ def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, confi
 
 def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
     """TRL 1.14 has no fused LM head: the shared prompt falls back, row skipping and padding trimming do not."""
-    monkeypatch.setattr("grpo_plus.trainer.HAS_FUSED_LM_HEAD", False)
+    monkeypatch.setattr("grpo_plus.trainer.has_fused_lm_head", lambda: False)
     trainer = make_trainer()
     inputs = micro_batch(trainer)
     log = ForwardLog(trainer.model)

@@ -15,8 +15,14 @@ from tiny import ForwardLog, digit_reward, half_dead_reward, length_reward, prom
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
+from grpo_plus.trl_compat import logps_unavailable_reason
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    # TRL 1.15 on CPU (where these tests train): stock TRL itself cannot train, so there is nothing to compare
+    # against (tests/test_losses_parity.py still checks its _compute_loss against the core).
+    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
+]
 # Metrics the zero-waste pass computes over the rows it computed (documented); TRL averages every row.
 COMPUTED_ROWS_ONLY = ("entropy",)
 

@@ -31,7 +31,13 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<pad>"
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<pad>",
+        # What causal-LM tokenizers declare; transformers 4.x would otherwise add token_type_ids, which generate rejects.
+        model_input_names=["input_ids", "attention_mask"],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -1,0 +1,226 @@
+"""grpo_plus.trl_compat: the tested TRL window, the warning outside it, the hooked-method signature check."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import trl
+import trl.trainer.utils as trl_utils
+from tiny import length_reward, prompt_dataset, tiny_run_kwargs
+from transformers import AutoModelForCausalLM
+
+import grpo_plus
+from grpo_plus import trl_compat
+from grpo_plus.trl_compat import (
+    HOOKED_METHODS,
+    TESTED_TRL_MINORS,
+    TRLCompatibilityError,
+    UntestedTRLVersionWarning,
+    check_hooked_methods,
+    check_trl_compatibility,
+    is_tested_trl_version,
+    logps_unavailable_reason,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTED_TEXT = "1.14.x, 1.15.x, 1.16.x"
+
+
+@pytest.fixture(autouse=True)
+def fresh_warning_state(monkeypatch):
+    """Each test sees the once-per-version warning afresh."""
+    monkeypatch.setattr(trl_compat, "_warned_versions", set())
+
+
+def build_trainer(tiny_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return grpo_plus.GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path)),
+        train_dataset=prompt_dataset(4),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the version window
+
+
+def test_installed_trl_is_in_the_window_and_passes_silently():
+    assert is_tested_trl_version(trl.__version__), trl.__version__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_trl_compatibility()
+
+
+@pytest.mark.parametrize("version", ["1.14.0", "1.14.2", "1.15.0", "1.16.0", "1.16.3", "1.16.0.dev0"])
+def test_tested_versions(version):
+    assert is_tested_trl_version(version)
+
+
+@pytest.mark.parametrize("version", ["1.13.0", "1.17.0", "2.16.0", "0.16.0"])
+def test_untested_version_warns_once_naming_the_tested_versions(version):
+    with pytest.warns(UntestedTRLVersionWarning, match=re.escape(f"tested with TRL {TESTED_TEXT}; TRL {version}")):
+        check_trl_compatibility(trl_version=version)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_trl_compatibility(trl_version=version)  # once per process is enough
+
+
+def test_trainer_construction_warns_about_an_untested_trl(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    with pytest.warns(UntestedTRLVersionWarning, match=re.escape(TESTED_TEXT)):
+        build_trainer(tiny_model_dir, tmp_path)
+
+
+def test_window_agrees_with_pyproject_and_makefile():
+    """The TRL pin, the tested minors and the minors `make test-matrix` installs are the same window."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (trl_requirement,) = re.findall(r'"trl([^"]*)"', pyproject)
+    assert trl_requirement == f">={TESTED_TRL_MINORS[0]}.0,<{trl_compat._next_minor(TESTED_TRL_MINORS[-1])}"
+    (makefile_minors,) = re.findall(r"^TRL_MINORS\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert tuple(makefile_minors.split()) == TESTED_TRL_MINORS
+
+
+# ------------------------------------------------------------------------------------------------ hooked signatures
+
+
+def test_installed_trl_hooks_have_the_expected_signatures():
+    check_hooked_methods()
+
+
+class _LogpsLike114(trl.GRPOTrainer):
+    def _get_per_token_logps_and_entropies(self, model, *args, batch_size=None, compute_aux_loss=False, **kwargs):
+        raise NotImplementedError
+
+
+class _LogpsLike115(trl.GRPOTrainer):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        image_grid_thw=None,
+        num_images=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        num_tiles=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("trainer_class", [_LogpsLike114, _LogpsLike115], ids=["trl-1.14-style", "trl-1.15-style"])
+def test_both_log_prob_signatures_are_accepted(trainer_class):
+    check_hooked_methods(trainer_class, trl_version="1.16.0")
+
+
+def _changed(name, function):
+    return type("ChangedTRLTrainer", (trl.GRPOTrainer,), {name: function})
+
+
+CHANGED_HOOKS = {
+    "_compute_loss-extra-parameter": ("_compute_loss", lambda self, model, inputs, num_items_in_batch: None),
+    "_prepare_inputs-renamed": ("_prepare_inputs", lambda self, inputs: None),
+    "_calculate_rewards-dropped-parameter": ("_calculate_rewards", lambda self, inputs, prompts, completions: None),
+    "_generate_and_score_completions-keyword-only": (
+        "_generate_and_score_completions",
+        lambda self, *, inputs: None,
+    ),
+    "logps-no-logits_to_keep": (
+        "_get_per_token_logps_and_entropies",
+        lambda self, model, input_ids, attention_mask, batch_size=None, compute_entropy=False, **kw: None,
+    ),
+    "logps-no-compute_entropy": (
+        "_get_per_token_logps_and_entropies",
+        lambda self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_aux_loss=False: None,
+    ),
+    "logps-reordered": (
+        "_get_per_token_logps_and_entropies",
+        lambda self, model, attention_mask, input_ids, logits_to_keep, **kwargs: None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CHANGED_HOOKS)
+def test_changed_hook_signature_raises_naming_method_and_versions(case):
+    name, function = CHANGED_HOOKS[case]
+    with pytest.raises(TRLCompatibilityError, match=re.escape(f"GRPOTrainer.{name} changed")) as error:
+        check_hooked_methods(_changed(name, function), trl_version="1.17.0")
+    assert TESTED_TEXT in str(error.value) and "TRL 1.17.0" in str(error.value)
+
+
+def test_missing_hook_raises(monkeypatch):
+    monkeypatch.delattr(trl.GRPOTrainer, "_calculate_rewards")
+    with pytest.raises(TRLCompatibilityError, match="_calculate_rewards changed \\(it does not exist\\)"):
+        check_hooked_methods()
+
+
+def test_trainer_construction_fails_on_a_changed_hook_before_any_training(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(trl.GRPOTrainer, "_calculate_rewards", lambda self, inputs, prompts, completions: None)
+    with pytest.raises(TRLCompatibilityError, match="GRPOTrainer._calculate_rewards changed"):
+        build_trainer(tiny_model_dir, tmp_path)
+
+
+def test_every_hooked_method_is_one_grpo_plus_overrides_or_calls():
+    overridden = {m.name for m in HOOKED_METHODS if m.overridden}
+    assert overridden <= set(vars(grpo_plus.GRPOTrainer))
+    assert "_get_per_token_logps_and_entropies" in {m.name for m in HOOKED_METHODS}
+
+
+# ------------------------------------------------------------------------------------------------ log-prob kernel
+
+
+def test_logps_unavailable_reason_follows_trl(monkeypatch):
+    monkeypatch.delattr(trl_utils, "add_fused_lm_head", raising=False)
+    assert logps_unavailable_reason("cpu") is None  # 1.14: full logits, no kernel needed
+    monkeypatch.setattr(trl_utils, "add_fused_lm_head", object(), raising=False)
+    monkeypatch.setattr(trl_utils, "_use_triton", lambda device: False, raising=False)
+    assert logps_unavailable_reason("cpu") is None  # 1.16: a plain-torch fallback
+    monkeypatch.delattr(trl_utils, "_use_triton")
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None, raising=False)
+    assert "Triton is not installed" in logps_unavailable_reason("cuda")  # 1.15 with a CPU-only torch
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", object())
+    assert "runs on CUDA/XPU, not cpu" in logps_unavailable_reason("cpu")  # 1.15 with Triton, on CPU
+    assert logps_unavailable_reason("cuda") is None  # 1.15 with Triton, on a GPU
+
+
+def test_logps_unavailable_reason_is_true_of_stock_trl(tiny_model_dir, tmp_path):
+    """The reason the matrix skips training tests is a fact, not an assumption: stock TRL's log-prob computation
+    fails exactly when a reason is given."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=length_reward,
+        args=trl.GRPOConfig(**tiny_run_kwargs(tmp_path)),
+        train_dataset=prompt_dataset(4),
+    )
+    input_ids = torch.randint(3, 20, (2, 6))
+    call = lambda: trainer._get_per_token_logps_and_entropies(  # noqa: E731
+        trainer.model, input_ids, torch.ones_like(input_ids), 3, compute_entropy=True
+    )
+    if logps_unavailable_reason("cpu") is None:
+        logps, entropies, _ = call()
+        assert logps.shape == entropies.shape == (2, 3) and torch.isfinite(logps).all()
+    else:
+        with pytest.raises((AttributeError, TypeError)):
+            call()
+
+
+def test_trainer_construction_fails_where_trl_cannot_compute_log_probs(tiny_model_dir, tmp_path, monkeypatch):
+    """TRL 1.15 on CPU: a clear error when the trainer is built, not TRL's AttributeError at the first step."""
+    reason = "TRL 1.15.0 computes log-probs only with its Triton kernel, which runs on CUDA/XPU, not cpu"
+    monkeypatch.setattr("grpo_plus.trainer.logps_unavailable_reason", lambda device_type: reason)
+    with pytest.raises(TRLCompatibilityError, match=re.escape(f"grpo_plus cannot train here: {reason}.")):
+        build_trainer(tiny_model_dir, tmp_path)
