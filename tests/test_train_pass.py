@@ -387,6 +387,8 @@ def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, confi
     live = int(rows_with_gradient(inputs["advantages"], inputs["completion_mask"]).sum())
     widest = int(inputs["completion_mask"].sum(1).max())
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [((live, PROMPT_WIDTH + widest), 2)]
+    if not HAS_FUSED_LM_HEAD:  # TRL 1.14 stops at the first reason: no head to score packed rows with
+        reason = "has no fused LM head"
     assert any(reason in record.getMessage() and "shared prompt" in record.getMessage() for record in caplog.records)
 
 
