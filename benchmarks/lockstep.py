@@ -52,3 +52,22 @@ class RngStates:
         np.random.set_state(numpy_state)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+def run_threads(targets: dict) -> None:
+    """Run each callable of `targets` (name -> callable) in its own thread; re-raise the first error here."""
+    errors: list[BaseException] = []
+
+    def guarded(target):
+        try:
+            target()
+        except BaseException as error:  # re-raised from the calling thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(target,)) for target in targets.values()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]

@@ -40,6 +40,7 @@ trainers do the same work; benchmarks/train_pass.py measures what the zero-waste
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -49,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -169,7 +169,7 @@ def run_child(spec: dict) -> None:
     import gc
 
     import torch
-    from lockstep import Baton, RngStates
+    from lockstep import Baton, RngStates, run_threads
 
     torch.set_num_threads(spec["threads"])
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -293,17 +293,9 @@ def run_child(spec: dict) -> None:
             baton = Baton(order)
             built = {name: build(name, baton) for name in order}
             results, errors = {}, []
-            threads = [
-                threading.Thread(target=train, args=(name, *built[name], baton, results, errors)) for name in order
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            if errors:
-                raise errors[0]
+            run_threads({name: functools.partial(train, name, *built[name], baton, results, errors) for name in order})
             rounds.append(dict(collect(built, results), order=order))
-            del built, threads
+            del built
             gc.collect()
     print(RESULT_TAG + json.dumps(rounds), flush=True)
 

@@ -21,10 +21,10 @@ Targets (issue 9): training pass <= 0.5x TRL's time on the demo config, whole st
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -116,30 +116,21 @@ def wrap_prepare_inputs(trainer, seconds: list[float]) -> None:
 
 def run_steps(steps: int, warmup: int) -> dict:
     """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the loss check."""
-    from lockstep import Baton, RngStates
+    from lockstep import Baton, RngStates, run_threads
     from transformers import set_seed
 
     baton, rng = Baton(list(SIDES)), RngStates()
     built = build_trainers(steps, baton, rng)
-    errors: list[BaseException] = []
 
     def train(name):
         try:
             baton.wait(name)
             set_seed(0)
             built[name]["trainer"].train()
-        except BaseException as error:
-            errors.append(error)
         finally:
             baton.pass_on(name, finished=True)
 
-    threads = [threading.Thread(target=train, args=(name,)) for name in SIDES]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    run_threads({name: functools.partial(train, name) for name in SIDES})
 
     result = {}
     for name in SIDES:

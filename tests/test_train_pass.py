@@ -47,12 +47,19 @@ def tiny_config(family: str, vocab_size: int, **overrides):
 
 
 def make_trainer(
-    family: str = "llama", attn: str = "sdpa", config_overrides=None, dtype=torch.float64, peft_config=None, **args
+    family: str = "llama",
+    attn: str = "sdpa",
+    config_overrides=None,
+    dtype=torch.float64,
+    peft_config=None,
+    model_config=None,
+    **args,
 ) -> GRPOTrainer:
-    """A grpo_plus trainer around a tiny model; the tests feed `_compute_loss` hand-made micro-batches."""
+    """A grpo_plus trainer around a tiny model (`family`, or `model_config`); the tests feed `_compute_loss`
+    hand-made micro-batches."""
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
-    config = tiny_config(family, len(tokenizer), **(config_overrides or {}))
+    config = model_config or tiny_config(family, len(tokenizer), **(config_overrides or {}))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     kwargs = dict(
         output_dir="unused",
@@ -328,27 +335,12 @@ def test_row_skipping_falls_back_to_the_full_pass(args, reason, caplog):
 def test_router_aux_loss_computes_every_row_without_packing(caplog):
     from transformers import MixtralConfig
 
-    tokenizer = make_tokenizer()
     config = MixtralConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1, output_router_logits=True, pad_token_id=0,
+        vocab_size=len(make_tokenizer()), hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+        output_router_logits=True, pad_token_id=0,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # grouped expert matmuls need float32
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-        args=GRPOConfig(
-            output_dir="unused",
-            per_device_train_batch_size=G * GROUPS,
-            num_generations=G,
-            max_completion_length=COMPLETION_WIDTH,
-            report_to="none",
-            use_cpu=True,
-        ),  # fmt: skip
-        train_dataset=prompt_dataset(4),
-        processing_class=tokenizer,
-    )
-    trainer.current_gradient_accumulation_steps = 1
+    trainer = make_trainer(model_config=config, dtype=torch.float32)  # grouped expert matmuls need float32
     assert trainer.aux_loss_enabled
     inputs = micro_batch(trainer)
     log = ForwardLog(trainer.model)
