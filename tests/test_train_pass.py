@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 from tiny import ForwardLog, make_tokenizer, prompt_dataset
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 import grpo_plus
 from grpo_plus import GRPOConfig, GRPOTrainer
@@ -39,7 +47,13 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     if family == "gpt2":
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **no_dropout, **common, **overrides)
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "gpt_neox": GPTNeoXConfig,  # not a checked family: its forward is not proven to take a block mask as given
+    }
     sizes = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
@@ -356,8 +370,9 @@ def test_router_aux_loss_computes_every_row_without_packing(caplog):
     [
         ("llama", "custom_sdpa", None, "attn_implementation='custom_sdpa'"),
         ("mistral", "sdpa", dict(sliding_window=8), "sliding_window=8"),
+        ("gpt_neox", "sdpa", None, "model_type='gpt_neox' is not one of the checked families"),
     ],
-    ids=["attention_implementation", "sliding_window"],
+    ids=["attention_implementation", "sliding_window", "unchecked_family"],
 )
 def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, config_overrides, reason, caplog):
     if attn == "custom_sdpa":  # a user-registered attention function: grpo_plus cannot know how it reads a mask
@@ -382,6 +397,40 @@ def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, confi
     if not HAS_FUSED_LM_HEAD:  # TRL 1.14 stops at the first reason: no head to score packed rows with
         reason = "has no fused LM head"
     assert any(reason in record.getMessage() and "shared prompt" in record.getMessage() for record in caplog.records)
+
+
+def test_prompts_that_are_not_left_padded_are_recomputed_per_row(caplog):
+    """A prompt whose last column is padding has no last token to share: the full (trimmed) forward runs."""
+    trainer = make_trainer()
+    inputs = micro_batch(trainer)
+    rows = slice(G, 2 * G)  # group 1: 9 prompt tokens after 3 padding columns -> move the padding to the right
+    inputs["prompt_ids"][rows] = inputs["prompt_ids"][rows].roll(-3, dims=1)
+    inputs["prompt_mask"][rows] = inputs["prompt_mask"][rows].roll(-3, dims=1)
+    set_zero_waste(trainer, on=False)
+    full = loss_and_grads(trainer, inputs)
+    set_zero_waste(trainer, on=True)
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        saved = loss_and_grads(trainer, inputs)
+    assert_same_gradient(full, saved)
+    assert [call["mask_dims"] for call in log.calls] == [2]
+    reason = "not left-padded" if HAS_FUSED_LM_HEAD else "has no fused LM head"
+    assert any(reason in record.getMessage() for record in caplog.records)
+
+
+def test_multimodal_inputs_are_computed_in_full(caplog):
+    """Extra model inputs (token_type_ids, pixel_values, ...) are per row and column: nothing is cut or packed."""
+    trainer = make_trainer()
+    inputs = micro_batch(trainer)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, COMPLETION_WIDTH, token_type_ids=torch.zeros_like(input_ids)
+        )
+    assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [(tuple(input_ids.shape), 2)]
+    assert any("multimodal inputs" in record.getMessage() for record in caplog.records)
 
 
 def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
