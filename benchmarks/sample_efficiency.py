@@ -172,6 +172,12 @@ def parse_args() -> argparse.Namespace:
         "or all wrong",
     )
     parser.add_argument("--sides", nargs="+", default=None, choices=list(SIDES), help="default: the setting's")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse every run whose <output-dir>/<side>-seed<N>/row.json exists (a run is ~10 minutes; an "
+        "interrupted benchmark picks up where it stopped)",
+    )
     args = parser.parse_args()
     setting = SETTINGS[args.setting]
     args.train_size = args.train_size if args.train_size is not None else setting["train_size"]
@@ -190,11 +196,17 @@ def main() -> None:
     for seed in args.seeds:
         for side in args.sides:  # alternate sides within a seed so machine load drifts hit all alike
             spec = SIDES[side]
+            run_dir = args.output_dir / f"{side}-seed{seed}"
+            saved_row = run_dir / "row.json"
+            if args.resume and saved_row.exists():
+                rows[side].append(json.loads(saved_row.read_text()))
+                print(f"{side:17s} seed {seed}: reused {saved_row}")
+                continue
             result = run_configuration(
                 side,
                 spec["overrides"],
                 seed=seed,
-                output_dir=args.output_dir / f"{side}-seed{seed}",
+                output_dir=run_dir,
                 model=args.model,
                 task_level=args.level,
                 max_steps=10_000,
@@ -216,6 +228,8 @@ def main() -> None:
             }
             row["gain_per_cpu_min"] = (row["acc"] - row["acc0"]) / row["cpu_min"]
             rows[side].append(row)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            saved_row.write_text(json.dumps(row))
             print(f"{side:17s} seed {seed}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "seed"))
 
     summary = summarize(rows)
