@@ -141,6 +141,11 @@ def main() -> None:
         if tiny_args.dump_logs:
             Path(tiny_args.dump_logs).write_text(json.dumps(trainer.state.log_history))
     print(f"FINISHED global_step={trainer.state.global_step} pid={os.getpid()}")
+    # Tearing gloo down explicitly: left to interpreter exit, its threads were once destroyed mid-flight
+    # ("terminate called without an active exception") and the launcher reported a failure.
+    if torch.distributed.is_initialized():
+        trainer.accelerator.wait_for_everyone()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
