@@ -171,6 +171,17 @@ def assert_same_gradient(full: tuple[float, dict], saved: tuple[float, dict], to
     assert diff <= tol, f"max gradient difference {diff}"
 
 
+def assert_saved_pass_matches_full(trainer: GRPOTrainer, inputs: dict) -> ForwardLog:
+    """The gradient with zero waste on equals the full pass; returns the log of what the saved pass fed the model."""
+    set_zero_waste(trainer, on=False)
+    full = loss_and_grads(trainer, inputs)
+    set_zero_waste(trainer, on=True)
+    log = ForwardLog(trainer.model)
+    saved = loss_and_grads(trainer, inputs)
+    assert_same_gradient(full, saved)
+    return log
+
+
 # ---- exactness ----------------------------------------------------------------------------------------------------
 
 
@@ -384,13 +395,8 @@ def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, confi
         AttentionMaskInterface.register("custom_sdpa", sdpa_mask)
     trainer = make_trainer(family, attn, config_overrides)
     inputs = micro_batch(trainer)
-    set_zero_waste(trainer, on=False)
-    full = loss_and_grads(trainer, inputs)
-    set_zero_waste(trainer, on=True)
-    log = ForwardLog(trainer.model)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        saved = loss_and_grads(trainer, inputs)
-    assert_same_gradient(full, saved)
+        log = assert_saved_pass_matches_full(trainer, inputs)
     live = int(rows_with_gradient(inputs["advantages"], inputs["completion_mask"]).sum())
     widest = int(inputs["completion_mask"].sum(1).max())
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [((live, PROMPT_WIDTH + widest), 2)]
@@ -406,13 +412,8 @@ def test_prompts_that_are_not_left_padded_are_recomputed_per_row(caplog):
     rows = slice(G, 2 * G)  # group 1: 9 prompt tokens after 3 padding columns -> move the padding to the right
     inputs["prompt_ids"][rows] = inputs["prompt_ids"][rows].roll(-3, dims=1)
     inputs["prompt_mask"][rows] = inputs["prompt_mask"][rows].roll(-3, dims=1)
-    set_zero_waste(trainer, on=False)
-    full = loss_and_grads(trainer, inputs)
-    set_zero_waste(trainer, on=True)
-    log = ForwardLog(trainer.model)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        saved = loss_and_grads(trainer, inputs)
-    assert_same_gradient(full, saved)
+        log = assert_saved_pass_matches_full(trainer, inputs)
     assert [call["mask_dims"] for call in log.calls] == [2]
     reason = "not left-padded" if HAS_FUSED_LM_HEAD else "has no fused LM head"
     assert any(reason in record.getMessage() for record in caplog.records)
