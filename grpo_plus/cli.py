@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .plugins import PluginError
+
 
 def _compare(args: argparse.Namespace) -> int:
     from .compare import (
@@ -90,19 +92,33 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--max-cpu-minutes", type=float, default=None, help="stop each run at this training CPU time")
     compare.add_argument("--lora-r", type=int, default=16)
     compare.add_argument("--output-dir", default="outputs/compare")
-    compare.set_defaults(run=_compare)
+    compare.set_defaults(run=_compare, parser=compare)
 
     listing = commands.add_parser("list", help="registered loss types, importance sampling levels, normalizers")
     listing.add_argument("--plugins", nargs="*", default=[], help="modules to import first")
-    listing.set_defaults(run=_list)
+    listing.set_defaults(run=_list, parser=listing)
     return parser
 
 
+def reject_unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """argparse's 'unrecognized arguments', with the closest flag named, as the recipes do (exits 2)."""
+    from .registry import closest_name
+
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    described = []
+    for arg in unknown:
+        close = closest_name(arg.split("=")[0], flags) if arg.startswith("-") else None
+        described.append(f"'{arg}'" + (f" (did you mean '{close}'?)" if close else ""))
+    parser.error(f"unrecognized arguments: {', '.join(described)}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        reject_unknown_flags(args.parser, unknown)
     try:
         return args.run(args)
-    except ValueError as error:
+    except (ValueError, PluginError) as error:
         print(f"grpo-plus {args.command}: error: {error}", file=sys.stderr)
         return 2
 

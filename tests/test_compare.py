@@ -72,3 +72,18 @@ def test_cli_rejects_bad_configuration_before_training(spec, message, capsys, mo
     monkeypatch.setattr(grpo_plus.compare, "run_configuration", must_not_train)
     assert main(["compare", "--configs", "grpo", spec, "--max-steps", "1"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_names_the_closest_flag_for_an_unknown_one(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--eval-evry", "2", "--max-steps", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "grpo-plus compare: error: unrecognized arguments: '--eval-evry' (did you mean '--eval-every'?)" in err
+
+
+def test_cli_reports_a_plugin_that_does_not_import(capsys):
+    assert main(["list", "--plugins", "no_such_module_of_modes"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo-plus list: error: plugins: could not import 'no_such_module_of_modes'")
+    assert "Traceback" not in err
