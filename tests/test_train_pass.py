@@ -171,15 +171,15 @@ def assert_same_gradient(full: tuple[float, dict], saved: tuple[float, dict], to
     assert diff <= tol, f"max gradient difference {diff}"
 
 
-def assert_saved_pass_matches_full(trainer: GRPOTrainer, inputs: dict) -> ForwardLog:
-    """The gradient with zero waste on equals the full pass; returns the log of what the saved pass fed the model."""
+def assert_saved_pass_matches_full(trainer: GRPOTrainer, inputs: dict) -> tuple[tuple[float, dict], ForwardLog]:
+    """The gradient with zero waste on equals the full pass; returns the full pass and what the saved one computed."""
     set_zero_waste(trainer, on=False)
     full = loss_and_grads(trainer, inputs)
     set_zero_waste(trainer, on=True)
     log = ForwardLog(trainer.model)
     saved = loss_and_grads(trainer, inputs)
     assert_same_gradient(full, saved)
-    return log
+    return full, log
 
 
 # ---- exactness ----------------------------------------------------------------------------------------------------
@@ -223,12 +223,7 @@ def test_gradient_equals_full_pass_with_lora_and_gradient_checkpointing(setting)
     else:
         trainer = make_trainer(gradient_checkpointing=True)
     inputs = micro_batch(trainer)
-    set_zero_waste(trainer, on=False)
-    full = loss_and_grads(trainer, inputs)
-    set_zero_waste(trainer, on=True)
-    log = ForwardLog(trainer.model)
-    saved = loss_and_grads(trainer, inputs)
-    assert_same_gradient(full, saved)
+    full, log = assert_saved_pass_matches_full(trainer, inputs)
     assert log.calls and log.calls[0]["mask_dims"] == (4 if HAS_FUSED_LM_HEAD else 2)
     if setting == "lora":
         assert all("lora_" in name for name in full[1]), "only the adapter should train"
@@ -396,7 +391,7 @@ def test_unsupported_model_skips_rows_but_recomputes_prompts(family, attn, confi
     trainer = make_trainer(family, attn, config_overrides)
     inputs = micro_batch(trainer)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        log = assert_saved_pass_matches_full(trainer, inputs)
+        _, log = assert_saved_pass_matches_full(trainer, inputs)
     live = int(rows_with_gradient(inputs["advantages"], inputs["completion_mask"]).sum())
     widest = int(inputs["completion_mask"].sum(1).max())
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [((live, PROMPT_WIDTH + widest), 2)]
@@ -413,7 +408,7 @@ def test_prompts_that_are_not_left_padded_are_recomputed_per_row(caplog):
     inputs["prompt_ids"][rows] = inputs["prompt_ids"][rows].roll(-3, dims=1)
     inputs["prompt_mask"][rows] = inputs["prompt_mask"][rows].roll(-3, dims=1)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        log = assert_saved_pass_matches_full(trainer, inputs)
+        _, log = assert_saved_pass_matches_full(trainer, inputs)
     assert [call["mask_dims"] for call in log.calls] == [2]
     reason = "not left-padded" if HAS_FUSED_LM_HEAD else "has no fused LM head"
     assert any(reason in record.getMessage() for record in caplog.records)
