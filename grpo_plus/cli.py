@@ -102,13 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def reject_unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
     """argparse's 'unrecognized arguments', with the closest flag named, as the recipes do (exits 2)."""
-    from .registry import closest_name
+    from .registry import quoted_with_hint
 
-    flags = [flag for action in parser._actions for flag in action.option_strings]
-    described = []
-    for arg in unknown:
-        close = closest_name(arg.split("=")[0], flags) if arg.startswith("-") else None
-        described.append(f"'{arg}'" + (f" (did you mean '{close}'?)" if close else ""))
+    flags = [flag.lstrip("-") for action in parser._actions for flag in action.option_strings]
+    described = [
+        quoted_with_hint(arg[2:].split("=")[0], flags, "--") if arg.startswith("--") else f"'{arg}'" for arg in unknown
+    ]
     parser.error(f"unrecognized arguments: {', '.join(described)}")
 
 

@@ -220,22 +220,28 @@ class PolicyLossOutput:
         Per-sequence tensors (B, 1) count sequences, per-token tensors count mask tokens (TRL's convention).
         """
         totals = {
-            "clip_ratio/low_mean": self._total(self.is_low_clipped),
-            "clip_ratio/high_mean": self._total(self.is_high_clipped),
-            "clip_ratio/region_mean": self._total(self.is_low_clipped | self.is_high_clipped),
-            "ratio/mean": self._total(self.importance_weights),
+            "clip_ratio/low_mean": self.total(self.is_low_clipped),
+            "clip_ratio/high_mean": self.total(self.is_high_clipped),
+            "clip_ratio/region_mean": self.total(self.is_low_clipped | self.is_high_clipped),
+            "ratio/mean": self.total(self.importance_weights),
         }
         if self.is_dual_clipped is not None:
-            totals["clip_ratio/dual_mean"] = self._total(self.is_dual_clipped)
+            totals["clip_ratio/dual_mean"] = self.total(self.is_dual_clipped)
         if self.per_token_kl is not None:
-            totals["kl"] = self._total(self.per_token_kl)
+            totals["kl"] = self.total(self.per_token_kl)
         return totals
 
-    def _total(self, x: torch.Tensor) -> torch.Tensor:
+    def total(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """tensor([sum, count]) of per-sequence (B, 1) or per-token (B, T) values over the mask; `rows` (B,) bool
+        restricts both to those rows (the rows the zero-waste pass computed)."""
         x = x.detach().to(self.per_token_loss.dtype)
         if x.shape[-1] == 1:  # one value per sequence (sequence-level weights)
-            return torch.stack([x.sum(), x.new_tensor(float(x.shape[0]))])
-        return torch.stack([(x * self.mask).sum(), self.mask.sum().to(x.dtype)])
+            if rows is None:
+                return torch.stack([x.sum(), x.new_tensor(float(x.shape[0]))])
+            kept = rows.to(x.dtype).unsqueeze(1)
+            return torch.stack([(x * kept).sum(), kept.sum()])
+        mask = self.mask if rows is None else self.mask * rows.unsqueeze(1).to(self.mask.dtype)
+        return torch.stack([(x * mask).sum(), mask.sum().to(x.dtype)])
 
     def sequence_clip_fractions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sequence fraction of low- and high-clipped tokens, shape (B,) each (NaN for all-masked rows)."""

@@ -18,7 +18,7 @@ from trl import ModelConfig, TrlParser
 from . import tasks
 from .config import GRPOConfig
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
-from .registry import closest_name
+from .registry import quoted_with_hint
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,7 @@ def _unknown_arguments_message(config_unknown: list[str], cli_unknown: list[str]
 
     def described(strings: list[str], prefix: str) -> str:
         names = [s[2:].split("=", 1)[0] for s in strings if s.startswith("--")]
-        hints = [(f"'{prefix}{name}'", closest_name(name, known)) for name in names]
-        return ", ".join(name + (f" (did you mean '{prefix}{close}'?)" if close else "") for name, close in hints)
+        return ", ".join(quoted_with_hint(name, known, prefix) for name in names)
 
     def plural(noun: str, strings: list[str]) -> str:
         return noun + ("s" if sum(s.startswith("--") for s in strings) > 1 else "")

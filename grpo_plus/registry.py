@@ -22,6 +22,12 @@ def did_you_mean(value: object, choices: Iterable[str], cutoff: float = 0.6) -> 
     return f" Did you mean {close!r}?" if close else ""
 
 
+def quoted_with_hint(name: str, choices: Iterable[str], prefix: str = "") -> str:
+    """The unknown `name` quoted, with "(did you mean '<prefix><closest>'?)" when one of `choices` is close."""
+    close = closest_name(name, choices)
+    return f"'{prefix}{name}'" + (f" (did you mean '{prefix}{close}'?)" if close else "")
+
+
 @dataclass(frozen=True)
 class Entry(Generic[F]):
     """A registered callable plus the metadata its registrar declared."""

@@ -76,15 +76,6 @@ class _GuardedReward:
             ) from error
 
 
-def _masked_total(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """tensor([sum, count]) of `values` over `mask` (per-sequence (B, 1) values count each masked row once)."""
-    values = values.detach()
-    if values.shape[-1] == 1:
-        rows = (mask.sum(-1, keepdim=True) > 0).to(values.dtype)
-        return torch.stack([(values * rows).sum(), rows.sum()])
-    return torch.stack([(values * mask).sum(), mask.sum().to(values.dtype)])
-
-
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum over reward functions ignoring NaN; NaN where every function returned None (TRL's rule)."""
     rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
@@ -580,7 +571,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation_steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_loss_metrics(out, entropies, mask, mode, policy.computed_rows)
+        self._log_loss_metrics(out, entropies, mode, policy.computed_rows)
         return loss
 
     def _policy_weights(self, inputs, advantages, per_token_logps, old_per_token_logps, mask):
@@ -627,7 +618,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         self,
         out: PolicyLossOutput,
         entropies: torch.Tensor,
-        mask: torch.Tensor,
         mode: str,
         computed_rows: torch.Tensor | None = None,
     ) -> None:
@@ -639,9 +629,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         metrics = self._metrics[mode]
         totals = out.metric_totals()
         if computed_rows is not None:
-            mask = mask * computed_rows.unsqueeze(1).to(mask.dtype)
-            totals["ratio/mean"] = _masked_total(out.importance_weights, mask)
-        totals["entropy"] = _masked_total(entropies, mask)
+            totals["ratio/mean"] = out.total(out.importance_weights, computed_rows)
+        totals["entropy"] = out.total(entropies, computed_rows)
         names = list(totals)
         reduced = self.accelerator.reduce(torch.stack([totals[n].float() for n in names]), reduction="sum")
         computed_only = ("entropy", "ratio/mean") if computed_rows is not None else ()
