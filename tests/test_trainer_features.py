@@ -10,7 +10,14 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
 from safetensors.torch import load_file
-from tiny import accelerate_launch, kill_after_checkpoint, length_reward, prompt_dataset, tiny_run_kwargs
+from tiny import (
+    accelerate_launch,
+    kill_after_checkpoint,
+    length_reward,
+    max_weight_diff,
+    prompt_dataset,
+    tiny_run_kwargs,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from grpo_plus import GRPOConfig, GRPOTrainer
@@ -33,10 +40,6 @@ def flags(model_dir, output_dir, **overrides):
     for key, value in settings.items():
         out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
     return out
-
-
-def max_weight_diff(a: dict, b: dict) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
@@ -277,7 +280,7 @@ def test_4bit_layers_stay_trainable_after_an_eval_pass_on_cpu(tiny_model_dir_bnb
     reference, _ = lora_grads(eval_first=False, fix=False)
     fixed, _ = lora_grads(eval_first=True, fix=True)
     scale = max(g.abs().max().item() for g in reference.values())
-    assert max((reference[k] - fixed[k]).abs().max().item() for k in reference) <= 1e-6 * max(scale, 1.0)
+    assert max_weight_diff(reference, fixed) <= 1e-6 * max(scale, 1.0)
     _, repacked = lora_grads(eval_first=True, fix=False)
     if repacked == 0:
         pytest.skip("this CPU has no AVX512-BF16: bitsandbytes never repacks, nothing to guard against")

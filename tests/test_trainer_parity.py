@@ -11,7 +11,15 @@ import math
 import pytest
 import torch
 import trl
-from tiny import ForwardLog, digit_reward, half_dead_reward, length_reward, prompt_dataset, tiny_run_kwargs
+from tiny import (
+    ForwardLog,
+    digit_reward,
+    half_dead_reward,
+    length_reward,
+    max_weight_diff,
+    prompt_dataset,
+    tiny_run_kwargs,
+)
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
@@ -48,9 +56,9 @@ def assert_same_run(tiny_model_dir, tmp_path, reward_funcs=(length_reward, digit
     trl_weights, trl_logs, trl_forwards = train(tiny_model_dir, tmp_path, trl, reward_funcs, **overrides)
     our_weights, our_logs, our_forwards = train(tiny_model_dir, tmp_path, grpo_plus, reward_funcs, **overrides)
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    moved = max((trl_weights[k] - initial[k]).abs().max().item() for k in initial)
+    moved = max_weight_diff(initial, trl_weights)
     assert moved > 1e-3, "training did not change the weights: the comparison would be vacuous"
-    diff = max((trl_weights[k] - our_weights[k]).abs().max().item() for k in trl_weights)
+    diff = max_weight_diff(trl_weights, our_weights)
     assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
     assert len(trl_logs) == len(our_logs)
     rows_skipped = any(entry.get("zero_waste/rows_computed_frac", 1.0) < 1.0 for entry in our_logs)
@@ -148,7 +156,7 @@ def assert_zero_waste_run_unchanged(tiny_model_dir, tmp_path, **overrides):
     our_weights, our_logs, saved = train(
         tiny_model_dir, tmp_path / "saved", grpo_plus, (half_dead_reward,), **overrides
     )
-    diff = max((full_weights[k] - our_weights[k]).abs().max().item() for k in full_weights)
+    diff = max_weight_diff(full_weights, our_weights)
     assert diff <= 1e-5, f"max |w_full - w_zero_waste| = {diff}"
     for full_entry, our_entry in zip(full_logs, our_logs, strict=True):
         if "loss" in full_entry:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import signal
 import string
 import subprocess
@@ -92,15 +93,24 @@ def prompt_dataset(num_prompts: int = 8, conversational: bool = False) -> Datase
     return Dataset.from_list(rows)
 
 
+def text_of(message) -> str:
+    """A prompt or completion as text (standard: the string; conversational: the last message's content)."""
+    return message if isinstance(message, str) else message[-1]["content"]
+
+
+def starts_odd(prompt) -> bool:
+    """The prompts the dead-group rewards below make constant: those starting with an odd digit."""
+    return int(text_of(prompt)[0]) % 2 == 1
+
+
 def length_reward(completions, **kwargs) -> list[float]:
     """Longer completions score higher, with ties: some groups have zero variance, others do not."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [float(min(len(t), 8) // 4) for t in texts]
+    return [float(min(len(text_of(c)), 8) // 4) for c in completions]
 
 
 def digit_reward(completions, **kwargs) -> list[float]:
     """Fraction of characters that are digits."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    texts = [text_of(c) for c in completions]
     return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
@@ -166,16 +176,12 @@ def tiny_run_kwargs(output_dir, **overrides) -> dict:
 
 def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
     """Constant reward for prompts starting with an odd digit (dead groups), length reward otherwise."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    prompt_texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
-    return [1.0 if int(p[0]) % 2 else float(len(t)) for p, t in zip(prompt_texts, texts, strict=True)]
+    return [1.0 if starts_odd(p) else float(len(text_of(c))) for p, c in zip(prompts, completions, strict=True)]
 
 
 def half_dead_reward(completions, prompts, **kwargs) -> list[float]:
     """1 for prompts starting with an odd digit (dead groups), the digit fraction otherwise (rarely tied)."""
-    prompt_texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
-    digits = digit_reward(completions)
-    return [1.0 if int(p[0]) % 2 else d for p, d in zip(prompt_texts, digits, strict=True)]
+    return [1.0 if starts_odd(p) else d for p, d in zip(prompts, digit_reward(completions), strict=True)]
 
 
 def constant_reward(completions, **kwargs) -> list[float]:
@@ -211,6 +217,11 @@ def explode_at_step_3(completions, trainer_state=None, **kwargs) -> list[float]:
     return length_reward(completions)
 
 
+def max_weight_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over the tensors of `a` (state dicts or weight files)."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 class ForwardLog:
     """Records what every call of a model's backbone received (generation, no-grad passes and training forwards)."""
 
@@ -233,12 +244,12 @@ class ForwardLog:
     @property
     def positions(self) -> int:
         """Token positions computed over all recorded calls."""
-        return sum(call["shape"][0] * call["shape"][1] for call in self.calls)
+        return sum(math.prod(call["shape"]) for call in self.calls)
 
     @property
     def training_positions(self) -> int:
         """Token positions of the forwards that carried gradient (the training pass)."""
-        return sum(call["shape"][0] * call["shape"][1] for call in self.calls if call["grad"])
+        return sum(math.prod(call["shape"]) for call in self.calls if call["grad"])
 
     def clear(self) -> None:
         self.calls.clear()
@@ -247,13 +258,12 @@ class ForwardLog:
 def odd_prompts_dead_reward(completions, prompts, **kwargs) -> list[float]:
     """1.0 for every completion of a prompt starting with an odd digit (always dead, "solved"); 0/1 alternating by
     row otherwise, so those groups (consecutive rows) are always informative whatever the model writes."""
-    prompt_texts = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
-    return [1.0 if int(p[0]) % 2 else float(row % 2) for row, p in enumerate(prompt_texts)]
+    return [1.0 if starts_odd(p) else float(row % 2) for row, p in enumerate(prompts)]
 
 
 def dead_rows(dataset) -> set[int]:
     """Rows of `prompt_dataset` that `odd_prompts_dead_reward` makes dead."""
-    return {i for i, row in enumerate(dataset) if int(str(row["prompt"])[0]) % 2}
+    return {i for i, row in enumerate(dataset) if starts_odd(row["prompt"])}
 
 
 def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float = 240) -> str:
