@@ -228,6 +228,16 @@ class GRPOConfig(trl.GRPOConfig):
             "qwen3, gpt2) with sdpa or eager attention on TRL >= 1.15; elsewhere prompts are recomputed per row."
         },
     )
+    zero_waste_generation: bool = field(
+        default=True,
+        metadata={
+            "help": "Generate with transformers (no vLLM) without the waste: prefill each distinct prompt once and "
+            "copy its KV cache to the G completions, and leave finished completions out of the decode batch. Same "
+            "sampling settings and random draws as TRL's `model.generate`. Falls back to TRL's generation, saying why "
+            "once in the log, with vLLM, continuous batching, multimodal prompts, tools, caches that cannot be copied "
+            "by row, and other decoding modes (beams)."
+        },
+    )
     plugins: list[str] | None = field(
         default=None,
         metadata={

@@ -341,9 +341,12 @@ def evaluate(
     max_new_tokens: int = 24,
     progress: bool = True,
     return_completions: bool = False,
+    zero_waste: bool = True,
 ) -> dict[str, Any]:
-    """Greedy accuracy and format rate of `model` on `dataset` ("prompt" + "answer" columns), in batches."""
-    import torch
+    """Greedy accuracy and format rate of `model` on `dataset` ("prompt" + "answer" columns), in batches.
+
+    `zero_waste`: replies that ended leave the decode batch (grpo_plus.generation; the same replies as
+    `model.generate`, which runs when it is False or the model is not a transformers model)."""
     from tqdm.auto import tqdm
 
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
@@ -360,7 +363,7 @@ def evaluate(
         starts = range(0, len(prompts), batch_size)
         for start in tqdm(starts, desc="Evaluating", unit="batch", disable=not progress):
             batch = prompts[start : start + batch_size]
-            completions += _generate_greedy(model, tokenizer, batch, max_new_tokens, torch)
+            completions += _generate_greedy(model, tokenizer, batch, max_new_tokens, zero_waste)
     finally:
         model.train(was_training)
         tokenizer.padding_side, tokenizer.pad_token = padding_side, pad_token
@@ -377,17 +380,22 @@ def evaluate(
     return result
 
 
-def _generate_greedy(model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int, torch: Any) -> list[str]:
+def _generate_greedy(
+    model: Any, tokenizer: Any, prompts: list[Any], max_new_tokens: int, zero_waste: bool
+) -> list[str]:
     """Greedy replies to a batch of conversational (or plain-text) prompts."""
+    import torch
+
+    from .generation import generate
+
     if isinstance(prompts[0], str):
         texts = prompts
     else:
         texts = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
     # The chat template already wrote any BOS token; adding special tokens again would double it.
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    settings = dict(**encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.inference_mode():
-        output = model.generate(
-            **encoded, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
+        output = generate(model, **settings)[0] if zero_waste else model.generate(**settings)
     new_tokens = output[:, encoded["input_ids"].shape[1] :]
     return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)

@@ -20,6 +20,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .advantages import compute_advantages
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
+from .generation import GenerationStats, generate_patched, generation_blocker
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, PolicyLossOutput, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
@@ -47,6 +48,7 @@ from .trl_compat import (
     nanmax,
     nanmin,
     split_tensor_dict,
+    uses_continuous_batching,
 )
 
 logger = logging.getLogger(__name__)
@@ -336,6 +338,32 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _load_selective_rollout_state(self, checkpoint: str) -> None:
         if self._selective_rollout is not None and not self._selective_rollout.load(checkpoint):
             logger.warning("%s holds no selective-rollout history: selective rollout starts afresh.", checkpoint)
+
+    # ---- zero-waste generation (grpo_plus.generation) -------------------------------------------------------------
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+        """TRL's generation, its `model.generate` call prefilling each distinct prompt once and decoding only
+        unfinished rows (grpo_plus.generation) where that samples what transformers' own loop samples."""
+        trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
+        if not getattr(self.args, "zero_waste_generation", True):
+            return trl_generation(*args, **kwargs)
+        reason = generation_blocker(
+            use_vllm=self.use_vllm,
+            continuous_batching=uses_continuous_batching(self),
+            multimodal=bool(multimodal_fields) or any(image is not None for image in images or ()),
+            tools=bool(getattr(self, "tools", None)),
+        )
+        if reason is not None:
+            self._note_fallback("generation", reason)
+            return trl_generation(*args, **kwargs)
+        with generate_patched(self.accelerator.unwrap_model(self.model_wrapped), self._log_generation):
+            return trl_generation(*args, **kwargs)
+
+    def _log_generation(self, stats: GenerationStats) -> None:
+        if stats.fallback is not None:
+            self._note_fallback("generation", stats.fallback)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["zero_waste/generation_positions_frac"].append(stats.positions_frac)
 
     # ---- zero-waste training pass (grpo_plus.train_pass) ----------------------------------------------------------
 

@@ -33,6 +33,7 @@ __all__ = [
     "is_async_callable",
     "is_tested_trl_version",
     "logps_unavailable_reason",
+    "uses_continuous_batching",
     "nanmax",
     "nanmin",
     "split_tensor_dict",
@@ -71,14 +72,17 @@ class HookedMethod:
     """A private `trl.GRPOTrainer` method grpo_plus relies on, and the arguments it must accept.
 
     `overridden`: grpo_plus replaces the method and TRL calls the replacement, so TRL's parameters must be exactly
-    `positional` (a new parameter would be passed to an override that does not take it). Otherwise grpo_plus only
-    calls it, and TRL's signature must accept `positional` (under these names, or through *args) and `keywords`.
+    `positional` (a new parameter would be passed to an override that does not take it); with `passes_rest_on`, the
+    override reads only the leading `positional` ones and hands any further ones to TRL's method unchanged, so TRL's
+    parameters must start with `positional`. Otherwise grpo_plus only calls it, and TRL's signature must accept
+    `positional` (under these names, or through *args) and `keywords`.
     """
 
     name: str
     positional: tuple[str, ...]
     keywords: tuple[str, ...] = ()
     overridden: bool = True
+    passes_rest_on: bool = False
 
 
 HOOKED_METHODS = (
@@ -86,6 +90,9 @@ HOOKED_METHODS = (
     HookedMethod("_prepare_inputs", ("generation_batch",)),
     HookedMethod("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list")),
     HookedMethod("_generate_and_score_completions", ("inputs",)),
+    # 1.14.0: (..., multimodal_fields, has_tool_images=False); 1.14.2+: (..., multimodal_fields, num_generations,
+    # has_tool_images=False). The zero-waste generation override reads the first three and passes the rest on.
+    HookedMethod("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields"), passes_rest_on=True),
     # 1.14: (model, *args, batch_size=None, compute_aux_loss=False, **kwargs); 1.15+: every argument spelled out.
     # grpo_plus's override (the zero-waste pass) takes any keyword TRL passes and calls TRL's method this way.
     HookedMethod(
@@ -113,8 +120,12 @@ def _signature_problem(method, expected: HookedMethod) -> str | None:
     parameters = list(inspect.signature(method).parameters.values())[1:]  # drop self
     if expected.overridden:
         names = tuple(p.name for p in parameters)
-        if names != expected.positional or any(p.kind is not p.POSITIONAL_OR_KEYWORD for p in parameters):
-            return f"its parameters are ({', '.join(names)}), grpo_plus's override takes ({', '.join(expected.positional)})"
+        read = parameters[: len(expected.positional)] if expected.passes_rest_on else parameters
+        if tuple(p.name for p in read) != expected.positional or any(
+            p.kind is not p.POSITIONAL_OR_KEYWORD for p in read
+        ):
+            takes = ", ".join([*expected.positional, *(["..."] if expected.passes_rest_on else [])])
+            return f"its parameters are ({', '.join(names)}), grpo_plus's override takes ({takes})"
         return None
     try:
         inspect.signature(method).bind(None, *expected.positional, **dict.fromkeys(expected.keywords))
@@ -173,6 +184,15 @@ def has_fused_lm_head() -> bool:
     returns `.log_probs` / `.entropy`); False if it computes full logits (1.14). The zero-waste pass scores its
     packed shared-prompt rows through that head (`shift_labels=...`), so on 1.14 it recomputes prompts per row."""
     return hasattr(trl_utils, "add_fused_lm_head")
+
+
+def uses_continuous_batching(trainer) -> bool:
+    """True if TRL generates with transformers' continuous batching (`generate_batch`) instead of `generate`
+    (`use_transformers_continuous_batching` in 1.14-1.16; `use_transformers_paged` before)."""
+    return bool(
+        getattr(trainer, "use_transformers_continuous_batching", False)
+        or getattr(trainer, "use_transformers_paged", False)
+    )
 
 
 def logps_unavailable_reason(device_type: str = "cpu") -> str | None:

@@ -289,3 +289,44 @@ def test_evaluate_rejects_an_empty_dataset() -> None:
     tokenizer = make_tokenizer()
     with pytest.raises(ValueError, match="empty"):
         tasks.evaluate(make_model(tokenizer), tokenizer, make_dataset("test", "add-1d", 0), progress=False)
+
+
+def test_evaluate_generates_model_generates_replies_with_fewer_positions() -> None:
+    """Held-out evaluation through grpo_plus's generation: the same greedy replies as `model.generate`, and the
+    replies that ended early are not decoded further."""
+    import torch
+    from tiny import ForwardLog, make_model, make_tokenizer
+
+    from grpo_plus.generation import transformers_blocker
+
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer, seed=3)
+    dataset = make_dataset("test", "add-1d", 8)
+    # A random model never picks EOS: make EOS win wherever the first reply's character at the first column where
+    # the replies differ would win (ties go to the lower id), so replies end at different lengths.
+    replies = tasks.evaluate(model, tokenizer, dataset, max_new_tokens=12, progress=False, return_completions=True)
+    replies = replies["completions"]
+    column = next(i for i, chars in enumerate(zip(*replies, strict=False)) if len(set(chars)) > 1)
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] = model.lm_head.weight[
+            tokenizer.convert_tokens_to_ids(replies[0][column])
+        ]
+    forwards = ForwardLog(model)
+    results = {}
+    for zero_waste in (False, True):
+        forwards.clear()
+        result = tasks.evaluate(
+            model,
+            tokenizer,
+            dataset,
+            max_new_tokens=12,
+            progress=False,
+            return_completions=True,
+            zero_waste=zero_waste,
+        )
+        results[zero_waste] = (result["completions"], forwards.positions)
+    (plain, plain_positions), (ours, our_positions) = results[False], results[True]
+    assert ours == plain
+    assert len({len(tokenizer(reply)["input_ids"]) for reply in plain}) > 1, "every reply ran to the token limit"
+    if transformers_blocker() is None:
+        assert our_positions < plain_positions

@@ -7,16 +7,8 @@ import math
 
 import pytest
 import torch
-from tiny import ForwardLog, make_tokenizer, prompt_dataset
-from transformers import (
-    AutoModelForCausalLM,
-    GPT2Config,
-    GPTNeoXConfig,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
+from tiny import ForwardLog, make_tokenizer, prompt_dataset, tiny_config
+from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus import GRPOConfig, GRPOTrainer
@@ -39,25 +31,6 @@ needs_fused_lm_head = pytest.mark.skipif(not HAS_FUSED_LM_HEAD, reason="TRL 1.14
 pytestmark = pytest.mark.skipif(
     logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
 )
-
-
-def tiny_config(family: str, vocab_size: int, **overrides):
-    """A two-layer model of `family` (llama, mistral, qwen2, qwen3: rotary positions; gpt2: learned absolute ones)."""
-    common = dict(vocab_size=vocab_size, tie_word_embeddings=False, pad_token_id=0)
-    if family == "gpt2":
-        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **no_dropout, **common, **overrides)
-    classes = {
-        "llama": LlamaConfig,
-        "mistral": MistralConfig,
-        "qwen2": Qwen2Config,
-        "qwen3": Qwen3Config,
-        "gpt_neox": GPTNeoXConfig,  # not a checked family: its forward is not proven to take a block mask as given
-    }
-    sizes = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    )
-    return classes[family](**sizes, max_position_embeddings=64, **common, **overrides)
 
 
 def make_trainer(

@@ -1,5 +1,8 @@
 """Drop-in parity: stock trl.GRPOTrainer and grpo_plus.GRPOTrainer train to the same weights and logs.
 
+grpo_plus generates with its zero-waste loop (each prompt prefilled once, finished rows out of the decode batch) in
+every run here, checked by `assert_same_run`, so equal weights also show it sampled stock TRL's completions.
+
 The runs use plain SGD: its update is the gradient times the learning rate, so equal weights show equal gradients.
 Adam divides each coordinate by its own gradient scale, which hides a gradient off by a constant factor and, on
 coordinates whose gradient is near zero, turns float32 rounding noise (~1e-7, e.g. from computing the same
@@ -23,6 +26,7 @@ from tiny import (
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
+from grpo_plus.generation import transformers_blocker
 from grpo_plus.trl_compat import logps_unavailable_reason
 
 pytestmark = [
@@ -61,6 +65,10 @@ def assert_same_run(tiny_model_dir, tmp_path, reward_funcs=(length_reward, digit
     diff = max_weight_diff(trl_weights, our_weights)
     assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
     assert len(trl_logs) == len(our_logs)
+    if transformers_blocker() is None:  # else (transformers 4.x) grpo_plus generates with TRL's loop, and logs why
+        key = "zero_waste/generation_positions_frac"
+        generated = [entry[key] for entry in our_logs if key in entry]
+        assert generated and max(generated) < 1.0, "grpo_plus's zero-waste generation did not run"
     rows_skipped = any(entry.get("zero_waste/rows_computed_frac", 1.0) < 1.0 for entry in our_logs)
     for trl_entry, our_entry in zip(trl_logs, our_logs, strict=True):
         for key, value in trl_entry.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import types
 import warnings
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from grpo_plus.trl_compat import (
     check_trl_compatibility,
     is_tested_trl_version,
     logps_unavailable_reason,
+    uses_continuous_batching,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,6 +129,33 @@ def test_both_log_prob_signatures_are_accepted(trainer_class):
     check_hooked_methods(trainer_class, trl_version="1.16.0")
 
 
+class _GenerateLike1140(trl.GRPOTrainer):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        raise NotImplementedError
+
+
+class _GenerateLike1142(trl.GRPOTrainer):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize(
+    "trainer_class", [_GenerateLike1140, _GenerateLike1142], ids=["trl-1.14.0-style", "trl-1.14.2+-style"]
+)
+def test_both_generation_signatures_are_accepted(trainer_class):
+    """grpo_plus's override reads the first three parameters and passes the rest on, whatever they are."""
+    check_hooked_methods(trainer_class, trl_version="1.16.0")
+
+
+def test_uses_continuous_batching_reads_either_trl_attribute():
+    trainer = types.SimpleNamespace(use_transformers_continuous_batching=False)
+    assert not uses_continuous_batching(trainer)
+    trainer.use_transformers_continuous_batching = True
+    assert uses_continuous_batching(trainer)
+    assert uses_continuous_batching(types.SimpleNamespace(use_transformers_paged=True))
+    assert not uses_continuous_batching(types.SimpleNamespace())
+
+
 def _changed(name, function):
     return type("ChangedTRLTrainer", (trl.GRPOTrainer,), {name: function})
 
@@ -147,6 +176,11 @@ CHANGED_HOOKS = {
         "_get_per_token_logps_and_entropies",
         lambda self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_aux_loss=False: None,
     ),
+    "generate-reordered": (
+        "_generate_single_turn",
+        lambda self, prompt_ids, multimodal_fields, images, num_generations: None,
+    ),
+    "generate-keyword-only": ("_generate_single_turn", lambda self, prompt_ids, *, images, multimodal_fields: None),
     "logps-reordered": (
         "_get_per_token_logps_and_entropies",
         lambda self, model, attention_mask, input_ids, logits_to_keep, **kwargs: None,

@@ -1,0 +1,330 @@
+"""Zero-waste generation against stock TRL: generation time, step time and token positions, in one run.
+
+    .venv/bin/python benchmarks/generation.py [--steps 10] [--warmup 2] [--repeats 3] [--threads 1]
+                                              [--skip-steps] [--skip-sweep] [--json out.json]
+
+Model and data: the demo config (recipes/configs/demo_cpu.yaml): SmolLM2-135M-Instruct (embedded) + LoRA r=16
+all-linear, one-digit sums, 2 prompts x 8 completions of <= 20 tokens (temperature 0.7), seed 0.
+
+Part 1, the demo config: stock trl.GRPOTrainer and grpo_plus.GRPOTrainer train in lock-step in one process
+(benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...), each with its own random state, so they sample the
+same completions and log the same losses (both checked). Per optimizer step after the warm-up steps, medians:
+  generation   wall time of `_generate_single_turn` (the `model.generate` call with TRL's padding around it)
+  step         on_step_begin -> on_step_end: generation, scoring, training pass, optimizer
+  positions    token positions the model computed inside `_generate_single_turn`
+Part 2, where TRL's generation time goes: one demo generation batch (the first prompts of the data, TRL's own
+GenerationConfig, the trained-for-part-1 weights), timed per model forward: the prefill (one forward over every
+prompt copy), the decode steps, the share of each decode step spent on rows that had already finished (rows x
+step time / batch rows), and the rest (logits processors, sampling, cache copies); then the same for grpo_plus.
+Part 3, the sweep: TRL's `model.generate` against `grpo_plus.generation.generate` on 2 prompts x G completions,
+prompt length 56 / 256 / 1024 tokens (worked examples in a system prompt lengthen the demo prompt) x G = 4 / 8 / 16,
+same seed for both (same ids, checked), alternated, median of `--repeats`.
+Targets (issue 20), demo config: generation <= 0.6x TRL's time, whole step <= 0.3x TRL's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+SIDES = ("trl", "ours")
+PROMPT_LENGTHS = (56, 256, 1024)
+GENERATIONS = (4, 8, 16)
+
+
+def instrument_generation(trainer, forwards, record: list[dict]) -> None:
+    """Record time, positions computed and completion ids of every `_generate_single_turn` call."""
+    original = trainer._generate_single_turn
+
+    def timed(prompt_ids, *args, **kwargs):
+        calls_before = len(forwards.calls)
+        start = time.perf_counter()
+        completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
+        seconds = time.perf_counter() - start
+        positions = sum(call["shape"][0] * call["shape"][1] for call in forwards.calls[calls_before:])
+        record.append(dict(seconds=seconds, positions=positions, completion_ids=completion_ids))
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = timed
+
+
+def run_steps(steps: int, warmup: int) -> dict:
+    """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the sameness checks."""
+    from lockstep import Baton, RngStates, run_threads
+    from train_pass import build_trainers
+    from transformers import set_seed
+
+    baton, rng = Baton(list(SIDES)), RngStates()
+    built = build_trainers(steps, baton, rng)
+    for side in built.values():
+        side["generations"] = []
+        instrument_generation(side["trainer"], side["forwards"], side["generations"])
+
+    def train(name):
+        try:
+            baton.wait(name)
+            set_seed(0)
+            built[name]["trainer"].train()
+        finally:
+            baton.pass_on(name, finished=True)
+
+    run_threads({name: functools.partial(train, name) for name in SIDES})
+
+    result = {}
+    measured = slice(warmup, None)
+    for name in SIDES:
+        side = built[name]
+        logs = [entry for entry in side["trainer"].state.log_history if "step_time" in entry]
+        generations = side["generations"]
+        result[name] = dict(
+            step=statistics.median(side["timer"].step[measured]),
+            generation=statistics.median([g["seconds"] for g in generations][measured]),
+            generation_positions=statistics.median([g["positions"] for g in generations][measured]),
+            losses=[entry["loss"] for entry in logs],
+            completions=[g["completion_ids"] for g in generations],
+            mean_length=statistics.fmean(entry["completions/mean_length"] for entry in logs),
+        )
+    trl_side, ours = result["trl"], result["ours"]
+    result["max_loss_difference"] = max(abs(a - b) for a, b in zip(trl_side["losses"], ours["losses"], strict=True))
+    result["same_completions"] = trl_side.pop("completions") == ours.pop("completions")
+    result["trainers"] = {name: built[name]["trainer"] for name in SIDES}
+    return result
+
+
+class ForwardTimer:
+    """Times every forward of a causal LM (its base model under PEFT): (input shape, seconds) per call."""
+
+    def __init__(self, model):
+        self.calls: list[tuple[tuple[int, ...], float]] = []
+        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.handles = [
+            self.model.register_forward_pre_hook(self._start, with_kwargs=True),
+            self.model.register_forward_hook(self._stop, with_kwargs=True),
+        ]
+
+    def _start(self, module, args, kwargs):
+        self.shape = tuple(kwargs.get("input_ids", args[0] if args else None).shape)
+        self.started = time.perf_counter()
+
+    def _stop(self, module, args, kwargs, output):
+        self.calls.append((self.shape, time.perf_counter() - self.started))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def generation_inputs(tokenizer, questions, prompt_length: int, num_generations: int):
+    """Left-padded chat prompts for `questions`, about `prompt_length` tokens each (worked examples in the system
+    prompt lengthen them), each repeated `num_generations` times."""
+    from grpo_plus import tasks
+
+    def encode(examples: int):
+        system = "".join(
+            f"Example: What is {i % 9 + 1} + {(3 * i) % 9 + 1}? {i % 9 + 1} + {(3 * i) % 9 + 1} = "
+            f"{i % 9 + (3 * i) % 9 + 2}. {tasks.ANSWER_PREFIX} {i % 9 + (3 * i) % 9 + 2}.\n"
+            for i in range(examples)
+        )
+        prompts = [tasks.format_prompt(q, system_prompt=system or None) for q in questions]
+        texts = tokenizer.apply_chat_template(prompts, add_generation_prompt=True, tokenize=False)
+        padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+        try:
+            return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        finally:
+            tokenizer.padding_side = padding_side
+
+    examples = 0
+    encoded = encode(0)
+    while encoded["input_ids"].shape[1] < prompt_length - 10:
+        examples += max(1, (prompt_length - encoded["input_ids"].shape[1]) // 30)
+        encoded = encode(examples)
+    ids = encoded["input_ids"].repeat_interleave(num_generations, dim=0)
+    mask = encoded["attention_mask"].repeat_interleave(num_generations, dim=0)
+    return ids, mask
+
+
+def generate_once(side: str, model, ids, mask, generation_config, seed: int):
+    """One generation batch by TRL's `model.generate` or grpo_plus's; (sequences, seconds, grpo_plus's stats)."""
+    import torch
+
+    from grpo_plus.generation import generate
+
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        if side == "trl":
+            sequences, stats = (
+                model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config),
+                None,
+            )
+        else:
+            sequences, stats = generate(model, input_ids=ids, attention_mask=mask, generation_config=generation_config)
+    return sequences, time.perf_counter() - start, stats
+
+
+def breakdown(trainer, repeats: int) -> dict:
+    """Part 2: where the time of one demo generation batch goes, TRL's generate and grpo_plus's."""
+    tokenizer = trainer.processing_class
+    dataset = trainer.train_dataset
+    questions = dataset["question"][:2]
+    ids, mask = generation_inputs(tokenizer, questions, 0, trainer.num_generations)
+    model, config = trainer.model, trainer.generation_config
+    eos = set(trainer.eos_token_ids)
+    rows, width = ids.shape
+    parts = {name: [] for name in SIDES}
+    for repeat in range(repeats):
+        for name in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+            timer = ForwardTimer(model)
+            sequences, total, stats = generate_once(name, model, ids, mask, config, seed=repeat)
+            timer.remove()
+            completions = sequences[:, width:].tolist()
+            lengths = [next((i + 1 for i, t in enumerate(c) if t in eos), len(c)) for c in completions]
+            (prefill_shape, prefill), decode = timer.calls[0], timer.calls[1:]
+            finished = sum(
+                seconds * sum(length <= step for length in lengths) / rows
+                for step, (_, seconds) in enumerate(decode, start=1)
+            )
+            decode_seconds = sum(seconds for _, seconds in decode)
+            parts[name].append(
+                dict(
+                    total=total,
+                    prefill=prefill,
+                    prefill_positions=prefill_shape[0] * prefill_shape[1],
+                    decode=decode_seconds,
+                    decode_positions=sum(shape[0] for shape, _ in decode),
+                    finished_rows=finished if name == "trl" else 0.0,
+                    other=total - prefill - decode_seconds,
+                    steps=len(decode),
+                )
+            )
+    return {name: {key: statistics.median(p[key] for p in parts[name]) for key in parts[name][0]} for name in SIDES}
+
+
+def sweep(trainer, repeats: int) -> list[dict]:
+    """Part 3: TRL's generate against grpo_plus's over prompt length x G; medians of alternated repeats."""
+    import torch
+
+    tokenizer = trainer.processing_class
+    questions = trainer.train_dataset["question"][2:4]
+    model, config = trainer.model, trainer.generation_config
+    rows = []
+    for prompt_length in PROMPT_LENGTHS:
+        for generations in GENERATIONS:
+            ids, mask = generation_inputs(tokenizer, questions, prompt_length, generations)
+            seconds = {name: [] for name in SIDES}
+            same, stats = True, None
+            for repeat in range(repeats):
+                outputs = {}
+                for name in SIDES if repeat % 2 == 0 else SIDES[::-1]:
+                    sequences, elapsed, side_stats = generate_once(name, model, ids, mask, config, seed=repeat)
+                    seconds[name].append(elapsed)
+                    outputs[name] = sequences
+                    stats = side_stats or stats
+                same = same and torch.equal(outputs["trl"], outputs["ours"])
+            row = dict(
+                prompt=int(ids.shape[1]),
+                generations=generations,
+                trl_seconds=statistics.median(seconds["trl"]),
+                ours_seconds=statistics.median(seconds["ours"]),
+                positions_ratio=stats.positions_frac,
+                same_ids=same,
+            )
+            row["time_ratio"] = row["ours_seconds"] / row["trl_seconds"]
+            rows.append(row)
+            print(
+                f"  P={row['prompt']:4d} G={generations:2d}: TRL {row['trl_seconds']:.2f} s, ours "
+                f"{row['ours_seconds']:.2f} s ({row['time_ratio']:.2f}x), positions {row['positions_ratio']:.2f}x, "
+                f"same ids: {same}",
+                flush=True,
+            )
+    return rows
+
+
+def print_demo(part1: dict) -> None:
+    trl_side, ours = part1["trl"], part1["ours"]
+
+    def ratio(key):
+        return ours[key] / trl_side[key]
+
+    print(
+        "\n| demo config (median per step) | stock TRL | grpo_plus | ratio |\n|---|---|---|---|\n"
+        f"| generation (s) | {trl_side['generation']:.2f} | {ours['generation']:.2f} | **{ratio('generation'):.2f}** |\n"
+        f"| whole step (s) | {trl_side['step']:.2f} | {ours['step']:.2f} | **{ratio('step'):.2f}** |\n"
+        f"| token positions in generation | {trl_side['generation_positions']:.0f} | "
+        f"{ours['generation_positions']:.0f} | **{ratio('generation_positions'):.2f}** |\n"
+        f"\nsame completions: {part1['same_completions']}; max |loss difference| over {len(trl_side['losses'])} "
+        f"steps: {part1['max_loss_difference']:.2e}; mean completion length {trl_side['mean_length']:.1f}",
+        flush=True,
+    )
+
+
+def print_breakdown(parts: dict) -> None:
+    print("\n| one demo generation batch (median) | stock TRL (s) | grpo_plus (s) |\n|---|---|---|")
+    trl_side, ours = parts["trl"], parts["ours"]
+    print(
+        f"| prefill | {trl_side['prefill']:.2f} ({trl_side['prefill_positions']:.0f} positions) | "
+        f"{ours['prefill']:.2f} ({ours['prefill_positions']:.0f} positions) |"
+    )
+    print(
+        f"| decode, {trl_side['steps']:.0f} steps | {trl_side['decode']:.2f} ({trl_side['decode_positions']:.0f} "
+        f"positions) | {ours['decode']:.2f} ({ours['decode_positions']:.0f} positions) |"
+    )
+    print(f"| of which rows already finished | {trl_side['finished_rows']:.2f} | 0 |")
+    print(f"| logits processing, sampling, cache copies | {trl_side['other']:.2f} | {ours['other']:.2f} |")
+    print(f"| total | {trl_side['total']:.2f} | {ours['total']:.2f} ({ours['total'] / trl_side['total']:.2f}x) |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each trainer in part 1")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=3, help="alternated repeats per case in parts 2 and 3")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
+    parser.add_argument("--skip-steps", action="store_true", help="no part 1 (parts 2-3 run on fresh trainers)")
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-generation" / "generation.json"))
+    args = parser.parse_args()
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    started = time.perf_counter()
+    report: dict = {"threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__}
+    steps = 1 if args.skip_steps else args.steps
+    print(f"Part 1: demo config, {steps} lock-step optimizer steps per trainer ...", flush=True)
+    part1 = run_steps(steps, 0 if args.skip_steps else args.warmup)
+    trl_trainer = part1.pop("trainers")["trl"]
+    if not args.skip_steps:
+        report["demo"] = part1
+        print_demo(part1)
+    print(f"\nPart 2: one demo generation batch, {args.repeats} repeats ...", flush=True)
+    report["breakdown"] = breakdown(trl_trainer, args.repeats)
+    print_breakdown(report["breakdown"])
+    if not args.skip_sweep:
+        print(f"\nPart 3: 2 prompts x G completions, {args.repeats} repeats per case ...", flush=True)
+        report["sweep"] = sweep(trl_trainer, args.repeats)
+        print("\n| prompt tokens | G | TRL (s) | grpo_plus (s) | time ratio | positions ratio | same ids |")
+        print("|---|---|---|---|---|---|---|")
+        for row in report["sweep"]:
+            print(
+                f"| {row['prompt']} | {row['generations']} | {row['trl_seconds']:.2f} | {row['ours_seconds']:.2f} | "
+                f"{row['time_ratio']:.2f} | {row['positions_ratio']:.2f} | {row['same_ids']} |"
+            )
+    report["wall_minutes"] = (time.perf_counter() - started) / 60
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""Zero-waste generation: `model.generate` for GRPO batches, each distinct prompt prefilled once, finished rows out.
+
+A GRPO generation batch holds every prompt G times (TRL's sampler repeats it), and `model.generate` prefills each
+copy, then keeps decoding a row after it emitted EOS until the longest row ends. `generate` here runs transformers'
+own `generate` (its input preparation, `GenerationConfig` merging, logits processors and stopping criteria) with a
+decoding loop of its own (`custom_generate`) that differs from transformers' `_sample` in two places:
+
+- **prefill**: the distinct prompt rows go through the model once; the KV cache and the last logits are then
+  copied to every row holding that prompt (`Cache.batch_select_indices`).
+- **decode**: only unfinished rows go through the model. The logits processors, the softmax and the draw still see
+  every row, finished rows with neutral scores, so `torch.multinomial` consumes the same random numbers as in
+  transformers' loop and each row gets the token it would get there; finished rows get the pad token, as there.
+
+Exactness (float32, measured on CPU; see README): the prefill of one prompt copy gives the same bits as the prefill
+of all copies. A decode batch of fewer rows changes which matrix-multiply kernel the BLAS picks for some batch sizes
+(MKL: fewer than 4 rows, or other sizes with several threads), which moves logits by float noise (~1e-5); a sampled
+token changes only if that noise flips a near-tie.
+
+Where the loop would not be transformers' own, `generate` calls `model.generate` unchanged and says why
+(`GenerationStats.fallback`): another decoding mode (beams, assisted, contrastive), a cache that cannot be copied by
+row (static, quantized, linear-attention or encoder-decoder caches), model inputs other than ids / mask / positions
+(multimodal), streaming or score outputs, processes kept in lock-step (DeepSpeed ZeRO-3 / FSDP), or a transformers
+release whose decoding loop is not the one mirrored here (it needs `_prefill` and `next_sequence_length`, 5.x).
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import GenerationMixin
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.generation.configuration_utils import GenerationMode
+
+# Model inputs the loop splits by row; generate also passes the cache, use_cache and logits_to_keep.
+ROW_INPUTS = ("attention_mask", "position_ids")
+SHARED_INPUTS = ("past_key_values", "use_cache", "logits_to_keep")
+DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+
+
+class _NotApplicable(Exception):
+    """Raised inside generate's decoding step, before any forward, when the loop would not be transformers' own."""
+
+
+@dataclass
+class GenerationStats:
+    """What one `generate` call computed: token positions through the model, against transformers' own loop."""
+
+    positions: int = 0
+    full_positions: int = 0  # what model.generate computes for the same batch (every copy, every row every step)
+    fallback: str | None = None  # why model.generate ran unchanged, or None
+
+    @property
+    def positions_frac(self) -> float:
+        """Share of model.generate's token positions computed (1.0 when it ran unchanged)."""
+        return self.positions / self.full_positions if self.full_positions else 1.0
+
+
+def transformers_blocker() -> str | None:
+    """Why the installed transformers cannot run the loop, or None."""
+    prepare = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    if hasattr(GenerationMixin, "_prefill") and "next_sequence_length" in prepare:
+        return None
+    return (
+        f"transformers {transformers.__version__} decodes with another loop than the one grpo_plus mirrors "
+        "(transformers >= 5: `_prefill` and `next_sequence_length`)"
+    )
+
+
+def generation_blocker(*, use_vllm: bool, continuous_batching: bool, multimodal: bool, tools: bool) -> str | None:
+    """Why a trainer's generation must be TRL's own, or None when `generate` here may run it."""
+    if use_vllm:
+        return "vLLM generates (its prefix caching is vLLM's)"
+    if continuous_batching:
+        return "continuous batching generates (use_transformers_continuous_batching=True)"
+    if multimodal:
+        return "the prompts have images or other multimodal inputs"
+    if tools:
+        return "tools make generation multi-turn"
+    return transformers_blocker()
+
+
+def processes_in_lockstep(model) -> bool:
+    """True when generate would keep processes stepping together (transformers' `synced_gpus` rule)."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world_size = torch.distributed.get_world_size() if distributed else 1
+    return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and world_size > 1
+
+
+def generate(model, **generate_kwargs) -> tuple[torch.Tensor, GenerationStats]:
+    """`model.generate(**generate_kwargs)` (ids only) with shared prefills and finished rows out of the decode batch.
+
+    Returns the sequences `model.generate` returns and what was computed; where the loop does not apply,
+    `model.generate` runs unchanged and `stats.fallback` says why.
+    """
+    return _generate(model, model.generate, generate_kwargs)
+
+
+@contextmanager
+def generate_patched(model, on_call):
+    """Within the block, `model.generate(...)` runs `generate` here; `on_call(stats)` sees every call's stats."""
+    previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
+    model_generate = model.generate
+
+    def patched(*args, **kwargs):
+        if args:
+            kwargs["inputs"] = args[0]
+        sequences, stats = _generate(model, model_generate, kwargs)
+        on_call(stats)
+        return sequences
+
+    model.generate = patched
+    try:
+        yield
+    finally:
+        if previous is None:
+            del model.generate
+        else:
+            model.generate = previous
+
+
+def _generate(model, model_generate, generate_kwargs: dict) -> tuple[torch.Tensor, GenerationStats]:
+    stats = GenerationStats()
+    reason = transformers_blocker()
+    base_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the model
+    if reason is None and not isinstance(base_model, GenerationMixin):
+        reason = f"{type(base_model).__name__} does not generate with transformers' GenerationMixin"
+    for name in ("streamer", "assistant_model", "synced_gpus", "custom_generate"):
+        if reason is None and generate_kwargs.get(name) is not None:
+            reason = f"generate was called with {name}={generate_kwargs[name]!r}"
+    if reason is None and processes_in_lockstep(model):
+        reason = "DeepSpeed ZeRO-3 / FSDP over several processes keeps every process's forwards in lock-step"
+    if reason is None:
+
+        def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
+            return _decode(
+                model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats
+            )
+
+        try:
+            return model_generate(**generate_kwargs, custom_generate=decode), stats
+        except _NotApplicable as error:
+            reason = str(error)
+    stats.fallback = reason
+    return model_generate(**generate_kwargs), stats
+
+
+def _decode_blocker(model, generation_config, model_kwargs) -> str | None:
+    mode = generation_config.get_generation_mode()
+    if mode not in DECODING_MODES:
+        return f"the generation mode is {mode.value}, not sampling or greedy"
+    if model.config.is_encoder_decoder:
+        return "the model is an encoder-decoder"
+    outputs = (
+        "return_dict_in_generate",
+        "output_scores",
+        "output_logits",
+        "output_attentions",
+        "output_hidden_states",
+    )
+    asked = [name for name in outputs if getattr(generation_config, name, False)]
+    if asked:
+        return f"generate was asked for {', '.join(asked)}"
+    if getattr(generation_config, "is_assistant", False):
+        return "the model is an assistant model"
+    others = sorted(k for k, v in model_kwargs.items() if v is not None and k not in ROW_INPUTS + SHARED_INPUTS)
+    if others:
+        return f"generate passes model inputs {', '.join(others)}, which are not split by row here"
+    if not model_kwargs.get("use_cache"):
+        return "use_cache=False"
+    cache = model_kwargs.get("past_key_values")
+    if not isinstance(cache, DynamicCache) or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
+        layers = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())})
+        return f"the model's cache ({type(cache).__name__} {layers}) cannot be copied by row"
+    if cache.get_seq_length() > 0:
+        return "generate continues from a filled cache"
+    return None
+
+
+def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt, in order of appearance; (B,) index of each row's prompt in that list)."""
+    key = input_ids if attention_mask is None else torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = torch.full((int(inverse.max()) + 1,), len(inverse), device=inverse.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")
+    order = first.argsort()  # prompts in order of first appearance
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    return first[order], rank[inverse]
+
+
+def select_rows(model_kwargs: dict, index: torch.Tensor) -> dict:
+    """The model inputs of rows `index` (repeats allowed): row tensors indexed, the cache's rows copied."""
+    selected = dict(model_kwargs)
+    for name in ROW_INPUTS:
+        if selected.get(name) is not None:
+            selected[name] = selected[name][index]
+    cache = selected.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        cache.batch_select_indices(index)
+    return selected
+
+
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats):
+    """transformers' `_sample` loop with one prefill per distinct prompt and only unfinished rows in the forwards."""
+    reason = _decode_blocker(model, generation_config, model_kwargs)
+    if reason is not None:
+        raise _NotApplicable(reason)
+    batch_size, prompt_width = input_ids.shape
+    pad_token_id = generation_config._pad_token_tensor
+    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+
+    prompts, prompt_of_row = distinct_rows(input_ids, model_kwargs.get("attention_mask"))
+    prompt_kwargs = select_rows(model_kwargs, prompts)
+    outputs = model._prefill(input_ids[prompts], generation_config, prompt_kwargs)
+    prompt_kwargs = model._update_model_kwargs_for_generation(outputs, prompt_kwargs)
+    logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+    del outputs
+    stats.positions += len(prompts) * prompt_width
+    stats.full_positions += batch_size * prompt_width
+    model_kwargs = prompt_kwargs  # every prompt distinct: `prompts` is every row, in order
+    if len(prompts) < batch_size:
+        model_kwargs, logits = select_rows(prompt_kwargs, prompt_of_row), logits[prompt_of_row]
+
+    unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
+    live = torch.arange(batch_size, device=input_ids.device)  # the rows of the cache, in order
+    while True:
+        # Every row goes through the logits processors and the draw (the same random numbers as transformers' loop);
+        # a finished row, whose token is replaced by the pad token anyway, gets uniform scores.
+        next_token_logits = logits.new_zeros((batch_size, logits.shape[-1])).index_copy_(0, live, logits)
+        next_token_scores = logits_processor(input_ids, next_token_logits)
+        next_token_scores = next_token_scores.masked_fill(unfinished[:, None] == 0, 0.0)
+        if generation_config.do_sample:
+            probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(next_token_scores, dim=-1)
+        if has_eos_stopping_criteria:
+            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~stopping_criteria(input_ids, None)
+        if not bool(unfinished.any()):
+            return input_ids
+
+        rows = unfinished.nonzero().squeeze(1)
+        if len(rows) < len(live):  # rows finished: take them out of the cache and the model inputs
+            model_kwargs = select_rows(model_kwargs, torch.searchsorted(live, rows))
+            live = rows
+        stats.positions += len(live)
+        stats.full_positions += batch_size
+        model_inputs = model.prepare_inputs_for_generation(input_ids[live], next_sequence_length=1, **model_kwargs)
+        outputs = model(**model_inputs, return_dict=True)
+        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+        del outputs
