@@ -25,8 +25,8 @@ release whose decoding loop is not the one mirrored here (it needs `_prefill` an
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -102,7 +102,7 @@ def generate(model, **generate_kwargs) -> tuple[torch.Tensor, GenerationStats]:
     return _generate(model, model.generate, generate_kwargs)
 
 
-@contextmanager
+@contextlib.contextmanager
 def generate_patched(model, on_call):
     """Within the block, `model.generate(...)` runs `generate` here; `on_call(stats)` sees every call's stats."""
     previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
@@ -214,7 +214,6 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     if reason is not None:
         raise _NotApplicable(reason)
     batch_size, prompt_width = input_ids.shape
-    pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
 
     prompts, prompt_of_row = distinct_rows(input_ids, model_kwargs.get("attention_mask"))
@@ -231,32 +230,48 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
 
     unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
     live = torch.arange(batch_size, device=input_ids.device)  # the rows of the cache, in order
-    while True:
-        # Every row goes through the logits processors and the draw (the same random numbers as transformers' loop);
-        # a finished row, whose token is replaced by the pad token anyway, gets uniform scores.
-        next_token_logits = logits.new_zeros((batch_size, logits.shape[-1])).index_copy_(0, live, logits)
-        next_token_scores = logits_processor(input_ids, next_token_logits)
-        next_token_scores = next_token_scores.masked_fill(unfinished[:, None] == 0, 0.0)
-        if generation_config.do_sample:
-            probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
-            next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-        else:
-            next_tokens = torch.argmax(next_token_scores, dim=-1)
-        if has_eos_stopping_criteria:
-            next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
-        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = unfinished & ~stopping_criteria(input_ids, None)
-        if not bool(unfinished.any()):
-            return input_ids
+    # MoE models switch expert kernels for decoding on accelerators, as transformers' loop does.
+    optimized_for_decode = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
+    with optimized_for_decode():
+        while True:
+            input_ids, unfinished = _next_tokens(
+                input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config
+            )
+            if not bool(unfinished.any()):
+                return input_ids
+            # A row that ended leaves the batch, unless no stopping criterion pads it (transformers' loop then
+            # keeps sampling real tokens for it, e.g. after a stop string without an EOS token).
+            rows = unfinished.nonzero().squeeze(1) if has_eos_stopping_criteria else live
+            if len(rows) < len(live):
+                model_kwargs = select_rows(model_kwargs, torch.searchsorted(live, rows))
+                live = rows
+            stats.positions += len(live)
+            stats.full_positions += batch_size
+            inputs = model.prepare_inputs_for_generation(input_ids[live], next_sequence_length=1, **model_kwargs)
+            outputs = model(**inputs, return_dict=True)
+            model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
+            logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+            del outputs
 
-        rows = unfinished.nonzero().squeeze(1)
-        if len(rows) < len(live):  # rows finished: take them out of the cache and the model inputs
-            model_kwargs = select_rows(model_kwargs, torch.searchsorted(live, rows))
-            live = rows
-        stats.positions += len(live)
-        stats.full_positions += batch_size
-        model_inputs = model.prepare_inputs_for_generation(input_ids[live], next_sequence_length=1, **model_kwargs)
-        outputs = model(**model_inputs, return_dict=True)
-        model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-        del outputs
+
+def _next_tokens(input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config):
+    """One token for every row, as transformers' `_sample` picks it: (input_ids with it appended, unfinished rows).
+
+    `logits` holds the rows `live`; the others (finished, their token replaced by the pad token) get uniform scores
+    for the processors and the draw, so the draw consumes the random numbers transformers' loop consumes.
+    """
+    batch_size = input_ids.shape[0]
+    next_token_logits = logits.new_zeros((batch_size, logits.shape[-1])).index_copy_(0, live, logits)
+    next_token_scores = logits_processor(input_ids, next_token_logits)
+    computed = torch.zeros(batch_size, dtype=torch.bool, device=logits.device).index_fill_(0, live, True)
+    next_token_scores = next_token_scores.masked_fill(~computed[:, None], 0.0)
+    if generation_config.do_sample:
+        probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+        next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+    else:
+        next_tokens = torch.argmax(next_token_scores, dim=-1)
+    if any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria):
+        pad_token_id = generation_config._pad_token_tensor
+        next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+    input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+    return input_ids, unfinished & ~stopping_criteria(input_ids, None)

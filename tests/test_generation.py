@@ -11,7 +11,14 @@ import trl
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from tiny import ForwardLog, make_tokenizer, tiny_config
-from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 import grpo_plus
 from grpo_plus import generation
@@ -127,6 +134,33 @@ def test_greedy_ids_are_model_generates_without_repeated_prompts(family):
     ours, stats = generate(model, input_ids=ids, attention_mask=mask, generation_config=config)
     assert torch.equal(ours, reference)
     assert stats.positions < stats.full_positions
+
+
+class StopAfterToken(StoppingCriteria):
+    """Ends a row at `token` without being an EOS criterion: transformers' loop then keeps sampling for the row."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@needs_loop
+def test_rows_ended_without_an_eos_criterion_keep_sampling_like_model_generate():
+    model, tokenizer = tiny_model("llama", lora=True)
+    model.config.eos_token_id = model.generation_config.eos_token_id = None  # no EOS stopping criterion at all
+    ids, mask = grouped_batch(len(tokenizer))
+    stop = 40
+    config = sampling_config(tokenizer, eos_token_id=None, sequence_bias=[[[stop], 1.5]])
+    criteria = StoppingCriteriaList([StopAfterToken(stop)])
+    kwargs = dict(input_ids=ids, attention_mask=mask, generation_config=config, stopping_criteria=criteria)
+    reference, ours, stats = both(model, **kwargs)
+    assert torch.equal(ours, reference)
+    completions = reference[:, ids.shape[1] :]
+    stopped_early = [row for row in completions.tolist() if stop in row[:-1]]
+    assert stopped_early and any(row[row.index(stop) + 1] != tokenizer.pad_token_id for row in stopped_early)
+    assert stats.positions - len(PROMPT_LENGTHS) * ids.shape[1] == len(ids) * (completions.shape[1] - 1)
 
 
 class ForcedTokens(LogitsProcessor):
