@@ -24,9 +24,6 @@ Targets (issue 20), demo config: generation <= 0.6x TRL's time, whole step <= 0.
 
 from __future__ import annotations
 
-import argparse
-import functools
-import json
 import statistics
 import sys
 import time
@@ -58,25 +55,15 @@ def instrument_generation(trainer, forwards, record: list[dict]) -> None:
 
 def run_steps(steps: int, warmup: int) -> dict:
     """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the sameness checks."""
-    from lockstep import Baton, RngStates, run_threads
+    from lockstep import Baton, RngStates, train_in_lockstep
     from train_pass import build_trainers
-    from transformers import set_seed
 
     baton, rng = Baton(list(SIDES)), RngStates()
     built = build_trainers(steps, baton, rng)
     for side in built.values():
         side["generations"] = []
         instrument_generation(side["trainer"], side["forwards"], side["generations"])
-
-    def train(name):
-        try:
-            baton.wait(name)
-            set_seed(0)
-            built[name]["trainer"].train()
-        finally:
-            baton.pass_on(name, finished=True)
-
-    run_threads({name: functools.partial(train, name) for name in SIDES})
+    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
 
     result = {}
     measured = slice(warmup, None)
@@ -282,48 +269,38 @@ def print_breakdown(parts: dict) -> None:
     print(f"| total | {trl_side['total']:.2f} | {ours['total']:.2f} ({ours['total'] / trl_side['total']:.2f}x) |")
 
 
+def print_sweep(rows: list[dict]) -> None:
+    print(
+        "\n| prompt tokens | G | TRL (s) | grpo_plus (s) | time ratio | positions ratio | same ids |\n|---|---|---|---|---|---|---|"
+    )
+    for row in rows:
+        cells = (row["prompt"], row["generations"], f"{row['trl_seconds']:.2f}", f"{row['ours_seconds']:.2f}")
+        cells += (f"{row['time_ratio']:.2f}", f"{row['positions_ratio']:.2f}", row["same_ids"])
+        print("| " + " | ".join(str(cell) for cell in cells) + " |")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps of each trainer in part 1")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    parser.add_argument("--repeats", type=int, default=3, help="alternated repeats per case in parts 2 and 3")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
-    parser.add_argument("--skip-steps", action="store_true", help="no part 1 (parts 2-3 run on fresh trainers)")
-    parser.add_argument("--skip-sweep", action="store_true")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-generation" / "generation.json"))
-    args = parser.parse_args()
+    from lockstep import lockstep_arguments, start_report, write_report
 
-    import torch
-    import transformers
+    json_path = ROOT / "outputs" / "bench-generation" / "generation.json"
+    args = lockstep_arguments(__doc__, steps=10, repeats=3, json_path=json_path).parse_args()
 
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    started = time.perf_counter()
-    report: dict = {"threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__}
-    steps = 1 if args.skip_steps else args.steps
-    print(f"Part 1: demo config, {steps} lock-step optimizer steps per trainer ...", flush=True)
-    part1 = run_steps(steps, 0 if args.skip_steps else args.warmup)
-    trl_trainer = part1.pop("trainers")["trl"]
-    if not args.skip_steps:
-        report["demo"] = part1
-        print_demo(part1)
+    report, started = start_report(args)
+    if args.skip_steps:  # the later parts only need TRL's trainer (its model, data and GenerationConfig)
+        trl_trainer = run_steps(1, warmup=0)["trainers"]["trl"]
+    else:
+        print(f"Part 1: demo config, {args.steps} lock-step optimizer steps per trainer ...", flush=True)
+        report["demo"] = run_steps(args.steps, args.warmup)
+        trl_trainer = report["demo"].pop("trainers")["trl"]
+        print_demo(report["demo"])
     print(f"\nPart 2: one demo generation batch, {args.repeats} repeats ...", flush=True)
     report["breakdown"] = breakdown(trl_trainer, args.repeats)
     print_breakdown(report["breakdown"])
     if not args.skip_sweep:
         print(f"\nPart 3: 2 prompts x G completions, {args.repeats} repeats per case ...", flush=True)
         report["sweep"] = sweep(trl_trainer, args.repeats)
-        print("\n| prompt tokens | G | TRL (s) | grpo_plus (s) | time ratio | positions ratio | same ids |")
-        print("|---|---|---|---|---|---|---|")
-        for row in report["sweep"]:
-            print(
-                f"| {row['prompt']} | {row['generations']} | {row['trl_seconds']:.2f} | {row['ours_seconds']:.2f} | "
-                f"{row['time_ratio']:.2f} | {row['positions_ratio']:.2f} | {row['same_ids']} |"
-            )
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {args.json}")
+        print_sweep(report["sweep"])
+    write_report(report, started, args.json)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,6 @@ Targets (issue 9): training pass <= 0.5x TRL's time on the demo config, whole st
 
 from __future__ import annotations
 
-import argparse
-import functools
-import json
 import statistics
 import sys
 import time
@@ -116,21 +113,11 @@ def wrap_prepare_inputs(trainer, seconds: list[float]) -> None:
 
 def run_steps(steps: int, warmup: int) -> dict:
     """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the loss check."""
-    from lockstep import Baton, RngStates, run_threads
-    from transformers import set_seed
+    from lockstep import Baton, RngStates, train_in_lockstep
 
     baton, rng = Baton(list(SIDES)), RngStates()
     built = build_trainers(steps, baton, rng)
-
-    def train(name):
-        try:
-            baton.wait(name)
-            set_seed(0)
-            built[name]["trainer"].train()
-        finally:
-            baton.pass_on(name, finished=True)
-
-    run_threads({name: functools.partial(train, name) for name in SIDES})
+    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
 
     result = {}
     for name in SIDES:
@@ -231,23 +218,12 @@ def run_sweep(trainers: dict, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps of each trainer in part 1")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per sweep case")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
-    parser.add_argument("--skip-steps", action="store_true", help="only the sweep (on freshly built trainers)")
-    parser.add_argument("--skip-sweep", action="store_true")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-train-pass" / "train_pass.json"))
-    args = parser.parse_args()
+    from lockstep import lockstep_arguments, start_report, write_report
 
-    import torch
-    import transformers
+    json_path = ROOT / "outputs" / "bench-train-pass" / "train_pass.json"
+    args = lockstep_arguments(__doc__, steps=12, repeats=5, json_path=json_path).parse_args()
 
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    started = time.perf_counter()
-    report: dict = {"threads": args.threads, "torch": torch.__version__}
+    report, started = start_report(args)
     steps = 1 if args.skip_steps else args.steps
     print(f"Part 1: demo config, {steps} lock-step optimizer steps per trainer ...", flush=True)
     part1 = run_steps(steps, 0 if args.skip_steps else args.warmup)
@@ -278,10 +254,7 @@ def main() -> None:
                 f"| {row['prompt']} | {row['completion']} | {row['dead_share']:.0%} | {row['trl_seconds']:.3f} | "
                 f"{row['ours_seconds']:.3f} | {row['time_ratio']:.2f} | {row['positions_ratio']:.2f} |"
             )
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {args.json}")
+    write_report(report, started, args.json)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import torch
 import trl
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from tiny import ForwardLog, make_tokenizer, tiny_config
+from tiny import ForwardLog, make_tokenizer, tiny_config, tiny_run_kwargs
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -297,20 +297,12 @@ class LengthReward:
 def tiny_trainer(tmp_path, package=grpo_plus, peft_config=None, reward=None, **overrides):
     tokenizer = make_tokenizer()
     model, _ = tiny_model("llama")
-    settings = dict(
-        output_dir=str(tmp_path),
+    settings = tiny_run_kwargs(
+        tmp_path,
         per_device_train_batch_size=8,
         num_generations=G,
         max_completion_length=NEW_TOKENS,
-        max_steps=2,
         learning_rate=0.1,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
         optim="sgd",
         temperature=0.7,
         top_k=30,
