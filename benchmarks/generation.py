@@ -12,18 +12,19 @@ same completions and log the same losses (both checked). Per optimizer step afte
   generation   wall time of `_generate_single_turn` (the `model.generate` call with TRL's padding around it)
   step         on_step_begin -> on_step_end: generation, scoring, training pass, optimizer
   positions    token positions the model computed inside `_generate_single_turn`
-Part 2, where TRL's generation time goes: one demo generation batch (the first prompts of the data, TRL's own
-GenerationConfig, the trained-for-part-1 weights), timed per model forward: the prefill (one forward over every
-prompt copy), the decode steps, the share of each decode step spent on rows that had already finished (rows x
-step time / batch rows), and the rest (logits processors, sampling, cache copies); then the same for grpo_plus.
-Part 3, the sweep: TRL's `model.generate` against `grpo_plus.generation.generate` on 2 prompts x G completions,
+and where the generation time goes, from the same steps' model forwards: the prefill (the first forward), the
+decode steps, the share of TRL's decode spent on rows that had already ended (each step's time x the share of rows
+that had emitted EOS before it), and the rest (logits processors, sampling, TRL's padding, cache copies).
+Part 2, the sweep: TRL's `model.generate` against `grpo_plus.generation.generate` on 2 prompts x G completions,
 prompt length 56 / 256 / 1024 tokens (worked examples in a system prompt lengthen the demo prompt) x G = 4 / 8 / 16,
-same seed for both (same ids, checked), alternated, median of `--repeats`.
+TRL's GenerationConfig and the weights after part 1, same seed for both (same ids, checked), alternated, median of
+`--repeats`.
 Targets (issue 20), demo config: generation <= 0.6x TRL's time, whole step <= 0.3x TRL's.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -35,55 +36,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 SIDES = ("trl", "ours")
 PROMPT_LENGTHS = (56, 256, 1024)
 GENERATIONS = (4, 8, 16)
-
-
-def instrument_generation(trainer, forwards, record: list[dict]) -> None:
-    """Record time, positions computed and completion ids of every `_generate_single_turn` call."""
-    original = trainer._generate_single_turn
-
-    def timed(prompt_ids, *args, **kwargs):
-        calls_before = len(forwards.calls)
-        start = time.perf_counter()
-        completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
-        seconds = time.perf_counter() - start
-        positions = sum(call["shape"][0] * call["shape"][1] for call in forwards.calls[calls_before:])
-        record.append(dict(seconds=seconds, positions=positions, completion_ids=completion_ids))
-        return completion_ids, logprobs
-
-    trainer._generate_single_turn = timed
-
-
-def run_steps(steps: int, warmup: int) -> dict:
-    """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the sameness checks."""
-    from lockstep import Baton, RngStates, train_in_lockstep
-    from train_pass import build_trainers
-
-    baton, rng = Baton(list(SIDES)), RngStates()
-    built = build_trainers(steps, baton, rng)
-    for side in built.values():
-        side["generations"] = []
-        instrument_generation(side["trainer"], side["forwards"], side["generations"])
-    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
-
-    result = {}
-    measured = slice(warmup, None)
-    for name in SIDES:
-        side = built[name]
-        logs = [entry for entry in side["trainer"].state.log_history if "step_time" in entry]
-        generations = side["generations"]
-        result[name] = dict(
-            step=statistics.median(side["timer"].step[measured]),
-            generation=statistics.median([g["seconds"] for g in generations][measured]),
-            generation_positions=statistics.median([g["positions"] for g in generations][measured]),
-            losses=[entry["loss"] for entry in logs],
-            completions=[g["completion_ids"] for g in generations],
-            mean_length=statistics.fmean(entry["completions/mean_length"] for entry in logs),
-        )
-    trl_side, ours = result["trl"], result["ours"]
-    result["max_loss_difference"] = max(abs(a - b) for a, b in zip(trl_side["losses"], ours["losses"], strict=True))
-    result["same_completions"] = trl_side.pop("completions") == ours.pop("completions")
-    result["trainers"] = {name: built[name]["trainer"] for name in SIDES}
-    return result
 
 
 class ForwardTimer:
@@ -107,6 +59,79 @@ class ForwardTimer:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def instrument_generation(trainer, timer: ForwardTimer, eos_token_ids, record: list[dict]) -> None:
+    """Record every `_generate_single_turn` call: wall time, its model forwards (prefill, decode steps) and their
+    positions, the completion ids, and the decode time spent on rows that had already ended."""
+    original = trainer._generate_single_turn
+
+    def timed(prompt_ids, *args, **kwargs):
+        calls_before = len(timer.calls)
+        start = time.perf_counter()
+        completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
+        seconds = time.perf_counter() - start
+        (prefill_shape, prefill), *decode = timer.calls[calls_before:]
+        lengths = [next((i + 1 for i, t in enumerate(ids) if t in eos_token_ids), len(ids)) for ids in completion_ids]
+        rows = len(completion_ids)
+        record.append(
+            dict(
+                seconds=seconds,
+                positions=math.prod(prefill_shape) + sum(math.prod(shape) for shape, _ in decode),
+                completion_ids=completion_ids,
+                prefill=prefill,
+                prefill_positions=math.prod(prefill_shape),
+                decode=sum(step_seconds for _, step_seconds in decode),
+                decode_positions=sum(math.prod(shape) for shape, _ in decode),
+                # a decode step's time shared out over the rows TRL computes: the share of rows that had ended
+                finished_rows=sum(
+                    step_seconds * sum(length <= step for length in lengths) / rows
+                    for step, (shape, step_seconds) in enumerate(decode, start=1)
+                    if shape[0] == rows
+                ),
+                other=seconds - prefill - sum(step_seconds for _, step_seconds in decode),
+                steps=len(decode),
+            )
+        )
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = timed
+
+
+def run_steps(steps: int, warmup: int) -> dict:
+    """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the sameness checks."""
+    from lockstep import Baton, RngStates, train_in_lockstep
+    from train_pass import build_trainers
+
+    baton, rng = Baton(list(SIDES)), RngStates()
+    built = build_trainers(steps, baton, rng)
+    for side in built.values():
+        side["generations"] = []
+        trainer = side["trainer"]
+        instrument_generation(trainer, ForwardTimer(trainer.model), set(trainer.eos_token_ids), side["generations"])
+    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
+
+    result = {}
+    measured = slice(warmup, None)
+    for name in SIDES:
+        side = built[name]
+        logs = [entry for entry in side["trainer"].state.log_history if "step_time" in entry]
+        generations = side["generations"]
+        parts = ("prefill", "prefill_positions", "decode", "decode_positions", "finished_rows", "other", "steps")
+        result[name] = dict(
+            step=statistics.median(side["timer"].step[measured]),
+            generation=statistics.median([g["seconds"] for g in generations][measured]),
+            generation_positions=statistics.median([g["positions"] for g in generations][measured]),
+            breakdown={part: statistics.median([g[part] for g in generations][measured]) for part in parts},
+            losses=[entry["loss"] for entry in logs],
+            completions=[g["completion_ids"] for g in generations],
+            mean_length=statistics.fmean(entry["completions/mean_length"] for entry in logs),
+        )
+    trl_side, ours = result["trl"], result["ours"]
+    result["max_loss_difference"] = max(abs(a - b) for a, b in zip(trl_side["losses"], ours["losses"], strict=True))
+    result["same_completions"] = trl_side.pop("completions") == ours.pop("completions")
+    result["trainers"] = {name: built[name]["trainer"] for name in SIDES}
+    return result
 
 
 def generation_inputs(tokenizer, questions, prompt_length: int, num_generations: int):
@@ -157,46 +182,8 @@ def generate_once(side: str, model, ids, mask, generation_config, seed: int):
     return sequences, time.perf_counter() - start, stats
 
 
-def breakdown(trainer, repeats: int) -> dict:
-    """Part 2: where the time of one demo generation batch goes, TRL's generate and grpo_plus's."""
-    tokenizer = trainer.processing_class
-    dataset = trainer.train_dataset
-    questions = dataset["question"][:2]
-    ids, mask = generation_inputs(tokenizer, questions, 0, trainer.num_generations)
-    model, config = trainer.model, trainer.generation_config
-    eos = set(trainer.eos_token_ids)
-    rows, width = ids.shape
-    parts = {name: [] for name in SIDES}
-    for repeat in range(repeats):
-        for name in SIDES if repeat % 2 == 0 else SIDES[::-1]:
-            timer = ForwardTimer(model)
-            sequences, total, stats = generate_once(name, model, ids, mask, config, seed=repeat)
-            timer.remove()
-            completions = sequences[:, width:].tolist()
-            lengths = [next((i + 1 for i, t in enumerate(c) if t in eos), len(c)) for c in completions]
-            (prefill_shape, prefill), decode = timer.calls[0], timer.calls[1:]
-            finished = sum(
-                seconds * sum(length <= step for length in lengths) / rows
-                for step, (_, seconds) in enumerate(decode, start=1)
-            )
-            decode_seconds = sum(seconds for _, seconds in decode)
-            parts[name].append(
-                dict(
-                    total=total,
-                    prefill=prefill,
-                    prefill_positions=prefill_shape[0] * prefill_shape[1],
-                    decode=decode_seconds,
-                    decode_positions=sum(shape[0] for shape, _ in decode),
-                    finished_rows=finished if name == "trl" else 0.0,
-                    other=total - prefill - decode_seconds,
-                    steps=len(decode),
-                )
-            )
-    return {name: {key: statistics.median(p[key] for p in parts[name]) for key in parts[name][0]} for name in SIDES}
-
-
 def sweep(trainer, repeats: int) -> list[dict]:
-    """Part 3: TRL's generate against grpo_plus's over prompt length x G; medians of alternated repeats."""
+    """Part 2: TRL's generate against grpo_plus's over prompt length x G; medians of alternated repeats."""
     import torch
 
     tokenizer = trainer.processing_class
@@ -253,9 +240,9 @@ def print_demo(part1: dict) -> None:
     )
 
 
-def print_breakdown(parts: dict) -> None:
-    print("\n| one demo generation batch (median) | stock TRL (s) | grpo_plus (s) |\n|---|---|---|")
-    trl_side, ours = parts["trl"], parts["ours"]
+def print_breakdown(part1: dict) -> None:
+    trl_side, ours = part1["trl"]["breakdown"], part1["ours"]["breakdown"]
+    print("\n| where generation time goes (median per step) | stock TRL (s) | grpo_plus (s) |\n|---|---|---|")
     print(
         f"| prefill | {trl_side['prefill']:.2f} ({trl_side['prefill_positions']:.0f} positions) | "
         f"{ours['prefill']:.2f} ({ours['prefill_positions']:.0f} positions) |"
@@ -264,9 +251,8 @@ def print_breakdown(parts: dict) -> None:
         f"| decode, {trl_side['steps']:.0f} steps | {trl_side['decode']:.2f} ({trl_side['decode_positions']:.0f} "
         f"positions) | {ours['decode']:.2f} ({ours['decode_positions']:.0f} positions) |"
     )
-    print(f"| of which rows already finished | {trl_side['finished_rows']:.2f} | 0 |")
-    print(f"| logits processing, sampling, cache copies | {trl_side['other']:.2f} | {ours['other']:.2f} |")
-    print(f"| total | {trl_side['total']:.2f} | {ours['total']:.2f} ({ours['total'] / trl_side['total']:.2f}x) |")
+    print(f"| of which rows that had ended (their share of each step) | {trl_side['finished_rows']:.2f} | 0 |")
+    print(f"| logits processing, sampling, padding, cache copies | {trl_side['other']:.2f} | {ours['other']:.2f} |")
 
 
 def print_sweep(rows: list[dict]) -> None:
@@ -293,11 +279,9 @@ def main() -> None:
         report["demo"] = run_steps(args.steps, args.warmup)
         trl_trainer = report["demo"].pop("trainers")["trl"]
         print_demo(report["demo"])
-    print(f"\nPart 2: one demo generation batch, {args.repeats} repeats ...", flush=True)
-    report["breakdown"] = breakdown(trl_trainer, args.repeats)
-    print_breakdown(report["breakdown"])
+        print_breakdown(report["demo"])
     if not args.skip_sweep:
-        print(f"\nPart 3: 2 prompts x G completions, {args.repeats} repeats per case ...", flush=True)
+        print(f"\nPart 2: 2 prompts x G completions, {args.repeats} repeats per case ...", flush=True)
         report["sweep"] = sweep(trl_trainer, args.repeats)
         print_sweep(report["sweep"])
     write_report(report, started, args.json)
