@@ -37,6 +37,7 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "overlong_penalty",
         "zero_waste_pass",
         "zero_waste_shared_prompt",
+        "zero_waste_generation",
         "selective_rollout",
         "selective_rollout_explore_solved",
         "selective_rollout_explore_unsolved",
