@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-matrix lint format demo bench compare clean
+.PHONY: install test test-fast test-engines test-matrix lint format demo bench compare clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +24,16 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Multi-process tests on real engines: DeepSpeed ZeRO-2/3 on CPU processes over gloo (tests/test_deepspeed.py), kept
+# apart so `make test` stays under 15 minutes on a 2-core machine. The first run compiles DeepSpeed's CPU
+# communication op into ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), once per machine. .ci/run runs both.
+test-engines: $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q -m engine -rs $(PYTEST_ARGS)
 
 # ---- TRL version matrix: one environment per supported TRL minor (its newest patch, the newest of everything
 # else) plus "oldest" (every runtime dependency at the lower bound pyproject.toml declares, .ci/lower_bounds.py).
@@ -51,7 +57,7 @@ test-matrix: $(addprefix test-matrix-,$(MATRIX_ENVS))
 test-matrix-%: $(MATRIX_DIR)/%/.installed
 	@echo "== test-matrix $*"
 	HF_HUB_OFFLINE=1 $(MATRIX_DIR)/$*/bin/python -m pytest -p no:cacheprovider -rs \
-		$(if $(filter oldest,$*),,$(MATRIX_TESTS)) $(PYTEST_ARGS)
+		$(if $(filter oldest,$*),-m "not engine",$(MATRIX_TESTS)) $(PYTEST_ARGS)
 
 .PRECIOUS: $(MATRIX_DIR)/%/.installed
 $(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(STAMP)

@@ -178,14 +178,20 @@ def load_datasets(args: ScriptArguments):
     return loaded[args.dataset_train_split], test
 
 
-def evaluate_held_out(model, tokenizer, dataset, args: ScriptArguments, label: str) -> dict[str, Any] | None:
-    """Greedy held-out accuracy / format rate, when there is a held-out set with answers."""
+def evaluate_held_out(
+    model, tokenizer, dataset, args: ScriptArguments, label: str, trainer=None
+) -> dict[str, Any] | None:
+    """Greedy held-out accuracy / format rate, when there is a held-out set with answers. Pass the trainer after
+    training: under DeepSpeed ZeRO-3 its engine's weight shards are gathered for generation (every rank evaluates)."""
     if not args.eval_before_after or dataset is None or "answer" not in dataset.column_names:
         return None
+    from .distributed import whole_model_for_generation
+
     print(f"\nHeld-out evaluation {label} training ({len(dataset)} prompts, greedy):", flush=True)
-    result = tasks.evaluate(
-        model, tokenizer, dataset, batch_size=args.eval_batch_size, max_new_tokens=args.eval_max_new_tokens
-    )
+    with whole_model_for_generation(model, trainer) as whole_model:
+        result = tasks.evaluate(
+            whole_model, tokenizer, dataset, batch_size=args.eval_batch_size, max_new_tokens=args.eval_max_new_tokens
+        )
     return {k: v for k, v in result.items() if k != "completions"}
 
 

@@ -17,7 +17,7 @@ so that each segment's first position predicts its own first completion token).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -264,14 +264,101 @@ def unpack(values: torch.Tensor, batch: PackedBatch, shape: tuple[int, int]) -> 
     return picked.new_zeros(shape).index_put(batch.destination, picked)
 
 
-def chunk_rows(groups: list[list[int]], max_rows: int | None) -> list[list[int]]:
-    """Consecutive groups merged into chunks of at most `max_rows` rows (a group is never split)."""
-    if not max_rows:
-        return [[row for group in groups for row in group]]
-    chunks: list[list[int]] = []
-    for group in groups:
-        if chunks and len(chunks[-1]) + len(group) <= max_rows:
-            chunks[-1].extend(group)
-        else:
-            chunks.append(list(group))
-    return chunks
+def row_chunks(num_rows: int, max_rows: int | None) -> list[range]:
+    """TRL's chunks of a no-grad pass: consecutive rows, `max_rows` at a time (all rows when None).
+
+    The count depends only on the number of rows, never on the data, so every process makes the same number of
+    model calls: under DeepSpeed ZeRO-3 / FSDP each call gathers parameters collectively, and a process that made
+    fewer calls than the others would leave them waiting forever.
+    """
+    step = max_rows or max(num_rows, 1)
+    return [range(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
+def dropout_blocker(model: torch.nn.Module) -> str | None:
+    """Why the model's forward draws random numbers (active dropout), or None.
+
+    Dropout masks are drawn per position from the global RNG: a forward over fewer rows, fewer columns or one
+    prompt copy per group draws different masks than TRL's full forward, so no saving is exact while it is active.
+    """
+    if not model.training:
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            return f"dropout is active in the training forward ({name or 'model'}: p={module.p})"
+    config = getattr(model, "config", None)
+    attention_dropout = getattr(config, "attention_dropout", 0.0)  # functional dropout inside attention (Llama family)
+    if isinstance(attention_dropout, (int, float)) and attention_dropout > 0:
+        return f"dropout is active in the training forward (attention_dropout={attention_dropout})"
+    return None
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+
+
+def forward_rows(
+    forward: Forward,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    width: int,
+    live: torch.Tensor | None,
+    fill: torch.Tensor,
+    bridge: slice,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log-probs, entropies, aux loss) of a (B, prompt + `width`) batch, sending only the `live` rows through
+    `forward(input_ids, attention_mask, width)`; the other rows get `fill` (log-probs) and 0 (entropies).
+
+    Exactly one `forward` call whatever `live` holds, so every process calls the model equally often. When no row
+    is live, backward (and DDP's all-reduce) still needs a graph over every parameter: one position's log-prob,
+    taken at the `bridge` columns of the first row, times zero.
+    """
+    if live is None or bool(live.all()):
+        return forward(input_ids, attention_mask, width)
+    rows = live.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        anchor, _, _ = forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+        return fill + 0.0 * anchor.sum(), torch.zeros_like(fill), None
+    logps, entropies, _ = forward(input_ids[rows], attention_mask[rows], width)
+    no_entropy = torch.zeros_like(fill)
+    entropies = None if entropies is None else scatter_rows(entropies, rows, no_entropy)
+    return scatter_rows(logps, rows, fill), entropies, None
+
+
+def shared_prompt_logps(
+    model_forward: Callable[[PackedBatch], tuple[torch.Tensor, torch.Tensor | None]],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    batch_size: int | None,
+    hidden_size: int,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None when a chunk
+    has no token to score (the caller then runs TRL's forward, so the number of model calls stays the same).
+
+    `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
+    entropies or None). Chunks are TRL's (`row_chunks`), one model call each.
+    """
+    prompt_width = input_ids.shape[1] - logits_to_keep
+    prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+    prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+    batches = []
+    for rows in row_chunks(input_ids.shape[0], batch_size):
+        index = torch.arange(rows.start, rows.stop, device=input_ids.device)
+        batch = pack_shared_prompts(
+            prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index],
+            hidden_size, pad_token_id,
+        )  # fmt: skip
+        if batch.input_ids.numel() == 0:
+            return None
+        batches.append((index, batch))
+    logps = entropies = None
+    for index, batch in batches:
+        chunk_logps, chunk_entropies = model_forward(batch)
+        shape = (len(index), logits_to_keep)
+        logps = chunk_logps.new_zeros((input_ids.shape[0], logits_to_keep)) if logps is None else logps
+        logps = logps.index_put((index,), unpack(chunk_logps, batch, shape))
+        if chunk_entropies is not None:
+            entropies = logps.new_zeros(logps.shape) if entropies is None else entropies
+            entropies = entropies.index_put((index,), unpack(chunk_entropies, batch, shape))
+    return logps, entropies

@@ -20,36 +20,41 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .advantages import compute_advantages
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
+from .distributed import check_launch
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, PolicyLossOutput, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
 from .selective_rollout import SelectiveRollout, SelectiveRolloutSettings
 from .train_pass import (
+    PackedBatch,
     additive_mask,
-    chunk_rows,
     completion_width,
-    group_rows_by_prompt,
-    pack_shared_prompts,
+    dropout_blocker,
+    forward_rows,
     row_skip_blocker,
     rows_with_gradient,
-    scatter_rows,
     shared_prompt_blocker,
-    unpack,
+    shared_prompt_logps,
 )
 from .trl_compat import FORWARD_INPUT_KEYS as _FORWARD_INPUT_KEYS
 from .trl_compat import (
     TRLCompatibilityError,
     check_trl_compatibility,
+    disable_gradient_checkpointing,
     get_soft_overlong_punishment,
     has_fused_lm_head,
     is_async_callable,
     logps_unavailable_reason,
     nanmax,
     nanmin,
+    reference_model,
     split_tensor_dict,
 )
 
 logger = logging.getLogger(__name__)
+# Generation-batch keys whose no-grad log-prob passes grpo_plus computes after the micro-batch split (see
+# `_fill_deferred_logps`).
+DEFERRED_LOGPS = ("old_per_token_logps", "ref_per_token_logps")
 
 
 class RewardFunctionError(RuntimeError):
@@ -101,6 +106,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if args is not None:
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
@@ -127,6 +133,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._zero_waste_notes: set[tuple[str, str]] = set()
         self._positions_computed = 0
         self._row_skip_blocker = self._find_row_skip_blocker()
+        self._deferring = False  # inside TRL's generation step, handing out placeholders for old/ref log-probs
+        self._pending_logps: tuple[str, ...] = ()  # keys of the generation batch still holding placeholders
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""
@@ -196,10 +204,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         normalizer = self.scale_rewards
         if normalizer not in ("group", "batch", "none"):
             self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
+        self._deferring = self._defers_logps()
         try:
             output = super()._generate_and_score_completions(inputs)
         finally:
-            self.scale_rewards = normalizer
+            self.scale_rewards, deferred, self._deferring = normalizer, self._deferring, False
+        if deferred:
+            self._pending_logps = tuple(k for k in DEFERRED_LOGPS if output.get(k) is not None)
         self._record_selective_round()
         if self.multi_objective_aggregation == "sum_then_normalize":
             output["advantages"] = self._local_advantages(len(inputs))
@@ -221,9 +232,16 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- dynamic sampling (DAPO) --------------------------------------------------------------------------------
 
     def _prepare_inputs(self, generation_batch):
-        if not (self.dynamic_sampling and self.model.training):
-            return super()._prepare_inputs(generation_batch)
-        # TRL's buffering, but shuffling whole groups so no micro-batch holds part of a group.
+        if self.dynamic_sampling and self.model.training:
+            inputs = self._prepare_informative_inputs(generation_batch)
+        else:
+            inputs = super()._prepare_inputs(generation_batch)
+        if self._pending_logps:  # a new generation batch was just split into micro-batches
+            self._fill_deferred_logps(self._buffered_inputs if self.model.training else [inputs])
+        return inputs
+
+    def _prepare_informative_inputs(self, generation_batch):
+        """TRL's buffering, but shuffling whole groups so no micro-batch holds part of a group."""
         steps_per_generation = self.args.steps_per_generation
         if self._step % (steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
             batch = shuffle_groups(self._generate_and_score_completions(generation_batch), self.num_generations)
@@ -368,53 +386,80 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._note_fallback("zero-advantage rows", reason)
         return reason
 
-    def _policy_forward(self, model, inputs, advantages, mask, old_per_token_logps) -> PolicyForward:
-        """The micro-batch's log-probs; rows that carry no gradient are filled in instead of computed (their old
-        log-probs, so their ratio is 1, and entropy 0) when the zero-waste pass may skip them."""
+    def _live_rows(self, model, inputs, advantages, mask) -> torch.Tensor | None:
+        """(B,) bool of the rows the training forward must compute, or None for every row."""
+        if self._row_skip_blocker is not None or any(inputs.get(key) is not None for key in _FORWARD_INPUT_KEYS):
+            return None
+        if self._dropout_blocker(model) is not None:
+            return None
+        return rows_with_gradient(advantages, mask)
+
+    def _micro_batch_logps(self, model, inputs, compute_entropy: bool) -> PolicyForward:
+        """Log-probs of one micro-batch, computing only rows that can carry gradient (the others get their old
+        log-probs, so their ratio is 1, and entropy 0). The training forward and the deferred no-grad passes both
+        come here, so equal weights give bit-equal log-probs (same rows, same packs)."""
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        width = completion_ids.size(1)
-        model_inputs = {key: inputs.get(key) for key in _FORWARD_INPUT_KEYS}
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        advantages = inputs["advantages"]
+        live = self._live_rows(model, inputs, advantages.reshape(advantages.shape[0], -1), mask)
+        old = inputs.get("old_per_token_logps")
+        fill = old.detach() if old is not None else torch.zeros(mask.shape, device=mask.device)
         forward = functools.partial(
             self._get_per_token_logps_and_entropies,
             model,
-            compute_entropy=True,
+            compute_entropy=compute_entropy,
             compute_aux_loss=self.aux_loss_enabled,
-            **model_inputs,
+            **{key: inputs.get(key) for key in _FORWARD_INPUT_KEYS},
         )
+        bridge = slice(prompt_ids.size(1) - 1, prompt_ids.size(1) + 1)
+        logps, entropies, aux_loss = forward_rows(
+            forward, input_ids, attention_mask, completion_ids.size(1), live, fill, bridge
+        )
+        return PolicyForward(logps, entropies, aux_loss, None if live is None or bool(live.all()) else live)
+
+    def _policy_forward(self, model, inputs) -> PolicyForward:
+        """The micro-batch's training forward, with the zero-waste metrics."""
         self._positions_computed = 0
-        live = None
-        if self._row_skip_blocker is None and not any(v is not None for v in model_inputs.values()):
-            live = rows_with_gradient(advantages, mask)
-        if live is None or bool(live.all()):
-            logps, entropies, aux_loss = forward(input_ids, attention_mask, width)
-            self._log_positions(input_ids, computed_rows=None)
-            return PolicyForward(logps, entropies, aux_loss, None)
-
-        rows = live.nonzero().squeeze(1)
-        fill = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        if old_per_token_logps is not None:
-            fill = old_per_token_logps.detach()
-        no_entropy = torch.zeros_like(fill)
-        if rows.numel() == 0:
-            # Nothing carries gradient, but backward (and DDP's all-reduce) still needs a graph over every
-            # parameter: one position's log-prob, times zero.
-            bridge = slice(prompt_ids.size(1) - 1, prompt_ids.size(1) + 1)
-            anchor, _, _ = forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
-            self._log_positions(input_ids, computed_rows=live)
-            return PolicyForward(fill + 0.0 * anchor.sum(), no_entropy, None, live)
-        logps, entropies, _ = forward(input_ids[rows], attention_mask[rows], width)
-        self._log_positions(input_ids, computed_rows=live)
-        return PolicyForward(scatter_rows(logps, rows, fill), scatter_rows(entropies, rows, no_entropy), None, live)
-
-    def _log_positions(self, input_ids: torch.Tensor, computed_rows: torch.Tensor | None) -> None:
-        """Share of rows and of token positions the training forward computed, against TRL's full forward."""
+        policy = self._micro_batch_logps(model, inputs, compute_entropy=True)
         mode = "train" if self.model.training else "eval"
         metrics = self._metrics[mode]
-        rows = 1.0 if computed_rows is None else computed_rows.float().mean().item()
+        rows = 1.0 if policy.computed_rows is None else policy.computed_rows.float().mean().item()
         metrics["zero_waste/rows_computed_frac"].append(rows)
-        metrics["zero_waste/positions_frac"].append(self._positions_computed / input_ids.numel())
+        full_positions = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+        metrics["zero_waste/positions_frac"].append(self._positions_computed / full_positions)
+        return policy
+
+    # TRL computes old / reference log-probs inside `_generate_and_score_completions`, before the rewards and before
+    # it shuffles the generation batch into micro-batches. grpo_plus defers them to right after that split and
+    # computes them micro-batch by micro-batch through `_micro_batch_logps`, the training forward's own code: the
+    # same weights then give bit-equal log-probs (TRL's ratio of exactly 1 and KL of exactly 0 at the reference),
+    # rows without gradient are skipped there too, and every process makes one model call per micro-batch and pass.
+
+    def _defers_logps(self) -> bool:
+        return (
+            getattr(self.args, "zero_waste_pass", True)
+            and not self.use_vllm
+            and self._dropout_blocker(self.model) is None
+        )
+
+    def _fill_deferred_logps(self, micro_batches: list[dict[str, Any]]) -> None:
+        """Compute the old / reference log-probs TRL's generation step left to grpo_plus (placeholders)."""
+        pending, self._pending_logps = self._pending_logps, ()
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for inputs in micro_batches:
+                if "old_per_token_logps" in pending:
+                    inputs["old_per_token_logps"] = self._micro_batch_logps(self.model, inputs, False).logps
+                if "ref_per_token_logps" in pending:
+                    with reference_model(self) as ref_model:
+                        inputs["ref_per_token_logps"] = self._micro_batch_logps(ref_model, inputs, False).logps
+
+    def _dropout_blocker(self, model) -> str | None:
+        reason = dropout_blocker(self.accelerator.unwrap_model(model))
+        if reason is not None:
+            self._note_fallback("the zero-waste pass (rows, padding, shared prompt)", reason)
+        return reason
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -429,6 +474,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     ):
         """TRL's log-probs (entropies, aux loss), without the padding after the completions and, where the model
         allows it, with each shared prompt computed once (zero-waste pass). Also serves TRL's old/ref passes."""
+        if self._deferring and not torch.is_grad_enabled():  # an old/ref pass of TRL's generation step: see above
+            placeholder = torch.zeros((input_ids.shape[0], logits_to_keep), device=input_ids.device)
+            return placeholder, None, None
         full = functools.partial(
             super()._get_per_token_logps_and_entropies,
             model,
@@ -437,7 +485,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             compute_aux_loss=compute_aux_loss,
             **model_inputs,
         )
-        if not getattr(self.args, "zero_waste_pass", True):
+        if not getattr(self.args, "zero_waste_pass", True) or self._dropout_blocker(model) is not None:
             self._positions_computed += input_ids.numel()
             return full(input_ids, attention_mask, logits_to_keep)
         if any(value is not None for value in model_inputs.values()):
@@ -473,23 +521,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         return shared_prompt_blocker(config, getattr(config, "_attn_implementation", None), input_ids.shape[1])
 
     def _shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
-        """Log-probs and entropies with one prompt copy per pack; None when no row has a token to score."""
-        prompt_width = input_ids.shape[1] - logits_to_keep
-        prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
-        prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+        """Log-probs and entropies with one prompt copy per pack; None when a chunk has no token to score."""
         unwrapped = self.accelerator.unwrap_model(model)
-        hidden_size = unwrapped.config.get_text_config().hidden_size
         eager = unwrapped.config._attn_implementation == "eager"
-        pad_token_id = self._tokenizer.pad_token_id or 0
-        logps = entropies = None
-        for rows in chunk_rows(group_rows_by_prompt(prompt_ids, prompt_mask), batch_size):
-            index = torch.tensor(rows, device=input_ids.device)
-            batch = pack_shared_prompts(
-                prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index],
-                hidden_size, pad_token_id,
-            )  # fmt: skip
-            if batch.input_ids.numel() == 0:
-                continue
+
+        def model_forward(batch: PackedBatch):
             self._positions_computed += batch.positions
             block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
             with self.accelerator.autocast():
@@ -500,15 +536,17 @@ class GRPOTrainer(trl.GRPOTrainer):
                     shift_labels=batch.targets,
                     fused_lm_head=True,
                 )
-            shape = (len(rows), logits_to_keep)
-            chunk_logps = unpack(out.log_probs, batch, shape)
-            if logps is None:
-                logps = chunk_logps.new_zeros((input_ids.shape[0], logits_to_keep))
-            logps = logps.index_put((index,), chunk_logps)
-            if out.entropy is not None:
-                entropies = logps.new_zeros(logps.shape) if entropies is None else entropies
-                entropies = entropies.index_put((index,), unpack(out.entropy, batch, shape))
-        return None if logps is None else (logps, entropies)
+            return out.log_probs, out.entropy
+
+        return shared_prompt_logps(
+            model_forward,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            hidden_size=unwrapped.config.get_text_config().hidden_size,
+            pad_token_id=self._tokenizer.pad_token_id or 0,
+        )
 
     # ---- loss ---------------------------------------------------------------------------------------------------
 
@@ -522,7 +560,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old_per_token_logps = inputs.get("old_per_token_logps")
-        policy = self._policy_forward(model, inputs, advantages, mask, old_per_token_logps)
+        policy = self._policy_forward(model, inputs)
         per_token_logps, entropies, aux_loss = policy.logps, policy.entropies, policy.aux_loss
         old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
 

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 import trl
 import trl.trainer.utils as trl_utils
 from packaging.version import Version
+from trl.models import unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing
 from trl.rewards import get_soft_overlong_punishment
-from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
+from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict, use_adapter
 
 __all__ = [
     "FORWARD_INPUT_KEYS",
@@ -28,6 +33,7 @@ __all__ = [
     "UntestedTRLVersionWarning",
     "check_hooked_methods",
     "check_trl_compatibility",
+    "disable_gradient_checkpointing",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "is_async_callable",
@@ -35,8 +41,10 @@ __all__ = [
     "logps_unavailable_reason",
     "nanmax",
     "nanmin",
+    "reference_model",
     "split_tensor_dict",
     "tested_trl_versions_text",
+    "unwrap_model_for_generation",
 ]
 
 # The TRL minors `make test-matrix` runs the parity tests against (every patch release of each). pyproject.toml caps
@@ -166,6 +174,18 @@ def check_trl_compatibility(trainer_class: type | None = None, trl_version: str 
 def _next_minor(minor: str) -> str:
     major, minor_number = minor.split(".")
     return f"{major}.{int(minor_number) + 1}"
+
+
+@contextmanager
+def reference_model(trainer: trl.GRPOTrainer) -> Iterator[torch.nn.Module]:
+    """The model TRL computes reference log-probs with, set up as TRL does (1.14-1.16 `_generate_and_score_completions`):
+    `ref_model` when there is one, else the PEFT policy with its adapters off (or its initial copy named "ref")."""
+    if trainer.ref_model is not None:
+        yield trainer.ref_model
+        return
+    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+        yield trainer.model
 
 
 def has_fused_lm_head() -> bool:

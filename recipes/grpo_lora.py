@@ -60,7 +60,7 @@ def main(argv=None):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter
-    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after")
+    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after", trainer)
 
     # 5. Report, model card, reward plot; push the adapter and merge if asked.
     finish_run(trainer, script_args, model_args.model_name_or_path, model_path, before, after, hub_repo_id)

@@ -23,10 +23,13 @@ from grpo_plus.recipe import (
 )
 
 # isort: split
+import os
+
 import torch
 from accelerate import PartialState
 from peft import prepare_model_for_kbit_training
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers.integrations import is_deepspeed_zero3_enabled
 from trl import get_peft_config
 
 
@@ -40,19 +43,22 @@ def main(argv=None):
     model_path, tokenizer = load_tokenizer(model_args)
     on_gpu = torch.cuda.is_available() and not training_args.use_cpu
     compute_dtype = torch.bfloat16 if on_gpu else torch.float32
+    # ZeRO-3 / FSDP shard every weight: the 4-bit ones must be stored in the other parameters' dtype, and placing the
+    # model on a device is the engine's job.
+    sharded = is_deepspeed_zero3_enabled() or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
         bnb_4bit_compute_dtype=compute_dtype,
-        bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or "uint8",
+        bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or (compute_dtype if sharded else "uint8"),
     )
     model = AutoModelForCausalLM.from_pretrained(
         model_path,
         revision=model_args.model_revision,
         dtype=compute_dtype,
         quantization_config=quantization_config,
-        device_map={"": PartialState().local_process_index} if on_gpu else None,  # each rank its own GPU
+        device_map={"": PartialState().local_process_index} if on_gpu and not sharded else None,  # a GPU per rank
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=training_args.trust_remote_code,
     )
@@ -80,7 +86,7 @@ def main(argv=None):
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter
-    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after")
+    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after", trainer)
 
     # 5. Report, model card, reward plot; push the adapter and merge if asked.
     finish_run(trainer, script_args, model_args.model_name_or_path, model_path, before, after, hub_repo_id)

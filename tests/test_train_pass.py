@@ -23,9 +23,9 @@ from grpo_plus import GRPOConfig, GRPOTrainer
 from grpo_plus.train_pass import (
     IGNORE_INDEX,
     block_attention_mask,
-    chunk_rows,
     pack_shared_prompts,
     plan_packs,
+    row_chunks,
     rows_with_gradient,
 )
 from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
@@ -276,6 +276,84 @@ def test_old_logps_pass_shares_prompts_and_honours_batch_size():
     torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
 
 
+@needs_fused_lm_head
+def test_no_grad_pass_calls_the_model_once_per_trl_chunk_whatever_the_prompts():
+    """Under ZeRO-3 / FSDP every model call gathers parameters collectively: the number of calls may depend on the
+    row count only. Four rows with one prompt (two groups of G = 2 on this rank, as in the case that once hung) in
+    chunks of 2 rows: two calls, as TRL makes, not one merged pack."""
+    trainer = make_trainer(num_generations=2, per_device_train_batch_size=2)
+    inputs = micro_batch(trainer)
+    rows = [0, 1, 2, 3]  # one group of micro_batch: the same prompt on every row
+    ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+    log = ForwardLog(trainer.model)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_WIDTH, 2)
+    assert [call["mask_dims"] for call in log.calls] == [4, 4]
+    reference, _, _ = trl_full_pass(
+        trainer, *(inputs[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+    )
+    torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
+
+
+def shuffled_micro_batches(trainer: GRPOTrainer, count: int, **kwargs) -> list[dict]:
+    """`micro_batch` rows shuffled as TRL shuffles a generation batch, cut into `count` micro-batches."""
+    batch = micro_batch(trainer, **kwargs)
+    batch.pop("num_items_in_batch")
+    order = torch.randperm(G * GROUPS, generator=torch.Generator().manual_seed(1))
+    batch = {key: value[order] for key, value in batch.items()}
+    size = G * GROUPS // count
+    return [{key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(count)]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_deferred_logps_equal_the_training_forward_bit_for_bit(beta):
+    """Old / reference log-probs are computed after TRL's shuffle and split, micro-batch by micro-batch, through the
+    training forward's own code: at equal weights they equal the training forward's log-probs to the bit (TRL's
+    ratio of exactly 1 and KL of exactly 0), with one model call per micro-batch and pass, dead or not."""
+    from peft import LoraConfig
+
+    # With beta > 0 the reference is the policy with its LoRA adapter off: at init (B = 0) the same function.
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear") if beta else None
+    trainer = make_trainer(dtype=torch.float32, beta=beta, peft_config=lora)
+    micro_batches = shuffled_micro_batches(trainer, count=4, off_policy=0.0)
+    micro_batches[0]["advantages"] = torch.zeros_like(micro_batches[0]["advantages"])  # an all-dead micro-batch
+    passes = ("old_per_token_logps", "ref_per_token_logps") if beta else ("old_per_token_logps",)
+    for inputs in micro_batches:
+        inputs.update({key: torch.zeros_like(inputs["old_per_token_logps"]) for key in passes})  # placeholders
+    trainer._pending_logps = passes
+    log = ForwardLog(trainer.model)
+    trainer._fill_deferred_logps(micro_batches)
+    assert len(log.calls) == len(passes) * len(micro_batches) and not any(call["grad"] for call in log.calls)
+    assert trainer._pending_logps == ()
+    for inputs in micro_batches:
+        policy = trainer._micro_batch_logps(trainer.model, inputs, compute_entropy=True)
+        live = torch.ones(len(inputs["advantages"]), dtype=torch.bool)
+        if policy.computed_rows is not None:
+            live = policy.computed_rows
+        for key in passes:
+            assert torch.equal(policy.logps[live], inputs[key][live]), key
+        assert (beta > 0) == bool(live.all()), "rows are skipped exactly when the KL term does not read them"
+
+
+def test_dropout_turns_every_saving_off(caplog):
+    """LoRA dropout (TRL's CLI default 0.05) draws masks per position: the full forward runs, in TRL's shape."""
+    from peft import LoraConfig
+
+    trainer = make_trainer(peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear"))
+    inputs = micro_batch(trainer)
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        trainer._compute_loss(trainer.model, inputs)
+    assert log.positions == G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH), "not TRL's full forward"
+    assert "dropout is active in the training forward" in caplog.text and "lora_dropout" in caplog.text
+    assert not trainer._defers_logps(), "the no-grad passes must draw their masks where TRL draws them"
+    trainer.model.eval()  # no dropout in eval mode: the savings apply again
+    log.clear()
+    trainer._compute_loss(trainer.model, inputs)
+    assert log.positions < G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH)
+
+
 def test_all_dead_micro_batch_still_backpropagates_a_zero_gradient():
     trainer = make_trainer()
     inputs = micro_batch(trainer, dead_groups=range(GROUPS))
@@ -489,5 +567,6 @@ def test_rows_with_gradient_and_chunks():
     advantages = torch.tensor([0.0, 1.0, float("nan"), -2.0])
     mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
     assert rows_with_gradient(advantages, mask).tolist() == [False, True, True, False]
-    assert chunk_rows([[0, 1], [2, 3], [4]], max_rows=4) == [[0, 1, 2, 3], [4]]
-    assert chunk_rows([[0, 1], [2, 3]], max_rows=None) == [[0, 1, 2, 3]]
+    # TRL's chunks of consecutive rows: how many depends on the row count only, never on which prompts repeat.
+    assert row_chunks(5, max_rows=4) == [range(0, 4), range(4, 5)]
+    assert row_chunks(4, max_rows=None) == [range(0, 4)]
