@@ -49,21 +49,21 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from . import available_advantage_normalizers, available_importance_sampling_levels, available_loss_types
+    from .advantages import ADVANTAGE_NORMALIZERS
     from .compare import PRESETS
     from .config import TRL_NATIVE_LOSS_TYPES
+    from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
     from .plugins import load_plugins
 
     load_plugins(args.plugins)
-    print(
-        "loss_type:                ",
-        ", ".join(available_loss_types(True)),
-        "| TRL's own:",
-        ", ".join(TRL_NATIVE_LOSS_TYPES),
-    )
-    print("importance_sampling_level:", ", ".join(available_importance_sampling_levels(True)))
-    print("scale_rewards:            ", ", ".join(available_advantage_normalizers(True)))
-    print("compare presets:          ", ", ".join(PRESETS))
+    for registry in (LOSS_TYPES, IMPORTANCE_SAMPLERS, ADVANTAGE_NORMALIZERS):
+        print(f"{registry.field}:")
+        for entry in registry.entries():
+            name = entry.name + (f" ({', '.join(entry.aliases)})" if entry.aliases else "")
+            print(f"  {name:<22} {entry.doc.splitlines()[0] if entry.doc else ''}")
+        if registry is LOSS_TYPES:
+            print(f"  {'TRL computes:':<22} {', '.join(TRL_NATIVE_LOSS_TYPES)}")
+    print("compare presets:", ", ".join(PRESETS))
     return 0
 
 

@@ -18,7 +18,7 @@ so that each segment's first position predicts its own first completion token).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -110,7 +110,6 @@ class PackedBatch:
     targets: torch.Tensor  # (n, L): the token each position predicts, IGNORE_INDEX where nothing is scored
     source: tuple[torch.Tensor, torch.Tensor]  # (pack, position) of every scored position
     destination: tuple[torch.Tensor, torch.Tensor]  # (row, completion column) of the same positions
-    rows: int  # original rows covered
 
     @property
     def positions(self) -> int:
@@ -170,37 +169,65 @@ def pack_shared_prompts(
     attended = completion_mask_cpu.bool()
     lengths = [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in attended]
 
-    packs: list[dict[str, list]] = []
+    packs: list[_Pack] = []
     for rows in group_rows_by_prompt(prompt_ids_cpu, prompt_mask_cpu):
         rows = [r for r in rows if lengths[r] > 0]  # nothing scored, nothing to compute (TRL returns zeros)
         if not rows:
             continue
         prefix_columns = prompt_mask_cpu[rows[0], :-1].nonzero().squeeze(1)
         for pack_rows in plan_packs(len(prefix_columns), [lengths[r] for r in rows], hidden_size):
-            pack = {"ids": [], "pos": [], "seg": [], "valid": [], "tgt": [], "dst_row": [], "dst_col": []}
-            first = rows[pack_rows[0]]
-            pack["ids"].append(prompt_ids_cpu[first, prefix_columns])
-            pack["pos"].append(prefix_columns)
-            pack["seg"].append(torch.full((len(prefix_columns),), _PREFIX))
-            pack["valid"].append(torch.ones(len(prefix_columns), dtype=torch.bool))
-            pack["tgt"].append(torch.full((len(prefix_columns),), IGNORE_INDEX))
+            pack = _Pack()
+            pack.add(
+                prompt_ids_cpu[rows[pack_rows[0]], prefix_columns],
+                prefix_columns,
+                segment=_PREFIX,
+                attended=torch.ones(len(prefix_columns), dtype=torch.bool),
+                targets=torch.full((len(prefix_columns),), IGNORE_INDEX),
+            )
             for segment, index in enumerate(pack_rows):
                 row, length = rows[index], lengths[rows[index]]
-                pack["ids"].append(torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]))
-                pack["pos"].append(torch.arange(prompt_width - 1, prompt_width - 1 + length))
-                pack["seg"].append(torch.full((length,), segment))
-                pack["valid"].append(torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]))
                 scored = attended[row, :length]
-                pack["tgt"].append(completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX))
-                columns = scored.nonzero().squeeze(1)
-                pack["dst_row"].append(torch.full((len(columns),), row))
-                pack["dst_col"].append(columns)
-            packs.append({key: torch.cat(parts) for key, parts in pack.items()})
-    return _stack_packs(packs, pad_token_id, prompt_ids.device, len(lengths))
+                pack.add(
+                    torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]),
+                    torch.arange(prompt_width - 1, prompt_width - 1 + length),
+                    segment=segment,
+                    attended=torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]),
+                    targets=completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX),
+                    destination_row=row,
+                    destination_columns=scored.nonzero().squeeze(1),
+                )
+            packs.append(pack)
+    return _stack_packs(packs, pad_token_id, prompt_ids.device)
 
 
-def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device, rows: int) -> PackedBatch:
-    width = max((len(p["ids"]) for p in packs), default=0)
+@dataclass
+class _Pack:
+    """One model row under construction: the shared prefix, then one segment per completion."""
+
+    token_ids: list[torch.Tensor] = field(default_factory=list)
+    position_ids: list[torch.Tensor] = field(default_factory=list)
+    segments: list[torch.Tensor] = field(default_factory=list)  # _PREFIX, or the completion's index in the pack
+    attended: list[torch.Tensor] = field(default_factory=list)  # keys TRL's 2D attention mask attends
+    targets: list[torch.Tensor] = field(default_factory=list)  # the token each position predicts, or IGNORE_INDEX
+    destination_rows: list[torch.Tensor] = field(default_factory=list)  # TRL row of each scored position
+    destination_columns: list[torch.Tensor] = field(default_factory=list)  # TRL completion column of each
+
+    def add(self, token_ids, position_ids, segment, attended, targets, destination_row=None, destination_columns=None):
+        self.token_ids.append(token_ids)
+        self.position_ids.append(position_ids)
+        self.segments.append(torch.full((len(token_ids),), segment))
+        self.attended.append(attended)
+        self.targets.append(targets)
+        if destination_row is not None:
+            self.destination_rows.append(torch.full((len(destination_columns),), destination_row))
+            self.destination_columns.append(destination_columns)
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+
+def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
+    width = max((len(p) for p in packs), default=0)
     n = len(packs)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((n, width), dtype=torch.long)
@@ -209,17 +236,18 @@ def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device
     targets = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
     source_pack, source_position, destination_row, destination_col = [], [], [], []
     for index, pack in enumerate(packs):
-        length = len(pack["ids"])
-        input_ids[index, :length] = pack["ids"]
-        position_ids[index, :length] = pack["pos"]
-        segments[index, :length] = pack["seg"]
-        valid[index, :length] = pack["valid"]
-        targets[index, :length] = pack["tgt"]
-        scored = (pack["tgt"] != IGNORE_INDEX).nonzero().squeeze(1)
+        length = len(pack)
+        input_ids[index, :length] = torch.cat(pack.token_ids)
+        position_ids[index, :length] = torch.cat(pack.position_ids)
+        segments[index, :length] = torch.cat(pack.segments)
+        valid[index, :length] = torch.cat(pack.attended)
+        pack_targets = torch.cat(pack.targets)
+        targets[index, :length] = pack_targets
+        scored = (pack_targets != IGNORE_INDEX).nonzero().squeeze(1)
         source_pack.append(torch.full((len(scored),), index))
         source_position.append(scored)
-        destination_row.append(pack["dst_row"])
-        destination_col.append(pack["dst_col"])
+        destination_row.append(torch.cat(pack.destination_rows))
+        destination_col.append(torch.cat(pack.destination_columns))
     block_mask = block_attention_mask(segments, valid)
 
     def flat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -232,7 +260,6 @@ def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device
         targets=targets.to(device),
         source=(flat(source_pack), flat(source_position)),
         destination=(flat(destination_row), flat(destination_col)),
-        rows=rows,
     )
 
 

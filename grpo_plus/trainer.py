@@ -21,7 +21,13 @@ from .advantages import compute_advantages
 from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
 from .distributed import check_launch
-from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, PolicyLossOutput, compute_policy_loss
+from .losses import (
+    IMPORTANCE_SAMPLERS,
+    LOSS_TYPES,
+    ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING,
+    PolicyLossOutput,
+    compute_policy_loss,
+)
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
 from .selective_rollout import SelectiveRollout, SelectiveRolloutSettings
@@ -375,10 +381,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                 entropy_bonus=self._entropy_bonus_enabled,
                 top_entropy_quantile=self.top_entropy_quantile,
                 aux_loss=self.aux_loss_enabled,
-                loss_type_declared=LOSS_TYPES.entry(self.loss_type).zero_advantage_rows_contribute_nothing,
-                importance_sampling_declared=IMPORTANCE_SAMPLERS.entry(
-                    self.importance_sampling_level
-                ).zero_advantage_rows_contribute_nothing,
+                loss_type_declared=LOSS_TYPES.entry(self.loss_type).trait(
+                    ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False
+                ),
+                importance_sampling_declared=IMPORTANCE_SAMPLERS.entry(self.importance_sampling_level).trait(
+                    ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False
+                ),
                 loss_type=self.loss_type,
                 importance_sampling_level=self.importance_sampling_level,
             )
