@@ -8,7 +8,6 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
-import yaml
 from huggingface_hub.hf_api import RepoUrl
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -224,6 +223,12 @@ def test_shipped_configs_parse(config, tmp_path):
 
 @pytest.mark.parametrize("config", sorted((RECIPES / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_accelerate_configs_are_valid(config):
-    settings = yaml.safe_load(config.read_text())
-    assert settings["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED")
-    assert settings["num_machines"] == 1
+    """accelerate's own loader reads every shipped config (it rejects unknown keys); GPU configs keep use_cpu off,
+    which DeepSpeed needs (with use_cpu accelerate silently drops it)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    settings = load_config_from_file(str(config))
+    assert settings.distributed_type in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
+    assert settings.num_machines == 1 and not settings.use_cpu
+    if settings.distributed_type == "DEEPSPEED":
+        assert settings.deepspeed_config["zero_stage"] == int(config.stem[-1])
