@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import grpo_plus.hub
 from grpo_plus.checkpoints import last_complete_checkpoint
 from grpo_plus.recipe import parse_recipe_args
+from grpo_plus.validation import RewardFunctionError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ADAPTER_PUSH = {"adapter_config.json", "adapter_model.safetensors", "README.md", "reward_curve.png"}
@@ -62,11 +63,12 @@ def test_recipe_trains_two_steps_and_writes_adapter_card_plot(request, tmp_path,
     assert not (out / "model.safetensors").exists(), "only the adapter should be saved"
     assert_adapter_reloads_and_generates(tiny_model_dir, out)
     card = (out / "README.md").read_text()
-    for expected in (str(tiny_model_dir), "dr_grpo", "epsilon_high", "0.28", "add-1d", "accuracy", "reward_curve.png"):
+    base_folder = Path(tiny_model_dir).name  # a local base model is named by its folder, never by its path
+    for expected in (f"`{base_folder}`", "dr_grpo", "epsilon_high", "0.28", "add-1d", "accuracy", "reward_curve.png"):
         assert expected in card, expected
+    assert str(tiny_model_dir) not in card and "base_model:" not in card  # not a Hub id: no Hub metadata
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base_folder
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if recipe == "grpo_qlora":
-        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
 
 
 @pytest.fixture
@@ -138,11 +140,18 @@ def test_failed_push_after_training_is_an_error_line_and_keeps_the_adapter(
     monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", connection_reset)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, out, "--push_to_hub", "true", "--hub_model_id", "x"))
+        load_recipe("grpo_lora").main(
+            tiny_flags(
+                tiny_model_dir, out, "--push_to_hub", "true", "--hub_model_id", "x", "--hub_private_repo", "true"
+            )
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "\nerror: --push_to_hub needs network access" in err and "Connection reset by peer" in err
-    assert f"The adapter is saved in {out}; push it later with" in err and "push_adapter(" in err
+    retry = (
+        f"The adapter is saved in {out}; push it later with the same settings: grpo-plus push {out} --repo-id alice/x"
+    )
+    assert retry + " --private true --commit-message " in err
     assert (out / "adapter_model.safetensors").is_file()
 
 
@@ -205,8 +214,9 @@ def test_bad_grpo_value_on_the_command_line_exits_with_the_reason(tmp_path, caps
 def test_raising_reward_names_the_function_and_leaves_a_resumable_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     flags = tiny_flags(tiny_model_dir, out, "--save_steps", "100", "--max_steps", "4", "--eval_before_after", "false")
-    with pytest.raises(RuntimeError, match="Reward function 'explode_at_step_3' raised ZeroDivisionError"):
+    with pytest.raises(ZeroDivisionError, match="Reward function 'explode_at_step_3' raised ZeroDivisionError") as err:
         load_recipe("grpo_lora").main([*flags, "--reward_funcs", "correctness", "tiny:explode_at_step_3"])
+    assert isinstance(err.value, RewardFunctionError)
     # save_steps=100 never fired: the checkpoint is the one saved on the crash, at the last finished step.
     assert last_complete_checkpoint(out) == str(out / "checkpoint-2")
     load_recipe("grpo_lora").main([*flags, "--resume_from_checkpoint", "true"])
