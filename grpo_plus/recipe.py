@@ -259,11 +259,22 @@ def exit_on_bad_input(*errors: type[BaseException]) -> Iterator[None]:
         fail(str(error))
 
 
-def checked_resume(trainer, training_args: GRPOConfig) -> str | None:
-    """The checkpoint --resume_from_checkpoint designates, checked now (undamaged, same adapter): a wrong or missing
-    one is an error line before the held-out evaluation and training, not a traceback after them."""
+def check_before_training(trainer, training_args: GRPOConfig, model_args: ModelConfig) -> str | None:
+    """What can only be checked once the trainer is built, checked before the held-out evaluation and training: every
+    --lora_target_modules name matches a module, and --resume_from_checkpoint designates an undamaged checkpoint of
+    the same adapter shape. Returns that checkpoint (or None); a mistake exits with one error line."""
     from .faults import prepare_resume
 
+    wanted = model_args.lora_target_modules
+    targeted = getattr(trainer.model, "targeted_module_names", None)
+    if isinstance(wanted, list) and targeted:
+        missing = [name for name in wanted if not any(m == name or m.endswith(f".{name}") for m in targeted)]
+        if missing:
+            found = sorted({m.rsplit(".", 1)[-1] for m in targeted})
+            fail(
+                f"--lora_target_modules: {', '.join(missing)} matches no module of the model (the other names matched "
+                f"{', '.join(found)}). Name modules of the model (e.g. q_proj, v_proj), or use all-linear."
+            )
     with exit_on_bad_input(CheckpointError):
         return prepare_resume(trainer, training_args.resume_from_checkpoint)
 

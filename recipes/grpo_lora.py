@@ -13,7 +13,7 @@ Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field i
 # notice about an optional Hub kernel out of the console (grpo_plus.quantization).
 from grpo_plus import GRPOTrainer
 from grpo_plus.recipe import (
-    checked_resume,
+    check_before_training,
     evaluate_held_out,
     exit_on_bad_input,
     finish_run,
@@ -61,7 +61,7 @@ def main(argv=None):
             processing_class=tokenizer,
             peft_config=get_peft_config(model_args),
         )
-    resume_from_checkpoint = checked_resume(trainer, training_args)
+    resume_from_checkpoint = check_before_training(trainer, training_args, model_args)
     before = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "before")  # LoRA B = 0: the base
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter
