@@ -12,6 +12,7 @@ final evaluation or push): nothing is left to train, so it loads that checkpoint
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -22,9 +23,16 @@ import torch
 from transformers import TrainerCallback, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
-from .checkpoints import check_adapter_matches, checkpoint_step, is_complete_checkpoint, resolve_checkpoint
+from .checkpoints import (
+    CheckpointError,
+    check_adapter_matches,
+    checkpoint_step,
+    is_complete_checkpoint,
+    resolve_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
+SAMPLING_STATE_FILE = "dynamic_sampling_state.json"  # in the checkpoints of a dynamic-sampling run
 # Accelerator RNGs transformers saves with a checkpoint (CUDA, and the other backends it knows).
 _DEVICE_RNG_MODULES = ("cuda", "xpu", "npu", "hpu", "mlu", "musa")
 
@@ -75,6 +83,7 @@ class CrashCheckpoint(TrainerCallback):
         self.step_end = {
             "rng": capture_rng_states(),
             "selective_rollout": None if selective is None else selective.state_dict(),
+            "refill_draws": self.trainer._refill_draws_made,
         }
         self.updating = False
 
@@ -112,18 +121,40 @@ class CrashCheckpoint(TrainerCallback):
 
     def _save_as_at_step_end(self) -> None:
         trainer, saved = self.trainer, self.step_end
-        crash_rng = capture_rng_states()
+        crash_rng, crash_refill_draws = capture_rng_states(), trainer._refill_draws_made
         selective = trainer._selective_rollout
         crash_selective = None if selective is None else selective.state_dict()
         restore_rng_states(saved["rng"])
+        trainer._refill_draws_made = saved["refill_draws"]
         if selective is not None:
             selective.load_state_dict(saved["selective_rollout"])
         try:
             trainer._save_checkpoint(trainer.model, trial=None)
         finally:
             restore_rng_states(crash_rng)
+            trainer._refill_draws_made = crash_refill_draws
             if selective is not None:
                 selective.load_state_dict(crash_selective)
+
+
+def save_sampling_state(folder: str | Path, refill_draws: int) -> None:
+    """How many refill draws dynamic sampling made, so a resumed run draws the same refill prompts next."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f"{SAMPLING_STATE_FILE}.partial"
+    partial.write_text(json.dumps({"refill_draws": refill_draws}))
+    partial.replace(folder / SAMPLING_STATE_FILE)
+
+
+def load_sampling_state(checkpoint: str | Path) -> int:
+    """The refill draws made before `checkpoint` (0 for a checkpoint of a run without dynamic sampling)."""
+    path = Path(checkpoint) / SAMPLING_STATE_FILE
+    if not path.is_file():
+        return 0
+    refill_draws = json.loads(path.read_text()).get("refill_draws")
+    if not isinstance(refill_draws, int) or refill_draws < 0:
+        raise CheckpointError(f"{path}: refill_draws must be an integer >= 0, found {refill_draws!r}.")
+    return refill_draws
 
 
 def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> str | None:

@@ -20,7 +20,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .advantages import compute_advantages
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
-from .faults import CrashCheckpoint, finish_without_training, prepare_resume
+from .faults import (
+    CrashCheckpoint,
+    finish_without_training,
+    load_sampling_state,
+    prepare_resume,
+    save_sampling_state,
+)
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, PolicyLossOutput, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import concat_rows, group_rows, informative_groups, refill_prompts, select_rows, shuffle_groups
@@ -87,7 +93,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None
         self.dynamic_sampling = getattr(self.args, "dynamic_sampling", False)
-        self._refill_draws = None
+        self._refill_draws, self._refill_draws_made = None, 0  # the count is checkpointed: a resume continues it
         if self.dynamic_sampling and isinstance(self.train_dataset, IterableDataset):
             raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
         self._selective_rollout = self._make_selective_rollout()
@@ -119,6 +125,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint)
         if resume_from_checkpoint:
             self._load_selective_rollout_state(resume_from_checkpoint)
+            self._refill_draws, self._refill_draws_made = None, load_sampling_state(resume_from_checkpoint)
             if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
                 return finished
         try:
@@ -247,6 +254,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._refill_draws = refill_prompts(
                 self.train_dataset, self.num_generations, groups * self.accelerator.num_processes, self.args.seed + 1
             )
+            for _ in range(self._refill_draws_made):  # after a resume: where the checkpointed run stood
+                next(self._refill_draws)
+        self._refill_draws_made += 1
         return self._local_rows(next(self._refill_draws), num_rows)
 
     def _local_rows(self, rows: list[int], num_rows: int) -> list[dict[str, Any]]:
@@ -293,9 +303,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
         # complete: a complete checkpoint always holds the history its step left behind.
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self._selective_rollout is not None and self.args.should_save:
-            run_dir = Path(self._get_output_dir(trial=trial))
-            self._selective_rollout.save(run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            self._selective_rollout.save(folder)
+        if self.dynamic_sampling and self.args.should_save:
+            save_sampling_state(folder, refill_draws=self._refill_draws_made)
         super()._save_checkpoint(model, trial)
 
     def _load_selective_rollout_state(self, checkpoint: str) -> None:

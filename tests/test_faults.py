@@ -17,7 +17,7 @@ import trl
 from datasets import Dataset
 from peft import LoraConfig
 from safetensors.torch import load_file
-from tiny import digit_reward, length_reward, max_weight_diff, prompt_dataset, tiny_run_kwargs
+from tiny import digit_reward, half_dead_reward, length_reward, max_weight_diff, prompt_dataset, tiny_run_kwargs
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from grpo_plus import GRPOConfig, GRPOTrainer
@@ -266,6 +266,23 @@ def test_crash_checkpoint_resumes_to_the_uninterrupted_weights(tiny_model_dir, t
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 4
     assert max_weight_diff(final_weights, weights(resumed)) == 0.0
+
+
+def test_a_dynamic_sampling_run_resumes_with_the_same_refill_prompts(tiny_model_dir, tmp_path):
+    """Dynamic sampling draws refill prompts from a seeded stream; a resumed run continues it where the checkpoint
+    left it (a restarted stream would refill with other prompts)."""
+    settings = dict(rewards=[half_dead_reward], dynamic_sampling=True)
+    reference = build(tiny_model_dir, tmp_path / "uninterrupted", save_strategy="no", **settings)
+    reference.train()
+    refills = sum(entry.get("dynamic_sampling/rounds", 1) - 1 for entry in reference.state.log_history)
+    assert refills >= 2, "no refill rounds: the test would not see the refill stream"
+    crashed = build(tiny_model_dir, tmp_path / "run", **settings)
+    crash_in("generation", crashed, at_step=1)  # step 1 made refill draws, steps 2 and 3 make more
+    with pytest.raises(Crash):
+        crashed.train()
+    resumed = build(tiny_model_dir, tmp_path / "run", **settings)
+    resumed.train(resume_from_checkpoint=True)
+    assert max_weight_diff(weights(reference), weights(resumed)) == 0.0
 
 
 # ---- resume: damaged checkpoints are skipped, a mismatched adapter is named, a finished run does not train ----------
