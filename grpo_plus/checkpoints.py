@@ -72,7 +72,8 @@ def _file_problem(file: Path) -> str | None:
         if file.name == "selective_rollout_state.json":
             from .selective_rollout import state_problem
 
-            return state_problem(json.loads(file.read_text()))
+            problem = state_problem(json.loads(file.read_text()))
+            return None if problem is None else f"is not a valid selective-rollout state ({problem})"
         return None
     if _TORCH_FILES.match(file.name):
         return None if zipfile.is_zipfile(file) else "is cut short or damaged (not a complete torch.save archive)"

@@ -268,14 +268,16 @@ def test_crash_checkpoint_resumes_to_the_uninterrupted_weights(tiny_model_dir, t
     assert max_weight_diff(final_weights, weights(resumed)) == 0.0
 
 
-def test_a_dynamic_sampling_run_resumes_with_the_same_refill_prompts(tiny_model_dir, tmp_path):
-    """Dynamic sampling draws refill prompts from a seeded stream; a resumed run continues it where the checkpoint
-    left it (a restarted stream would refill with other prompts)."""
-    settings = dict(rewards=[half_dead_reward], dynamic_sampling=True)
+@pytest.mark.parametrize("sampling", ["dynamic_sampling", "selective_rollout"])
+def test_a_crash_checkpoint_holds_the_sampling_state_of_its_step(tiny_model_dir, tmp_path, sampling):
+    """Dynamic sampling draws refill prompts from a seeded stream, selective rollout draws prompts by its history; the
+    crash comes after the next step drew, and the resumed run must draw what the uninterrupted one drew."""
+    settings = {"rewards": [half_dead_reward], sampling: True}
     reference = build(tiny_model_dir, tmp_path / "uninterrupted", save_strategy="no", **settings)
     reference.train()
-    refills = sum(entry.get("dynamic_sampling/rounds", 1) - 1 for entry in reference.state.log_history)
-    assert refills >= 2, "no refill rounds: the test would not see the refill stream"
+    if sampling == "dynamic_sampling":
+        refills = sum(entry.get("dynamic_sampling/rounds", 1) - 1 for entry in reference.state.log_history)
+        assert refills >= 2, "no refill rounds: the test would not see the refill stream"
     crashed = build(tiny_model_dir, tmp_path / "run", **settings)
     crash_in("generation", crashed, at_step=1)  # step 1 made refill draws, steps 2 and 3 make more
     with pytest.raises(Crash):
