@@ -124,7 +124,7 @@ def run(argv: list[str], phase: str | None, kill_step: int, last_step: int, reco
             spec.loader.exec_module(recipe)
             if phase == "final_evaluation":
                 evaluate = recipe.evaluate_held_out
-                recipe.evaluate_held_out = lambda *a: kill_me() if a[-1] == "after" else evaluate(*a)
+                recipe.evaluate_held_out = lambda *a, **k: kill_me() if "after" in a else evaluate(*a, **k)
             recipe.main(argv)
             code = 0
         except SystemExit as exit_:
