@@ -1,4 +1,4 @@
-"""`grpo-plus` command line: compare configurations, list what is registered."""
+"""`grpo-plus` command line: compare configurations, list what is registered, push a saved adapter."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .hub import DEFAULT_COMMIT_MESSAGE, HubAccessError
 from .plugins import PluginError
 
 
@@ -67,6 +68,21 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _push(args: argparse.Namespace) -> int:
+    from .hub import PushSettings, check_hub_access
+
+    repo_id = check_hub_access(args.repo_id)  # token (HF_TOKEN or the cached login) and write permission first
+    settings = PushSettings(args.output_dir, repo_id, args.private, args.revision, args.commit_message)
+    print(f"Pushed the LoRA adapter in {args.output_dir} to {settings.push()}")
+    return 0
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import tasks
     from .compare import DEFAULT_PRESETS
@@ -97,6 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="registered loss types, importance sampling levels, normalizers")
     listing.add_argument("--plugins", nargs="*", default=[], help="modules to import first")
     listing.set_defaults(run=_list, parser=listing)
+
+    push = commands.add_parser(
+        "push",
+        help="push a saved LoRA adapter (adapter files, model card, reward plot) to the Hugging Face Hub",
+        description="Push the adapter a recipe saved in OUTPUT_DIR, in one commit, as the recipe's --push_to_hub "
+        "does (a failed push prints this command with the run's settings). The token comes from HF_TOKEN or "
+        "`hf auth login`.",
+    )
+    push.add_argument("output_dir", metavar="OUTPUT_DIR")
+    push.add_argument("--repo-id", required=True, help="namespace/name (or name, in the token owner's namespace)")
+    push.add_argument("--private", type=_bool, default=None, help="true/false when creating the repo (default: Hub's)")
+    push.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
+    push.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE)
+    push.set_defaults(run=_push, parser=push)
     return parser
 
 
@@ -117,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         reject_unknown_flags(args.parser, unknown)
     try:
         return args.run(args)
-    except (ValueError, PluginError) as error:
+    except (ValueError, PluginError, HubAccessError) as error:
         print(f"grpo-plus {args.command}: error: {error}", file=sys.stderr)
         return 2
 

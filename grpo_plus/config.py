@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import numbers
+import os
+import sys
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +40,7 @@ def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -
 def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     """Check the GRPO objective fields of a (grpo_plus or TRL) config; canonicalize aliases in place."""
     load_plugins(getattr(args, "plugins", None) or ())
+    _check_field_types(args)
     how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
 
     loss_types = [*LOSS_TYPES.names(with_aliases=True), *TRL_NATIVE_LOSS_TYPES]
@@ -61,6 +69,97 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     _check_ranges(args)
     _check_combinations(args, trl_native)
     _check_selective_rollout(args)
+    _warn_about_clipping(args)
+
+
+# What a scalar field's value must be, by its declared type (bool before int: a bool is an int in Python).
+_SCALAR_KINDS = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+@functools.cache
+def _scalar_field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
+    """Field -> (bool, int or float; whether None is allowed) for the fields of `cls` declared with such a type."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that does not resolve: check nothing rather than fail
+        return {}
+    kinds = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        scalar = [option for option in options if option is not type(None)]
+        if len(scalar) == 1 and scalar[0] in _SCALAR_KINDS:
+            kinds[f.name] = (scalar[0], len(scalar) < len(options))
+    return kinds
+
+
+def field_type_problem(cls: type, name: str, value: Any) -> str | None:
+    """Why `value` cannot be dataclass `cls`'s field `name` (e.g. a list where a number belongs), or None.
+
+    Only scalar fields (bool, int, float, optionally None) are checked. Strings are left to the parser that
+    converts them (a CLI or YAML "1e-5"), except for a bool field, where any non-empty string would count as true."""
+    kind_and_optional = _scalar_field_kinds(cls).get(name)
+    if kind_and_optional is None or value is None:
+        return None
+    kind, optional = kind_and_optional
+    if isinstance(value, str) and kind is not bool:
+        return None
+    if kind is bool:
+        ok = isinstance(value, (bool, numbers.Integral)) and value in (0, 1)
+    elif kind is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        return None
+    allowed = _SCALAR_KINDS[kind] + (" or null/None" if optional else "")
+    return f"{name}={value!r} is not allowed: {name} must be {allowed}, not a {type(value).__name__}."
+
+
+def _check_field_types(args: trl.GRPOConfig) -> None:
+    for name in _scalar_field_kinds(type(args)):
+        problem = field_type_problem(type(args), name, getattr(args, name, None))
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def _warn_about_clipping(args: trl.GRPOConfig) -> None:
+    """Settings TRL accepts that are most likely mistakes: a warning, once per config, saying what they do."""
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if epsilon_high < args.epsilon:
+        _warn_once(
+            args,
+            f"epsilon_high={epsilon_high} is below epsilon={args.epsilon}: the ratio is clipped to [1 - epsilon, "
+            f"1 + epsilon_high] = [{1 - args.epsilon:g}, {1 + epsilon_high:g}], so updates that make a token more "
+            "likely are cut off sooner than updates that make it less likely. Clip-higher (DAPO) is the opposite, "
+            "epsilon_high > epsilon (e.g. 0.28 with 0.2). TRL accepts this; training goes on.",
+        )
+    if args.epsilon >= 1:
+        _warn_once(
+            args,
+            f"epsilon={args.epsilon} is >= 1: the lower clip bound 1 - epsilon = {1 - args.epsilon:g} is not "
+            "positive, and the ratio always is, so nothing is ever clipped from below (no lower clip at all). The "
+            "usual value is 0.2 (GSPO: 3e-4). TRL accepts this; training goes on.",
+        )
+
+
+def _warn_once(args: Any, message: str) -> None:
+    """Warn once per config object: it is validated when built and again by the trainer."""
+    warned = args.__dict__.setdefault("_grpo_plus_warned", set())
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=_stacklevel_outside_grpo_plus())
+
+
+def _stacklevel_outside_grpo_plus() -> int:
+    """The stacklevel of the first caller outside grpo_plus (and dataclass-generated __init__), for warnings."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_ranges(args: trl.GRPOConfig) -> None:

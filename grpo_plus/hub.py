@@ -11,7 +11,9 @@ import importlib.metadata
 import logging
 import os
 import re
+import shlex
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ __all__ = [
     "ADAPTER_FILES",
     "LOSS_CONFIG_KEYS",
     "HubAccessError",
+    "PushSettings",
     "adapter_files_to_push",
     "check_hub_access",
     "loss_config_from_args",
@@ -63,6 +66,8 @@ LOSS_CONFIG_KEYS: dict[str, str] = {
     "top_entropy_quantile": "train only on the highest-entropy tokens",
     "use_bias_correction_kl": "importance-weighted KL term",
 }
+
+DEFAULT_COMMIT_MESSAGE = "Upload GRPO LoRA adapter (grpo_plus)"
 
 _LOGIN_HINT = (
     "Log in with `hf auth login` (or the older `huggingface-cli login`), or set the HF_TOKEN environment "
@@ -225,20 +230,25 @@ def write_model_card(
     training_args: Mapping[str, Any] | None = None,
     license: str | None = None,
     tags: Iterable[str] = (),
+    base_model_on_hub: bool | None = None,
 ) -> Path:
-    """Write output_dir/README.md: metadata, training setup, task, before/after eval, reward plot, usage, versions."""
+    """Write output_dir/README.md: metadata, training setup, task, before/after eval, reward plot, usage, versions.
+
+    `base_model_on_hub`: whether `base_model` is a Hub id (the card links it and names it in its metadata, which the
+    Hub checks); None guesses from its form."""
     output_dir = Path(output_dir)
+    on_hub = _is_hub_id(base_model) if base_model_on_hub is None else base_model_on_hub
     output_dir.mkdir(parents=True, exist_ok=True)
     has_plot = bool(reward_plot) and (output_dir / reward_plot).is_file()
     data = ModelCardData(
-        base_model=base_model if _is_hub_id(base_model) else None,
+        base_model=base_model if on_hub else None,
         library_name="peft",
         pipeline_tag="text-generation",
         license=license,
         tags=["grpo", "grpo_plus", "trl", "lora", "peft", "reinforcement-learning", *tags],
     )
     sections = [
-        _card_intro(base_model, repo_id),
+        _card_intro(base_model, repo_id, on_hub),
         _card_task(task),
         _card_training(loss_config, training_args),
         _card_eval(eval_before, eval_after),
@@ -257,10 +267,10 @@ def _is_hub_id(model: str) -> bool:
     return not Path(model).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) is not None
 
 
-def _card_intro(base_model: str, repo_id: str | None) -> str:
+def _card_intro(base_model: str, repo_id: str | None, on_hub: bool) -> str:
     """Title and one-paragraph summary."""
     title = repo_id.split("/")[-1] if repo_id else "GRPO LoRA adapter"
-    base_link = f"[{base_model}](https://huggingface.co/{base_model})" if _is_hub_id(base_model) else f"`{base_model}`"
+    base_link = f"[{base_model}](https://huggingface.co/{base_model})" if on_hub else f"`{base_model}`"
     return (
         f"# {title}\n\n"
         f"A LoRA adapter for {base_link}, trained with GRPO (Group Relative Policy Optimization) "
@@ -390,17 +400,23 @@ def push_adapter(
     *,
     token: str | None = None,
     private: bool | None = None,
-    commit_message: str = "Upload GRPO LoRA adapter (grpo_plus)",
+    revision: str | None = None,
+    commit_message: str = DEFAULT_COMMIT_MESSAGE,
 ) -> str:
-    """Create `repo_id` if needed and push only the adapter files of output_dir in one commit; return the repo URL."""
+    """Create `repo_id` if needed and push only the adapter files of output_dir in one commit (to branch `revision`,
+    created if missing, else the default branch); return the repo URL."""
     files = adapter_files_to_push(output_dir)
     api = huggingface_hub.HfApi(token=token)
     try:
         repo_url = api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_url.repo_id, branch=revision, exist_ok=True, repo_type="model")
         # An explicit file list (not upload_folder + patterns): checkpoints, optimizer states and
         # training_args.bin in output_dir can never slip in.
         operations = [CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f)) for f in files]
-        api.create_commit(repo_url.repo_id, operations, commit_message=commit_message, repo_type="model", token=token)
+        api.create_commit(
+            repo_url.repo_id, operations, commit_message=commit_message, repo_type="model", revision=revision
+        )
     except HfHubHTTPError as e:
         status = getattr(e.response, "status_code", None)
         raise HubAccessError(f"Pushing the adapter to {repo_id} failed (HTTP {status}): {e}") from e
@@ -409,6 +425,54 @@ def push_adapter(
             raise _network_error(e) from e
         raise
     return str(repo_url)
+
+
+@dataclass(frozen=True)
+class PushSettings:
+    """Everything a push of the adapter depends on except the token itself (which is never printed or saved), so a
+    failed push can be retried with exactly the same settings: `command()` is the `grpo-plus push` line that does."""
+
+    output_dir: str
+    repo_id: str
+    private: bool | None = None
+    revision: str | None = None
+    commit_message: str = DEFAULT_COMMIT_MESSAGE
+    token_from_flag: bool = False  # the token came from --hub_token, not from HF_TOKEN or the cached login
+
+    @classmethod
+    def from_args(cls, output_dir: str | os.PathLike, repo_id: str, args: Any) -> PushSettings:
+        """The settings of a recipe's push: its TrainingArguments' hub_private_repo, hub_revision, hub_token."""
+        return cls(
+            output_dir=str(output_dir),
+            repo_id=repo_id,
+            private=getattr(args, "hub_private_repo", None),
+            revision=getattr(args, "hub_revision", None),
+            token_from_flag=getattr(args, "hub_token", None) is not None,
+        )
+
+    def push(self, token: str | None = None) -> str:
+        return push_adapter(
+            self.output_dir,
+            self.repo_id,
+            token=token,
+            private=self.private,
+            revision=self.revision,
+            commit_message=self.commit_message,
+        )
+
+    def command(self) -> str:
+        """The shell command that pushes with these settings (the token from HF_TOKEN or the cached login)."""
+        words = ["grpo-plus", "push", self.output_dir, "--repo-id", self.repo_id]
+        if self.private is not None:
+            words += ["--private", str(self.private).lower()]
+        if self.revision:
+            words += ["--revision", self.revision]
+        words += ["--commit-message", self.commit_message]
+        return shlex.join(words)
+
+    def retry_instructions(self) -> str:
+        token = " (first export the token this run got from --hub_token as HF_TOKEN)" if self.token_from_flag else ""
+        return f"push it later with the same settings{token}: {self.command()}"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -5,20 +5,24 @@ Each recipe stays a top-to-bottom script; what would otherwise be copied between
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
 from trl import ModelConfig, TrlParser
 
 from . import tasks
-from .config import GRPOConfig
+from .checkpoints import CheckpointError, hub_id_of, public_model_name, register_hub_id
+from .config import GRPOConfig, field_type_problem
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
+from .plugins import PluginError, import_user_module
 from .registry import quoted_with_hint
+from .validation import check_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +62,84 @@ class ScriptArguments:
     merge: bool = field(default=False, metadata={"help": "Also save base + adapter merged, in output_dir/merged."})
 
 
-def parse_recipe_args(argv: list[str] | None = None) -> tuple[ScriptArguments, GRPOConfig, ModelConfig]:
-    """CLI flags and/or --config YAML -> (script, training, model) arguments; bad input exits with its reason."""
-    parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
+def parse_recipe_args(
+    argv: list[str] | None = None, four_bit: bool = False
+) -> tuple[ScriptArguments, GRPOConfig, ModelConfig]:
+    """CLI flags and/or --config YAML -> (script, training, model) arguments; bad input exits with its reason.
+
+    `four_bit`: whether the calling recipe loads the base in 4 bits (grpo_qlora.py) or not (grpo_lora.py); a
+    quantization flag the recipe cannot honour is refused, naming the recipe that can."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file = _check_config_file(argv)
+    parser = _RecipeParser((ScriptArguments, GRPOConfig, ModelConfig), config_file)
     try:
-        *parsed, config_unknown, cli_unknown = parser.parse_args_and_config(
-            argv, return_remaining_strings=True, separate_remaining_strings=True
-        )
-    except ValueError as error:
+        script_args, training_args, model_args = parser.parse_args_and_config(argv)
+    except (ValueError, PluginError) as error:
         fail(str(error))
-    if config_unknown or cli_unknown:
-        fail(_unknown_arguments_message(config_unknown, cli_unknown))
-    script_args, training_args, model_args = parsed
+    _check_quantization_flags(model_args, four_bit)
     return script_args, training_args, model_args
+
+
+class _RecipeParser(TrlParser):
+    """TrlParser whose mistakes are one `error:` line: an unknown key or flag is named before any config is built
+    (so a later check, such as bf16 on a CPU, cannot hide a typo), a value of the wrong type names its field
+    instead of printing argparse's usage dump."""
+
+    def __init__(self, dataclass_types, config_file: Path | None):
+        super().__init__(dataclass_types)
+        self.config_file, self.config_unknown = config_file, []
+        self.field_types = {f.name: (cls, f.name) for cls in dataclass_types for f in fields(cls)}
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+    def set_defaults_with_config(self, **config) -> list[str]:
+        for key, value in config.items():
+            if key in self.field_types and (problem := field_type_problem(*self.field_types[key], value)):
+                fail(f"config file {self.config_file}: {problem}")
+        self.config_unknown = super().set_defaults_with_config(**config)
+        return self.config_unknown
+
+    def parse_args_into_dataclasses(self, args=None, **kwargs):
+        _, cli_unknown = self.parse_known_args(args=args)
+        if self.config_unknown or cli_unknown:
+            fail(_unknown_arguments_message(self.config_unknown, cli_unknown))
+        return super().parse_args_into_dataclasses(args=args, **kwargs)
+
+
+def _check_config_file(argv: list[str]) -> Path | None:
+    """The file --config names, checked to be a readable YAML mapping (TrlParser would raise a traceback)."""
+    if "--config" not in argv:
+        return None
+    index = argv.index("--config") + 1
+    if index == len(argv):
+        fail("--config needs the path of a YAML file.")
+    path = Path(argv[index])
+    try:
+        config = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        fail(f"config file {path} does not exist.")
+    except OSError as error:
+        fail(f"cannot read config file {path}: {error.strerror}.")
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        fail(f"config file {path} is not valid YAML{where}: {problem}.")
+    if not isinstance(config, dict):
+        fail(f"config file {path} must hold a YAML mapping (field: value lines); it holds {type(config).__name__}.")
+    return path
+
+
+def _check_quantization_flags(model_args: ModelConfig, four_bit: bool) -> None:
+    if not four_bit and (model_args.load_in_4bit or model_args.load_in_8bit):
+        flag = "--load_in_4bit" if model_args.load_in_4bit else "--load_in_8bit"
+        fail(
+            f"{flag}: recipes/grpo_lora.py trains on an unquantized base and cannot honour it. For a 4-bit base use "
+            "recipes/grpo_qlora.py (same flags and configs); 8-bit bases are not supported."
+        )
+    if four_bit and model_args.load_in_8bit:
+        fail("--load_in_8bit: recipes/grpo_qlora.py quantizes the base to 4 bits (nf4 or fp4, --bnb_4bit_quant_type).")
 
 
 def _unknown_arguments_message(config_unknown: list[str], cli_unknown: list[str]) -> str:
@@ -122,9 +191,12 @@ def load_tokenizer(model_args: ModelConfig) -> tuple[str, Any]:
 
     try:
         model_path = resolve_model(model_args.model_name_or_path)
-        return model_path, AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=model_args.model_revision)
     except (OSError, ValueError, ImportError) as error:
         fail(f"cannot load model {model_args.model_name_or_path!r}: {error}")
+    if is_embedded_name(model_args.model_name_or_path):
+        register_hub_id(model_path, EMBEDDED_HUB_ID)  # model cards and adapter configs name it, not its cache folder
+    return model_path, tokenizer
 
 
 def load_data_and_rewards(args: ScriptArguments):
@@ -149,7 +221,7 @@ def resolve_reward_funcs(names: list[str]) -> list[Callable[..., list[float]]]:
                 "nor a 'package.module:function' reference."
             )
         try:
-            funcs.append(getattr(importlib.import_module(module_name), attr))
+            funcs.append(getattr(import_user_module(module_name), attr))
         except (ImportError, AttributeError) as error:
             raise ValueError(f"reward_funcs: cannot load {name!r}: {error}") from error
     return funcs
@@ -163,19 +235,48 @@ def load_datasets(args: ScriptArguments):
         return train, test
     from datasets import load_dataset
 
-    loaded = load_dataset(args.dataset_name, args.dataset_config)
+    try:
+        loaded = load_dataset(args.dataset_name, args.dataset_config)
+    except Exception as error:  # datasets raises many types, and a bare StopIteration for an empty JSON Lines file
+        reason = str(error) or f"{type(error).__name__} (is a data file empty?)"
+        raise ValueError(f"cannot load dataset {args.dataset_name!r}: {reason}") from error
     splits = [args.dataset_train_split, *([args.dataset_test_split] if args.dataset_test_split else [])]
     for split in splits:
         if split not in loaded:
             raise ValueError(f"{args.dataset_name} has no split {split!r}; it has {sorted(loaded)}.")
-        if "prompt" not in loaded[split].column_names:
-            raise ValueError(
-                f"{args.dataset_name}[{split!r}] has no 'prompt' column (columns: {loaded[split].column_names}). "
-                "GRPO needs one: a string, or a list of chat messages [{'role': 'user', 'content': ...}]. "
-                "Rename your column, e.g. dataset.rename_column('question', 'prompt')."
-            )
+        check_dataset(loaded[split], name=f"{args.dataset_name}[{split!r}]")
     test = loaded[args.dataset_test_split] if args.dataset_test_split else None
     return loaded[args.dataset_train_split], test
+
+
+@contextlib.contextmanager
+def exit_on_bad_input(*errors: type[BaseException]) -> Iterator[None]:
+    """Turn the given errors (by default: a bad value, dataset, LoRA target or checkpoint) into one `error:` line."""
+    caught = errors or (ValueError, PluginError)
+    try:
+        yield
+    except caught as error:
+        fail(str(error))
+
+
+def check_before_training(trainer, training_args: GRPOConfig, model_args: ModelConfig) -> str | None:
+    """What can only be checked once the trainer is built, checked before the held-out evaluation and training: every
+    --lora_target_modules name matches a module, and --resume_from_checkpoint designates an undamaged checkpoint of
+    the same adapter shape. Returns that checkpoint (or None); a mistake exits with one error line."""
+    from .faults import prepare_resume
+
+    wanted = model_args.lora_target_modules
+    targeted = getattr(trainer.model, "targeted_module_names", None)
+    if isinstance(wanted, list) and targeted:
+        missing = [name for name in wanted if not any(m == name or m.endswith(f".{name}") for m in targeted)]
+        if missing:
+            found = sorted({m.rsplit(".", 1)[-1] for m in targeted})
+            fail(
+                f"--lora_target_modules: {', '.join(missing)} matches no module of the model (the other names matched "
+                f"{', '.join(found)}). Name modules of the model (e.g. q_proj, v_proj), or use all-linear."
+            )
+    with exit_on_bad_input(CheckpointError):
+        return prepare_resume(trainer, training_args.resume_from_checkpoint)
 
 
 def evaluate_held_out(
@@ -233,14 +334,13 @@ def task_description(args: ScriptArguments) -> dict[str, Any] | str:
 def finish_run(
     trainer,
     script_args: ScriptArguments,
-    base_model: str,
     base_model_path: str,
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
     hub_repo_id: str | None,
 ) -> None:
     """Plot, model card, optional adapter push and merge: everything after the adapter is saved."""
-    from .hub import HubAccessError, loss_config_from_args, merge_adapter, push_adapter, write_model_card
+    from .hub import PushSettings, loss_config_from_args, merge_adapter, write_model_card
     from .plotting import plot_training_curves
 
     args = trainer.args
@@ -252,10 +352,12 @@ def finish_run(
     if not trainer.accelerator.is_main_process:
         return
     history = trainer.state.log_history + held_out_accuracy_points(before, after, trainer.state.global_step)
+    base_model = public_model_name(base_model_path)  # a Hub id or a folder name, never a local path
     plot_training_curves(history, output_dir / "reward_curve.png", title=f"GRPO on {base_model}")
     write_model_card(
         output_dir,
-        base_model=EMBEDDED_HUB_ID if is_embedded_name(base_model) else base_model,
+        base_model=base_model,
+        base_model_on_hub=hub_id_of(base_model_path) is not None,
         repo_id=hub_repo_id,
         loss_config=loss_config_from_args(args),
         task=task_description(script_args),
@@ -271,17 +373,23 @@ def finish_run(
     )
     print(f"\nAdapter, model card and reward_curve.png written to {output_dir}")
     if hub_repo_id is not None:
-        try:
-            url = push_adapter(output_dir, hub_repo_id, token=args.hub_token, private=args.hub_private_repo)
-        except HubAccessError as error:
-            retry = (
-                f"python -c \"from grpo_plus.hub import push_adapter; push_adapter('{output_dir}', '{hub_repo_id}')\""
-            )
-            fail(f"{error}\nThe adapter is saved in {output_dir}; push it later with: {retry}")
-        print(f"Pushed the LoRA adapter to {url}")
+        push = PushSettings.from_args(output_dir, hub_repo_id, args)
+        print(f"Pushed the LoRA adapter to {push_or_exit(push, args.hub_token)}")
     if script_args.merge:
         merged = merge_adapter(base_model_path, output_dir, output_dir / "merged")
         print(f"Merged model saved to {merged}")
+
+
+def push_or_exit(push, token: str | None) -> str:
+    """Push the adapter; on failure exit with the reason and the command that retries with the same settings."""
+    from .hub import HubAccessError
+
+    try:
+        return push.push(token)
+    except HubAccessError as error:
+        fail(
+            f"{error}\nThe adapter is saved in {push.output_dir}; push it later with the same settings: {push.command()}"
+        )
 
 
 def fail(message: str) -> NoReturn:

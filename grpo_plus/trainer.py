@@ -18,9 +18,16 @@ from datasets import IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .advantages import compute_advantages
-from .checkpoints import is_complete_checkpoint, last_complete_checkpoint
+from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import TRL_NATIVE_LOSS_TYPES, validate_grpo_settings
 from .distributed import check_launch
+from .faults import (
+    CrashCheckpoint,
+    finish_without_training,
+    load_sampling_state,
+    prepare_resume,
+    save_sampling_state,
+)
 from .losses import (
     IMPORTANCE_SAMPLERS,
     LOSS_TYPES,
@@ -56,35 +63,13 @@ from .trl_compat import (
     reference_model,
     split_tensor_dict,
 )
+from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
+from .validation import check_dataset, guard_reward_funcs
 
 logger = logging.getLogger(__name__)
 # Generation-batch keys whose no-grad log-prob passes grpo_plus computes after the micro-batch split (see
 # `_fill_deferred_logps`).
 DEFERRED_LOGPS = ("old_per_token_logps", "ref_per_token_logps")
-
-
-class RewardFunctionError(RuntimeError):
-    """A user reward function raised; the message names it and shows what it was called with."""
-
-
-class _GuardedReward:
-    """Wraps a synchronous reward function so its failure names the function and its inputs."""
-
-    def __init__(self, func, name: str):
-        self.func, self.__name__ = func, name
-
-    def __call__(self, prompts=None, completions=None, **kwargs):
-        try:
-            return self.func(prompts=prompts, completions=completions, **kwargs)
-        except Exception as error:
-            columns = sorted(k for k in kwargs if k not in ("trainer_state", "log_extra", "log_metric"))
-            first = completions[0] if completions else None
-            raise RewardFunctionError(
-                f"Reward function {self.__name__!r} raised {type(error).__name__}: {error}\n"
-                f"  called with {len(completions or [])} completions; the first was {str(first)[:200]!r}\n"
-                f"  keyword arguments: prompts, completions, {', '.join(columns)} (every dataset column is passed; "
-                "accept **kwargs for the ones you do not use)."
-            ) from error
 
 
 def combine_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
@@ -120,17 +105,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None
         self.dynamic_sampling = getattr(self.args, "dynamic_sampling", False)
-        self._refill_draws = None
+        self._refill_draws, self._refill_draws_made = None, 0  # the count is checkpointed: a resume continues it
         if self.dynamic_sampling and isinstance(self.train_dataset, IterableDataset):
             raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
         self._selective_rollout = self._make_selective_rollout()
         self._selective_draw = None  # the draw whose completions are being generated and scored
-        self.reward_funcs = [
-            _GuardedReward(func, name)
-            if callable(func) and not isinstance(func, torch.nn.Module) and not is_async_callable(func)
-            else func
-            for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True)
-        ]
+        check_dataset(self.train_dataset)  # no 'prompt' column or no rows: fail now, not at the first step
+        self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
+        self._crash_checkpoint = CrashCheckpoint(self)
+        self.add_callback(self._crash_checkpoint)
         if getattr(self.args, "overlong_buffer_length", None) is not None:
             self._add_reward(
                 get_soft_overlong_punishment(self.max_completion_length, self.args.overlong_buffer_length),
@@ -150,42 +133,31 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
-        """TRL's train; `resume_from_checkpoint=True` (or "true"/"last" from a CLI) picks the newest *complete*
-        checkpoint in output_dir, skipping one a crash left half-written."""
-        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint.lower() in ("true", "last", "latest"):
-            resume_from_checkpoint = True
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True but {self.args.output_dir} holds no complete checkpoint."
-                )
+        """TRL's train; `resume_from_checkpoint=True` (or "true"/"last" from a CLI) picks the newest checkpoint in
+        output_dir that is complete and undamaged. A checkpoint already at the last step returns without training; an
+        error or Ctrl-C writes the last completed step as a checkpoint (grpo_plus.faults)."""
+        resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint)
         if resume_from_checkpoint:
             self._load_selective_rollout_state(resume_from_checkpoint)
+            self._refill_draws, self._refill_draws_made = None, load_sampling_state(resume_from_checkpoint)
+            if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
+                return finished
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):
-            self._save_checkpoint_after_crash()
+            self._crash_checkpoint.save()
             raise
 
-    def _save_checkpoint_after_crash(self) -> None:
-        """Checkpoint the last completed optimizer step so a crash loses no finished work (single process only:
-        on several processes the others may not reach this point, and saving is collective)."""
-        step = self.state.global_step
-        if self.args.save_strategy == "no" or step == 0 or self.accelerator.num_processes > 1:
-            return
-        if is_complete_checkpoint(Path(self.args.output_dir) / f"checkpoint-{step}"):
-            return
-        try:
-            self._save_checkpoint(self.model, trial=None)
-            logger.warning(
-                "Training stopped by an error; saved checkpoint-%d in %s. Resume with resume_from_checkpoint=True "
-                "(--resume_from_checkpoint true in the recipes).",
-                step,
-                self.args.output_dir,
-            )
-        except Exception:
-            logger.exception("Could not save a checkpoint after the error.")
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        super()._maybe_log_save_evaluate(*args, **kwargs)
+        self._crash_checkpoint.step_finished()  # the state a checkpoint of this step holds, for a crash checkpoint
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        with without_hub_token(self.args):  # training_args.bin is a pickle of args: no token in it
+            super()._save(output_dir, state_dict)
+        if self.args.should_save:
+            base_model = getattr(self.accelerator.unwrap_model(self.model).config, "_name_or_path", "")
+            hide_local_base_model_path(output_dir or self.args.output_dir, base_model)
 
     # ---- advantages ---------------------------------------------------------------------------------------------
 
@@ -306,6 +278,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._refill_draws = refill_prompts(
                 self.train_dataset, self.num_generations, groups * self.accelerator.num_processes, self.args.seed + 1
             )
+            for _ in range(self._refill_draws_made):  # after a resume: where the checkpointed run stood
+                next(self._refill_draws)
+        self._refill_draws_made += 1
         return self._local_rows(next(self._refill_draws), num_rows)
 
     def _local_rows(self, rows: list[int], num_rows: int) -> list[dict[str, Any]]:
@@ -352,9 +327,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _save_checkpoint(self, model, trial):
         # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
         # complete: a complete checkpoint always holds the history its step left behind.
+        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self._selective_rollout is not None and self.args.should_save:
-            run_dir = Path(self._get_output_dir(trial=trial))
-            self._selective_rollout.save(run_dir / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            self._selective_rollout.save(folder)
+        if self.dynamic_sampling and self.args.should_save:
+            save_sampling_state(folder, refill_draws=self._refill_draws_made)
         super()._save_checkpoint(model, trial)
 
     def _load_selective_rollout_state(self, checkpoint: str) -> None:

@@ -4,6 +4,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,58 @@ def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path
     # The model dir does not exist: had the script got as far as loading it, the error would be about the path.
     assert "never-loaded" not in result.stderr
     assert time.monotonic() - started < 120
+
+
+# ---- values TRL accepts but that are most likely mistakes: one warning, training goes on (issue 18.3) -------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (
+            dict(epsilon=0.2, epsilon_high=0.1),
+            "epsilon_high=0.1 is below epsilon=0.2: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] = [0.8, 1.1]",
+        ),
+        (dict(epsilon=1.0), "epsilon=1.0 is >= 1: the lower clip bound 1 - epsilon = 0 is not positive"),
+    ],
+    ids=["epsilon_high_below_epsilon", "epsilon_at_least_1"],
+)
+def test_clip_settings_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs, fragment):
+    from tiny import length_reward, prompt_dataset
+    from transformers import AutoModelForCausalLM
+
+    from grpo_plus import GRPOTrainer
+
+    for config_cls in (GRPOConfig, trl.GRPOConfig):  # a grpo_plus config, and a TRL script's own config
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = config_cls(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kwargs)
+            GRPOTrainer(
+                model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                reward_funcs=length_reward,
+                args=args,
+                train_dataset=prompt_dataset(4),
+            )
+        messages = [
+            str(w.message) for w in caught if issubclass(w.category, UserWarning) and "epsilon" in str(w.message)
+        ]
+        assert len(messages) == 1 and fragment in messages[0] and "TRL accepts this" in messages[0], messages
+        assert caught[[str(w.message) for w in caught].index(messages[0])].filename == __file__  # points at the caller
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (
+            dict(learning_rate=[1, 2]),
+            "learning_rate=[1, 2] is not allowed: learning_rate must be a number, not a list",
+        ),
+        (dict(max_steps=2.5), "max_steps=2.5 is not allowed: max_steps must be an integer, not a float"),
+        (dict(use_cpu="false"), "use_cpu='false' is not allowed: use_cpu must be true or false, not a str"),
+        (dict(epsilon_high={"low": 1}), "epsilon_high must be a number or null/None, not a dict"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_field(tmp_path, kwargs, fragment):
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **{"use_cpu": True, **kwargs})
+    assert fragment in str(error.value)

@@ -195,6 +195,46 @@ def test_state_from_another_dataset_is_rejected():
         SelectiveRollout(6, fixed(), seed=0).load_state_dict(state)
 
 
+def test_before_two_different_rewards_are_seen_zero_is_unsolved_and_a_positive_reward_solved():
+    """With every reward so far 0 there is no midpoint: a dead group of zeros is all wrong (it was classed solved)."""
+    zeros = SelectiveRollout(2, fixed(), seed=6)
+    draw = zeros.draw(2)
+    zeros.record(draw, torch.zeros(2 * G), G)
+    assert zeros.streaks == {draw.indices[0]: (UNSOLVED, 1), draw.indices[1]: (UNSOLVED, 1)}
+    ones = SelectiveRollout(2, fixed(), seed=6)
+    draw = ones.draw(2)
+    ones.record(draw, torch.ones(2 * G), G)
+    assert ones.streaks == {draw.indices[0]: (SOLVED, 1), draw.indices[1]: (SOLVED, 1)}
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (dict(position=99), "position must be in [0, 5]"),
+        (dict(pass_index=-1), "pass_index must be an integer >= 0"),
+        (dict(explore={"solved": 1.5, "unsolved": 0.5}), "explore must give a probability in [0, 1]"),
+        (dict(streaks=[[7, "solved", 1]]), "every streak must be [row in [0, 5)"),
+        (dict(streaks=[[1, "maybe", 1]]), "every streak must be [row in [0, 5)"),
+        (dict(reward_range=[1.0, 0.0]), "reward_range must be null or [low, high] with finite low <= high"),
+    ],
+)
+def test_out_of_range_state_is_refused_naming_the_file_and_the_field(tmp_path, change, fragment):
+    selector = SelectiveRollout(5, fixed(), seed=0)
+    selector.save(tmp_path)
+    state = {**json.loads((tmp_path / STATE_FILE).read_text()), **change}
+    (tmp_path / STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(ValueError) as error:
+        SelectiveRollout(5, fixed(), seed=0).load(tmp_path)
+    assert str(error.value).startswith(f"{tmp_path / STATE_FILE} cannot be loaded: out-of-range values: ")
+    assert fragment in str(error.value)
+
+
+def test_a_corrupt_state_file_is_named(tmp_path):
+    (tmp_path / STATE_FILE).write_text('{"version": 1, "dataset_si')
+    with pytest.raises(ValueError, match=f"{tmp_path / STATE_FILE} cannot be loaded: "):
+        SelectiveRollout(5, fixed(), seed=0).load(tmp_path)
+
+
 def test_record_rejects_rewards_of_another_batch():
     selector = SelectiveRollout(4, fixed(), seed=0)
     with pytest.raises(ValueError, match="6 rewards for 2 prompts x 4 generations"):
