@@ -44,6 +44,19 @@ def restore_environment():
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def restore_registries():
+    """Undo modes a test registered (plugins, user modes): later tests see the built-in registries."""
+    from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
+    from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+
+    registries = (ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES)
+    saved = [(registry, dict(registry._entries), dict(registry._aliases)) for registry in registries]
+    yield
+    for registry, entries, aliases in saved:
+        registry._entries, registry._aliases = entries, aliases
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Llama + character tokenizer saved once per session."""
