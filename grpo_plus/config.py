@@ -19,17 +19,16 @@ from .advantages import ADVANTAGE_NORMALIZERS
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
 from .plugins import load_plugins
 from .registry import did_you_mean
+from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
+from .settings import ConfigError, not_allowed
+from .trl_compat import TRL_IMPORTANCE_SAMPLING_LEVELS, TRL_NATIVE_LOSS_TYPES, TRL_SCALE_REWARDS
 
-# Loss types TRL 1.16 implements and grpo_plus leaves to TRL's own `_compute_loss` (token/sequence levels only).
-TRL_NATIVE_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
-TRL_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+__all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
+
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
-
-
-class ConfigError(ValueError):
-    """A GRPOConfig field has a value that is not allowed."""
+_DYNAMIC_DEFAULTS = DynamicSamplingSettings()
 
 
 def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
@@ -39,7 +38,8 @@ def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -
 
 def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     """Check the GRPO objective fields of a (grpo_plus or TRL) config; canonicalize aliases in place."""
-    load_plugins(getattr(args, "plugins", None) or ())
+    settings = PlusSettings.from_args(args)
+    load_plugins(settings.plugins)
     _check_field_types(args)
     how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
 
@@ -67,8 +67,8 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     args.scale_rewards = ADVANTAGE_NORMALIZERS.resolve(args.scale_rewards)
 
     _check_ranges(args)
-    _check_combinations(args, trl_native)
-    _check_selective_rollout(args)
+    _check_combinations(args, trl_native, settings)
+    settings.validate(args)
     _warn_about_clipping(args)
 
 
@@ -172,29 +172,17 @@ def _check_ranges(args: trl.GRPOConfig) -> None:
         fail("epsilon_high", ">= 0 or None (None uses epsilon; DAPO's clip-higher uses 0.28)")
     if args.delta is not None and not args.delta > 1:
         fail("delta", "> 1 or None (the two-sided bound on the ratio, INTELLECT-2)")
-    dual_clip = getattr(args, "dual_clip", None)
-    if dual_clip is not None and not dual_clip > 1:
-        fail("dual_clip", "> 1 or None (the dual-clip constant c: for A < 0 the loss is capped at c*|A|)")
     if args.beta < 0:
         fail("beta", ">= 0 (the KL coefficient; 0 disables the reference model)")
     if args.num_iterations < 1:
         fail("num_iterations", ">= 1")
     if not 0.0 <= args.top_entropy_quantile <= 1.0:
         fail("top_entropy_quantile", "in [0, 1]")
-    if getattr(args, "dynamic_sampling_min_std", 0.0) < 0:
-        fail("dynamic_sampling_min_std", ">= 0")
-    if getattr(args, "max_sampling_rounds", 1) < 1:
-        fail("max_sampling_rounds", ">= 1 (1 filters without refilling)")
-    buffer = getattr(args, "overlong_buffer_length", None)
-    if buffer is not None and not (args.max_completion_length and 0 < buffer <= args.max_completion_length):
-        fail("overlong_buffer_length", f"in (0, max_completion_length={args.max_completion_length}] or None")
-    if getattr(args, "overlong_penalty", 0.0) < 0:
-        fail("overlong_penalty", ">= 0")
     if args.loss_type == "dr_grpo" and args.max_completion_length is None:
         fail("max_completion_length", "set for loss_type='dr_grpo' (it is Dr. GRPO's constant normalizer L)")
 
 
-def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
+def _check_combinations(args: trl.GRPOConfig, trl_native: bool, settings: PlusSettings) -> None:
     if trl_native:
         if args.importance_sampling_level not in TRL_IMPORTANCE_SAMPLING_LEVELS:
             raise ConfigError(
@@ -202,26 +190,16 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
                 f"loss_type={args.loss_type!r}: TRL computes that loss itself and supports only "
                 f"{', '.join(TRL_IMPORTANCE_SAMPLING_LEVELS)}."
             )
-        if getattr(args, "dual_clip", None) is not None:
+        if settings.dual_clip is not None:
             raise ConfigError(
                 f"dual_clip cannot be combined with loss_type={args.loss_type!r}: it applies to the clipped "
                 f"surrogate of the grpo_plus loss types ({', '.join(LOSS_TYPES.names())})."
             )
-    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in (
-        "group",
-        "batch",
-        "none",
-    ):
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in TRL_SCALE_REWARDS:
         raise ConfigError(
             f"scale_rewards={args.scale_rewards!r} cannot be combined with "
             "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "
             "itself and ignores scale_rewards. Use multi_objective_aggregation='sum_then_normalize'."
-        )
-    if getattr(args, "dynamic_sampling", False) and args.per_device_train_batch_size % args.num_generations:
-        raise ConfigError(
-            f"dynamic_sampling=True needs per_device_train_batch_size ({args.per_device_train_batch_size}) to be a "
-            f"multiple of num_generations ({args.num_generations}), so that groups are never split across processes "
-            "or micro-batches."
         )
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.delta is not None and args.delta <= 1 + epsilon_high:
@@ -230,30 +208,6 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
             "delta > 1 + epsilon_high so the bound only caps ratios the clip would not.",
             stacklevel=3,
         )
-
-
-def _check_selective_rollout(args: trl.GRPOConfig) -> None:
-    """The `selective_rollout_*` fields (checked whether or not selective rollout is on, so a YAML typo surfaces)."""
-    if not hasattr(args, "selective_rollout"):
-        return  # a plain trl.GRPOConfig
-
-    def fail(name: str, allowed: str) -> None:
-        raise ConfigError(f"{name}={getattr(args, name)!r} is not allowed: {name} must be {allowed}.")
-
-    low, high = args.selective_rollout_explore_min, args.selective_rollout_explore_max
-    if not 0 < low <= 1:
-        fail("selective_rollout_explore_min", "in (0, 1] (the lowest exploration probability)")
-    if not low <= high <= 1:
-        fail("selective_rollout_explore_max", f"in [selective_rollout_explore_min={low}, 1]")
-    for name in ("selective_rollout_explore_solved", "selective_rollout_explore_unsolved"):
-        if not low <= getattr(args, name) <= high:
-            fail(name, f"in [selective_rollout_explore_min={low}, selective_rollout_explore_max={high}]")
-    if not 0 <= args.selective_rollout_explore_step <= 1:
-        fail("selective_rollout_explore_step", "in [0, 1] (0 keeps the exploration probabilities fixed)")
-    if not 0 <= args.selective_rollout_target_dead_frac <= 1:
-        fail("selective_rollout_target_dead_frac", "in [0, 1]")
-    if args.selective_rollout_history < 1:
-        fail("selective_rollout_history", ">= 1 (the longest dead streak that counts)")
 
 
 @dataclass
@@ -282,14 +236,14 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
     dynamic_sampling_min_std: float = field(
-        default=1e-4,
+        default=_DYNAMIC_DEFAULTS.min_std,
         metadata={
             "help": "A group counts as informative when the std of its rewards exceeds this (absolute, in reward "
             "units); the default tolerates float noise in continuous rewards."
         },
     )
     max_sampling_rounds: int = field(
-        default=4,
+        default=_DYNAMIC_DEFAULTS.max_rounds,
         metadata={
             "help": "Most generation rounds per generation batch with dynamic sampling (1 = filter only, no refill). "
             "When the batch is still short, training uses the informative groups found (logged)."
@@ -397,3 +351,54 @@ class GRPOConfig(trl.GRPOConfig):
         # Validate our fields before TRL/transformers set up devices, so a typo fails in milliseconds.
         validate_grpo_settings(self)
         super().__post_init__()
+
+
+_OWN_FIELDS = tuple(f for f in dataclasses.fields(GRPOConfig) if f.name not in trl.GRPOConfig.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class PlusSettings:
+    """grpo_plus's own GRPOConfig fields, read once, grouped by capability (PEFT-style: each group validates itself).
+
+    Built from any config: a plain `trl.GRPOConfig` gets GRPOConfig's field defaults, so there is one default per
+    setting (`tests/test_config.py` checks every own field of GRPOConfig lands here).
+    """
+
+    dual_clip: float | None
+    overlong_buffer_length: int | None
+    overlong_penalty: float
+    zero_waste_pass: bool
+    zero_waste_shared_prompt: bool
+    plugins: tuple[str, ...]
+    dynamic_sampling: DynamicSamplingSettings
+    selective_rollout: bool
+    selective: SelectiveRolloutSettings
+
+    @classmethod
+    def from_args(cls, args: trl.GRPOConfig) -> PlusSettings:
+        own = types.SimpleNamespace(**{f.name: getattr(args, f.name, f.default) for f in _OWN_FIELDS})
+        return cls(
+            dual_clip=own.dual_clip,
+            overlong_buffer_length=own.overlong_buffer_length,
+            overlong_penalty=own.overlong_penalty,
+            zero_waste_pass=own.zero_waste_pass,
+            zero_waste_shared_prompt=own.zero_waste_shared_prompt,
+            plugins=tuple(own.plugins or ()),
+            dynamic_sampling=DynamicSamplingSettings.from_args(own),
+            selective_rollout=own.selective_rollout,
+            selective=SelectiveRolloutSettings.from_args(own),
+        )
+
+    def validate(self, args: trl.GRPOConfig) -> None:
+        """Raise ConfigError for a value grpo_plus cannot use (the selective-rollout fields are checked whether or
+        not it is on, so a typo in a YAML file surfaces)."""
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            allowed = "> 1 or None (the dual-clip constant c: for A < 0 the loss is capped at c*|A|)"
+            raise not_allowed("dual_clip", self.dual_clip, allowed)
+        buffer, length = self.overlong_buffer_length, args.max_completion_length
+        if buffer is not None and not (length and 0 < buffer <= length):
+            raise not_allowed("overlong_buffer_length", buffer, f"in (0, max_completion_length={length}] or None")
+        if self.overlong_penalty < 0:
+            raise not_allowed("overlong_penalty", self.overlong_penalty, ">= 0")
+        self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
+        self.selective.validate()

@@ -83,7 +83,7 @@ class CrashCheckpoint(TrainerCallback):
         self.step_end = {
             "rng": capture_rng_states(),
             "selective_rollout": None if selective is None else selective.state_dict(),
-            "refill_draws": self.trainer._refill_draws_made,
+            "refill_draws": _refill_draws(self.trainer),
         }
         self.updating = False
 
@@ -121,20 +121,32 @@ class CrashCheckpoint(TrainerCallback):
 
     def _save_as_at_step_end(self) -> None:
         trainer, saved = self.trainer, self.step_end
-        crash_rng, crash_refill_draws = capture_rng_states(), trainer._refill_draws_made
+        crash_rng, crash_refill_draws = capture_rng_states(), _refill_draws(trainer)
         selective = trainer._selective_rollout
         crash_selective = None if selective is None else selective.state_dict()
         restore_rng_states(saved["rng"])
-        trainer._refill_draws_made = saved["refill_draws"]
+        _set_refill_draws(trainer, saved["refill_draws"])
         if selective is not None:
             selective.load_state_dict(saved["selective_rollout"])
         try:
             trainer._save_checkpoint(trainer.model, trial=None)
         finally:
             restore_rng_states(crash_rng)
-            trainer._refill_draws_made = crash_refill_draws
+            _set_refill_draws(trainer, crash_refill_draws)
             if selective is not None:
                 selective.load_state_dict(crash_selective)
+
+
+def _refill_draws(trainer: Any) -> int:
+    sampling = getattr(trainer, "_dynamic_sampling", None)
+    return 0 if sampling is None else sampling.refill_draws_made
+
+
+def _set_refill_draws(trainer: Any, count: int) -> None:
+    """Set the count a checkpoint records (the refill stream itself is not touched)."""
+    sampling = getattr(trainer, "_dynamic_sampling", None)
+    if sampling is not None:
+        sampling.refill_draws_made = count
 
 
 def save_sampling_state(folder: str | Path, refill_draws: int) -> None:

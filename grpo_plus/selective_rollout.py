@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .sampling import informative_groups
+from .settings import not_allowed
 
 SOLVED, UNSOLVED = "solved", "unsolved"
 KINDS = (SOLVED, UNSOLVED)
@@ -55,6 +56,27 @@ class SelectiveRolloutSettings:
         names = [f.name for f in fields(cls) if f.name != "min_std"]
         settings = {name: getattr(args, f"selective_rollout_{name}") for name in names}
         return cls(**settings, min_std=args.dynamic_sampling_min_std)
+
+    def validate(self) -> None:
+        """Raise ConfigError, naming the GRPOConfig field, for a value selective rollout cannot use."""
+
+        def fail(name: str, allowed: str) -> None:
+            raise not_allowed(f"selective_rollout_{name}", getattr(self, name), allowed)
+
+        low, high = self.explore_min, self.explore_max
+        if not 0 < low <= 1:
+            fail("explore_min", "in (0, 1] (the lowest exploration probability)")
+        if not low <= high <= 1:
+            fail("explore_max", f"in [selective_rollout_explore_min={low}, 1]")
+        for name in ("explore_solved", "explore_unsolved"):
+            if not low <= getattr(self, name) <= high:
+                fail(name, f"in [selective_rollout_explore_min={low}, selective_rollout_explore_max={high}]")
+        if not 0 <= self.explore_step <= 1:
+            fail("explore_step", "in [0, 1] (0 keeps the exploration probabilities fixed)")
+        if not 0 <= self.target_dead_frac <= 1:
+            fail("target_dead_frac", "in [0, 1]")
+        if self.history < 1:
+            fail("history", ">= 1 (the longest dead streak that counts)")
 
 
 @dataclass

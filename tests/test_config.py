@@ -215,3 +215,36 @@ def test_a_value_of_the_wrong_type_names_the_field(tmp_path, kwargs, fragment):
     with pytest.raises(ConfigError) as error:
         GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **{"use_cpu": True, **kwargs})
     assert fragment in str(error.value)
+
+
+def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_config():
+    """One default per setting: a plain trl.GRPOConfig gets GRPOConfig's field defaults (the trainer once fell back
+    to other values: max_sampling_rounds 1 vs 4, overlong_penalty 0 vs 1, dynamic_sampling_min_std 0 vs 1e-4), and
+    every field GRPOConfig adds to TRL's is read into PlusSettings."""
+    import dataclasses
+
+    import trl
+
+    from grpo_plus.config import PlusSettings
+
+    plain = PlusSettings.from_args(trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+    ours = PlusSettings.from_args(GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+    assert plain == ours
+    assert (plain.dynamic_sampling.max_rounds, plain.dynamic_sampling.min_std, plain.overlong_penalty) == (
+        4,
+        1e-4,
+        1.0,
+    )
+    own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    changed = GRPOConfig(
+        output_dir="unused", use_cpu=True, bf16=False, report_to="none", max_sampling_rounds=2,
+        dynamic_sampling_min_std=0.5, selective_rollout_history=7, zero_waste_shared_prompt=False,
+    )  # fmt: skip
+    settings = PlusSettings.from_args(changed)
+    assert (settings.dynamic_sampling.max_rounds, settings.dynamic_sampling.min_std) == (2, 0.5)
+    assert settings.selective.history == 7 and settings.selective.min_std == 0.5
+    assert settings.zero_waste_shared_prompt is False
+    read = {"dynamic_sampling", "dynamic_sampling_min_std", "max_sampling_rounds"}
+    read |= {f"selective_rollout_{f.name}" for f in dataclasses.fields(settings.selective) if f.name != "min_std"}
+    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {"dynamic_sampling", "selective"}
+    assert own == read, f"GRPOConfig fields PlusSettings does not read: {own - read}; unknown: {read - own}"

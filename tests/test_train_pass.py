@@ -29,6 +29,7 @@ from grpo_plus.train_pass import (
     rows_with_gradient,
 )
 from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
+from grpo_plus.zero_waste import ZeroWastePass
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
@@ -149,9 +150,8 @@ def trl_full_pass(trainer, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def set_zero_waste(trainer: GRPOTrainer, on: bool, shared_prompt: bool = True) -> None:
-    trainer.args.zero_waste_pass = on
-    trainer.args.zero_waste_shared_prompt = shared_prompt
-    trainer._row_skip_blocker = trainer._find_row_skip_blocker()
+    """As if built with zero_waste_pass=on, zero_waste_shared_prompt=shared_prompt (settings are read once)."""
+    trainer._zero_waste = ZeroWastePass(trainer, enabled=on, shared_prompt=shared_prompt)
 
 
 def loss_and_grads(trainer: GRPOTrainer, inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -321,13 +321,13 @@ def test_deferred_logps_equal_the_training_forward_bit_for_bit(beta):
     passes = ("old_per_token_logps", "ref_per_token_logps") if beta else ("old_per_token_logps",)
     for inputs in micro_batches:
         inputs.update({key: torch.zeros_like(inputs["old_per_token_logps"]) for key in passes})  # placeholders
-    trainer._pending_logps = passes
+    trainer._zero_waste.pending = passes
     log = ForwardLog(trainer.model)
-    trainer._fill_deferred_logps(micro_batches)
+    trainer._zero_waste.fill_deferred(micro_batches)
     assert len(log.calls) == len(passes) * len(micro_batches) and not any(call["grad"] for call in log.calls)
-    assert trainer._pending_logps == ()
+    assert trainer._zero_waste.pending == ()
     for inputs in micro_batches:
-        policy = trainer._micro_batch_logps(trainer.model, inputs, compute_entropy=True)
+        policy = trainer._zero_waste.micro_batch_logps(trainer.model, inputs, compute_entropy=True)
         live = torch.ones(len(inputs["advantages"]), dtype=torch.bool)
         if policy.computed_rows is not None:
             live = policy.computed_rows
@@ -347,7 +347,7 @@ def test_dropout_turns_every_saving_off(caplog):
         trainer._compute_loss(trainer.model, inputs)
     assert log.positions == G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH), "not TRL's full forward"
     assert "dropout is active in the training forward" in caplog.text and "lora_dropout" in caplog.text
-    assert not trainer._defers_logps(), "the no-grad passes must draw their masks where TRL draws them"
+    assert not trainer._zero_waste.defers_logps(), "the no-grad passes must draw their masks where TRL draws them"
     trainer.model.eval()  # no dropout in eval mode: the savings apply again
     log.clear()
     trainer._compute_loss(trainer.model, inputs)
@@ -417,9 +417,9 @@ def test_row_skipping_falls_back_to_the_full_pass(args, reason, caplog):
         inputs["ref_per_token_logps"] = inputs["old_per_token_logps"].clone()
     log = ForwardLog(trainer.model)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        trainer._row_skip_blocker = trainer._find_row_skip_blocker()
+        trainer._zero_waste.row_skip_blocker = trainer._zero_waste.find_row_skip_blocker()
         trainer._compute_loss(trainer.model, inputs)
-    assert trainer._row_skip_blocker is not None and reason in trainer._row_skip_blocker
+    assert trainer._zero_waste.row_skip_blocker is not None and reason in trainer._zero_waste.row_skip_blocker
     assert any("zero-advantage rows" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
     # Every row went through the model (packed where prompts can still be shared): nothing was skipped.
     parts = [inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
@@ -509,7 +509,7 @@ def test_multimodal_inputs_are_computed_in_full(caplog):
 
 def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
     """TRL 1.14 has no fused LM head: the shared prompt falls back, row skipping and padding trimming do not."""
-    monkeypatch.setattr("grpo_plus.trainer.has_fused_lm_head", lambda: False)
+    monkeypatch.setattr("grpo_plus.zero_waste.has_fused_lm_head", lambda: False)
     trainer = make_trainer()
     inputs = micro_batch(trainer)
     log = ForwardLog(trainer.model)
