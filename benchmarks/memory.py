@@ -28,8 +28,18 @@ tile. The figures model the CUDA kernel (`--lm-head cpu` counts the fallback ins
 
 Models: the demo config (recipes/configs/demo_cpu.yaml: SmolLM2-135M-Instruct's architecture, fp32, LoRA r=16, 16
 rows of a 56-token prompt + 20 tokens), and Qwen2.5-shaped models (benchmarks/shapes.py) in bf16 with the recipes'
-LoRA, at 512 / 2K / 8K-token completions, G = 8 rows per micro-batch, gradient checkpointing on and off. Every
-completion is full length and every group has signal (no zero-advantage row): the worst case for memory.
+LoRA, at 512 / 2K / 8K-token completions, micro-batches of 8 completions of one 128-token prompt, gradient
+checkpointing on and off; at 512 tokens also 8 rows cut from a shuffled generation batch of 4 prompts x 8, as TRL
+cuts them. Every completion is full length and every group has signal (no zero-advantage row): the worst case.
+Decoder layers are identical, so each count is affine in the depth: the models are counted at 1, 2 and 3 layers and
+extrapolated (checked against the full depth, `validate_depth`).
+
+The 24 GB fit (recipes/configs/*.yaml): the step's peak is weights (4-bit where the recipe quantizes, from the
+shapes) + LoRA weights + AdamW's two moments + the larger of the training pass's counted peak and generation's KV
+cache (a 4-bit base adds one dequantized layer); it must stay under --budget-gib (22 GiB: a 24 GiB card less the CUDA
+context, cuBLAS workspaces and allocator slack, which max_memory_allocated does not count). Per side, the longest
+completion (multiples of 128) at the recipe's batch, and the largest group G trained as one micro-batch
+(per_device_train_batch_size = G, one group generated at a time) at the recipe's completion length.
 """
 
 from __future__ import annotations
@@ -488,7 +498,8 @@ class Bench:
         self.cache: dict = {}
 
     def measure_at_depth(self, setup: Setup, side: str, rows: int, completion_length: int, layers: int,
-                         gradient_checkpointing: bool, group: int | None = None) -> PassMemory:  # fmt: skip
+                         gradient_checkpointing: bool, group: int | None = None,
+                         drawn_from: int | None = None) -> PassMemory:  # fmt: skip
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -497,20 +508,28 @@ class Bench:
             config, dtype=setup.dtype, lora=setup.lora, gradient_checkpointing=gradient_checkpointing,
             qlora=setup.qlora, fake_mode=fake_mode,
         )  # fmt: skip
-        group = min(group or setup.group, rows)
-        inputs = synthetic_micro_batch(rows, group, setup.prompt_length, completion_length, config.vocab_size)
+        group = group or setup.group
+        inputs = synthetic_micro_batch(
+            drawn_from or rows, min(group, drawn_from or rows), setup.prompt_length, completion_length,
+            config.vocab_size,
+        )  # fmt: skip
+        if drawn_from:  # TRL shuffles the rows of a generation batch before cutting it into micro-batches
+            order = torch.randperm(drawn_from, generator=torch.Generator().manual_seed(0))[:rows]
+            inputs = {k: v[order] if v.dim() else v for k, v in inputs.items()}
+            inputs["num_items_in_batch"] = inputs["completion_mask"].sum().float()
         return measure_pass(self.trainers[side, setup.bf16], model, inputs, fake_mode, self.lm_head)
 
     def measure(self, setup: Setup, side: str, rows: int, completion_length: int,
-                gradient_checkpointing: bool | None = None, group: int | None = None) -> PassMemory:  # fmt: skip
+                gradient_checkpointing: bool | None = None, group: int | None = None,
+                drawn_from: int | None = None) -> PassMemory:  # fmt: skip
         """Counts of the full-depth model from 1, 2 and 3 layers: decoder layers are identical, so every count is
         affine in the depth; three points check that (second difference 0) before extrapolating, else the full model
         is measured. `validate_depth` compares the extrapolation with full-depth measurements."""
         gc = setup.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing
-        key = (setup.name, side, rows, completion_length, gc, group)
+        key = (setup.name, side, rows, completion_length, gc, group, drawn_from)
         if key not in self.cache:
             points = [
-                self.measure_at_depth(setup, side, rows, completion_length, n, gc, group)
+                self.measure_at_depth(setup, side, rows, completion_length, n, gc, group, drawn_from)
                 for n in self.EXTRAPOLATE_FROM
             ]
             fields = [f for f in asdict(points[0]) if f != "items_faked"]
@@ -519,7 +538,7 @@ class Bench:
             if all(v[2] - v[1] == v[1] - v[0] for v in values.values()):
                 result = PassMemory(**{f: v[0] + (depth - 1) * (v[1] - v[0]) for f, v in values.items()})
             else:
-                result = self.measure_at_depth(setup, side, rows, completion_length, depth, gc, group)
+                result = self.measure_at_depth(setup, side, rows, completion_length, depth, gc, group, drawn_from)
             self.cache[key] = result
         return self.cache[key]
 
@@ -568,7 +587,9 @@ def step_bytes(bench: Bench, setup: Setup, side: str, rows: int, completion_leng
     """Peak bytes of one optimizer step on a GPU, computed from the counts: weights + LoRA + AdamW state, plus the
     larger of the training pass's peak (activations, temporaries, LoRA gradients; for a 4-bit base one dequantized
     layer on top) and generation's KV cache. CUDA's context and the allocator's slack are not in it."""
-    train = bench.measure(setup, side, rows, completion_length, group=group)
+    # The micro-batch is cut from a shuffled generation batch, as TRL does (whole groups when it is one micro-batch).
+    drawn_from = generation_rows if generation_rows > rows else None
+    train = bench.measure(setup, side, rows, completion_length, group=group, drawn_from=drawn_from)
     training = train.peak + params["dequantized_layer"]
     generation = kv_cache_bytes(setup.config, generation_rows, setup.prompt_length + completion_length)
     static = params["base"] + params["lora"] + params["adam"]
@@ -792,15 +813,19 @@ def main() -> None:
                 f"{row['extrapolated_peak']} B (full / extrapolated); agree: {row['agree']}",
                 flush=True,
             )
-    print("Qwen2.5-0.5B shape, bf16, LoRA r=32, 8 completions of one prompt (128 tokens) per micro-batch ...")
-    for length in TABLE_LENGTHS:
-        for gc in (False, True):
-            row = dict(config="Qwen2.5-0.5B shape, bf16, LoRA r=32, G=8", completion=length, gradient_checkpointing=gc)
-            for side in SIDES:
-                row[side] = asdict(bench.measure(half, side, half.rows, length, gc))
-            table.append(row)
-            print(f"  {length:5d} tokens, gc={gc!s:5}: peak TRL {gib(row['trl']['peak'])} GiB, grpo_plus "
-                  f"{gib(row['ours']['peak'])} GiB", flush=True)  # fmt: skip
+    print("Qwen2.5-0.5B shape, bf16, LoRA r=32, micro-batches of 8 completions, 128-token prompts ...")
+    cases = [(length, gc, None) for length in TABLE_LENGTHS for gc in (False, True)]
+    cases += [(512, gc, half.generation_rows) for gc in (False, True)]
+    for length, gc, drawn_from in cases:
+        batch = "one prompt x 8" if drawn_from is None else f"8 of {drawn_from} rows (4 prompts), shuffled"
+        row = dict(
+            config=f"Qwen2.5-0.5B shape, bf16, LoRA r=32; {batch}", completion=length, gradient_checkpointing=gc
+        )
+        for side in SIDES:
+            row[side] = asdict(bench.measure(half, side, half.rows, length, gc, drawn_from=drawn_from))
+        table.append(row)
+        print(f"  {length:5d} tokens, gc={gc!s:5}, {batch}: peak TRL {gib(row['trl']['peak'])} GiB, grpo_plus "
+              f"{gib(row['ours']['peak'])} GiB", flush=True)  # fmt: skip
     report["table"] = table
     print("\n" + memory_table(table))
 
@@ -809,7 +834,15 @@ def main() -> None:
         report["fit"] = {}
         for name in FIT_RECIPES:
             print(f"\nFit on a 24 GB card ({args.budget_gib} GiB of tensors): {name} ...", flush=True)
-            report["fit"][name] = fit_on_card(bench, recipe_setup(name), budget)
+            began = time.perf_counter()
+            fit = report["fit"][name] = fit_on_card(bench, recipe_setup(name), budget)
+            for side in SIDES:
+                at = fit[side]["at_recipe"]
+                print(f"  {side:4}: at the recipe's settings {gib(at['total'])} GiB (weights + LoRA + AdamW "
+                      f"{gib(at['static'])}, training pass {gib(at['training'])}, KV cache {gib(at['generation'])});"
+                      f" longest completion {fit[side]['longest_completion']}, largest G {fit[side]['largest_group']}",
+                      flush=True)  # fmt: skip
+            print(f"  ({time.perf_counter() - began:.0f} s)", flush=True)
         print("\n" + fit_table(report["fit"], budget))
 
     report["wall_minutes"] = (time.perf_counter() - started) / 60
