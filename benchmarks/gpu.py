@@ -389,7 +389,8 @@ def run_ladder(case: Case, side: str, work: Path, cache_dir: Path) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     if cuda and case.memory_cap:
-        torch.cuda.set_per_process_memory_fraction(case.memory_cap / torch.cuda.get_device_properties(0).total_memory)
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, case.memory_cap / total))
     trainer = build_trainer(case, side, device, 1, work / side, cache_dir)
     model = trainer.model
     if case.gradient_checkpointing:  # what Trainer.train() turns on before the first step

@@ -630,7 +630,7 @@ def fit_on_card(bench: Bench, setup: Setup, budget: int, step: int = 128) -> dic
         at_recipe = step_bytes(bench, setup, side, setup.rows, setup.completion_length, setup.generation_rows, params)
         result[side] = {
             "longest_completion": step * largest_fitting(length_fits, 1, limit // step),
-            "largest_group": largest_fitting(group_fits, 2, 512),
+            "largest_group": largest_fitting(group_fits, 2, GROUP_LIMIT),
             "at_recipe": at_recipe,
         }
     return result
@@ -730,6 +730,7 @@ def validate_depth(bench: Bench, setup: Setup, completion_length: int) -> list[d
 # ---- report -------------------------------------------------------------------------------------------------------
 
 TABLE_LENGTHS = (512, 2048, 8192)
+GROUP_LIMIT = 512  # the largest group the fit search tries
 FIT_RECIPES = ("demo_cpu", "qwen2.5-0.5b_lora", "qwen2.5-1.5b_lora", "qwen2.5-7b_qlora")
 
 
@@ -751,14 +752,18 @@ def memory_table(rows: list[dict]) -> str:
     return markdown_table(header, cells)
 
 
+def at_least(group: int) -> str:
+    return f">= {group}" if group >= GROUP_LIMIT else str(group)
+
+
 def fit_table(fits: dict, budget: int) -> str:
     header = ["recipe config", "step peak at its settings: TRL / grpo_plus (GiB)",
               f"longest completion ({gib(budget)} GiB): TRL", "grpo_plus", "largest G in one micro-batch: TRL",
               "grpo_plus"]  # fmt: skip
     cells = [
         [f"`{name}.yaml`", f"{gib(fit['trl']['at_recipe']['total'])} / {gib(fit['ours']['at_recipe']['total'])}",
-         fit["trl"]["longest_completion"], fit["ours"]["longest_completion"], fit["trl"]["largest_group"],
-         fit["ours"]["largest_group"]]
+         fit["trl"]["longest_completion"], fit["ours"]["longest_completion"], at_least(fit["trl"]["largest_group"]),
+         at_least(fit["ours"]["largest_group"])]
         for name, fit in fits.items()
     ]  # fmt: skip
     return markdown_table(header, cells)
