@@ -80,7 +80,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_overhead.py
 
 # ---- memory and GPU --------------------------------------------------------------------------------------------
-# Training-pass memory of stock TRL vs grpo_plus, counted on CPU from shapes alone (no GPU needed; ~15 min).
+# Training-pass memory of stock TRL vs grpo_plus, counted on CPU from shapes alone (no GPU needed; ~20 min on 2 cores).
 bench-memory: $(STAMP)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) benchmarks/memory.py
 
