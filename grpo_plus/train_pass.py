@@ -110,6 +110,7 @@ class PackedBatch:
     targets: torch.Tensor  # (n, L): the token each position predicts, IGNORE_INDEX where nothing is scored
     source: tuple[torch.Tensor, torch.Tensor]  # (pack, position) of every scored position
     destination: tuple[torch.Tensor, torch.Tensor]  # (row, completion column) of the same positions
+    shares_prompts: bool = True  # some pack holds two or more completions after its prompt
 
     @property
     def positions(self) -> int:
@@ -260,6 +261,7 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         targets=targets.to(device),
         source=(flat(source_pack), flat(source_position)),
         destination=(flat(destination_row), flat(destination_col)),
+        shares_prompts=any(len(pack.segments) > 2 for pack in packs),  # the prefix and 2+ completion segments
     )
 
 
@@ -359,9 +361,13 @@ def shared_prompt_logps(
     batch_size: int | None,
     hidden_size: int,
     pad_token_id: int,
+    unshared_positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None when a chunk
-    has no token to score (the caller then runs TRL's forward, so the number of model calls stays the same).
+    """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None where packing
+    does not pay: a chunk has no token to score, no pack shares its prompt (a block mask would only cost: a dense
+    S x S mask per pack, and models expand grouped key/value heads for it), or the packs, padded to the widest,
+    hold at least the `unshared_positions` the caller's per-row forward would compute (rows of a group spread
+    over micro-batches). The caller then runs the per-row forward, which makes the same number of model calls.
 
     `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
     entropies or None). Chunks are TRL's (`row_chunks`), one model call each.
@@ -379,6 +385,10 @@ def shared_prompt_logps(
         if batch.input_ids.numel() == 0:
             return None
         batches.append((index, batch))
+    if not any(batch.shares_prompts for _, batch in batches):
+        return None
+    if unshared_positions is not None and sum(batch.positions for _, batch in batches) >= unshared_positions:
+        return None
     logps = entropies = None
     for index, batch in batches:
         chunk_logps, chunk_entropies = model_forward(batch)

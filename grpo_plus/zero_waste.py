@@ -244,7 +244,8 @@ class ZeroWastePass:
         return shared_prompt_blocker(config, getattr(config, "_attn_implementation", None), input_ids.shape[1])
 
     def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
-        """Log-probs and entropies with one prompt copy per pack; None when a chunk has no token to score."""
+        """Log-probs and entropies with one prompt copy per pack; None where packing does not pay."""
+        prompt_width = input_ids.shape[1] - logits_to_keep
         accelerator = self.trainer.accelerator
         unwrapped = accelerator.unwrap_model(model)
         eager = unwrapped.config._attn_implementation == "eager"
@@ -263,4 +264,6 @@ class ZeroWastePass:
             batch_size,
             hidden_size=unwrapped.config.get_text_config().hidden_size,
             pad_token_id=self.trainer._tokenizer.pad_token_id or 0,
+            unshared_positions=input_ids.shape[0]
+            * (prompt_width + completion_width(attention_mask[:, prompt_width:])),
         )

@@ -296,6 +296,26 @@ def test_no_grad_pass_calls_the_model_once_per_trl_chunk_whatever_the_prompts():
     torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
 
 
+@needs_fused_lm_head
+def test_rows_that_share_no_prompt_are_not_packed():
+    """One row from each of 4 groups (TRL's row shuffle spreads groups over micro-batches): no pack would share its
+    prompt, so a block mask would only cost (a dense S x S mask, expanded key/value heads): the per-row forward
+    runs, without the padding, and its log-probs are TRL's."""
+    trainer = make_trainer()
+    inputs = micro_batch(trainer)
+    rows = [0, G, 2 * G, 3 * G]
+    parts = [inputs[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    log = ForwardLog(trainer.model)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([parts[0], parts[2]], 1), torch.cat([parts[1], parts[3]], 1), COMPLETION_WIDTH
+        )
+    assert [call["mask_dims"] for call in log.calls] == [2]
+    assert log.positions <= len(rows) * (PROMPT_WIDTH + COMPLETION_WIDTH)
+    reference, _, _ = trl_full_pass(trainer, *parts)
+    torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
+
+
 def shuffled_micro_batches(trainer: GRPOTrainer, count: int, **kwargs) -> list[dict]:
     """`micro_batch` rows shuffled as TRL shuffles a generation batch, cut into `count` micro-batches."""
     batch = micro_batch(trainer, **kwargs)
