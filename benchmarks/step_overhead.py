@@ -7,7 +7,7 @@ Both trainers get the same model, data, config and seed, so they do identical wo
 training logs the same completion lengths and losses and ends with the same trainable-weight checksums, and says so.
 Cases:
   tiny     the random 2-layer Llama of tests/tiny.py: batch 8, 4 generations, 32 tokens, 2 accumulation steps
-  smollm2  SmolLM2-135M-Instruct (grpo_plus.embedded.resolve_model) + LoRA r=16 all-linear, batch 8, 8 generations,
+  smollm2  SmolLM2-135M-Instruct (grpo_plus.app.embedded.resolve_model) + LoRA r=16 all-linear, batch 8, 8 generations,
            16 tokens; skipped with a message when the embedded model is unavailable
 
 Step time: lock-step alternation. A round builds both trainers afresh in one process and trains them in two threads
@@ -389,9 +389,9 @@ def memory_runs(case: str, repeats: int, common: dict, pinned_malloc: bool) -> d
 def resolve_smollm() -> str | None:
     """Local dir of SmolLM2-135M-Instruct, or None (with the reason printed) if it is unavailable."""
     try:
-        from grpo_plus.embedded import resolve_model
+        from grpo_plus.app.embedded import resolve_model
     except ImportError as exc:
-        print(f"smollm2: skipped, grpo_plus.embedded is not importable ({exc})")
+        print(f"smollm2: skipped, grpo_plus.app.embedded is not importable ({exc})")
         return None
     start = time.perf_counter()
     try:

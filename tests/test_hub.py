@@ -1,4 +1,4 @@
-"""grpo_plus.hub: fail-fast access check, model card, adapter-only push, merge. Offline: the Hub is faked."""
+"""grpo_plus.app.hub: fail-fast access check, model card, adapter-only push, merge. Offline: the Hub is faked."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.hf_api import RepoUrl
 
-from grpo_plus.hub import (
+from grpo_plus.app.hub import (
     HubAccessError,
     adapter_files_to_push,
     check_hub_access,
@@ -63,7 +63,7 @@ def base_and_adapter(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
-    """Hub 'online' as far as grpo_plus.hub can tell (conftest sets offline mode), but any real HTTP request fails."""
+    """Hub 'online' as far as grpo_plus.app.hub can tell (conftest sets offline mode), but any real HTTP request fails."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a test made a network call")
@@ -504,8 +504,8 @@ def fake_hub(monkeypatch):
 def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, trained_output_dir, fake_hub, capsys):
     """A private push fails after the repo was created; the command the recipe prints must push with the same settings
     (private, branch, commit message), or a retry would create a public repo (the Hub's default)."""
-    from grpo_plus.hub import PushSettings
-    from grpo_plus.recipe import push_or_exit
+    from grpo_plus.app.hub import PushSettings
+    from grpo_plus.app.recipe import push_or_exit
 
     class Args:
         hub_private_repo, hub_revision, hub_token = True, "grpo-run-1", None
@@ -538,7 +538,7 @@ def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, tra
 
 
 def test_the_retry_command_says_where_the_token_came_from():
-    from grpo_plus.hub import PushSettings
+    from grpo_plus.app.hub import PushSettings
 
     class Args:
         hub_private_repo, hub_revision, hub_token = False, None, "hf_secret_from_the_command_line"

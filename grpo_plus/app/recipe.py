@@ -16,13 +16,13 @@ from typing import Any, NoReturn
 import yaml
 from trl import ModelConfig, TrlParser
 
+from ..checkpoints import CheckpointError, hub_id_of, public_model_name, register_hub_id
+from ..config import GRPOConfig, field_type_problem
+from ..plugins import PluginError, import_user_module
+from ..registry import quoted_with_hint
+from ..validation import check_dataset
 from . import tasks
-from .checkpoints import CheckpointError, hub_id_of, public_model_name, register_hub_id
-from .config import GRPOConfig, field_type_problem
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
-from .plugins import PluginError, import_user_module
-from .registry import quoted_with_hint
-from .validation import check_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def check_before_training(trainer, training_args: GRPOConfig, model_args: ModelC
     """What can only be checked once the trainer is built, checked before the held-out evaluation and training: every
     --lora_target_modules name matches a module, and --resume_from_checkpoint designates an undamaged checkpoint of
     the same adapter shape. Returns that checkpoint (or None); a mistake exits with one error line."""
-    from .faults import prepare_resume
+    from ..faults import prepare_resume
 
     wanted = model_args.lora_target_modules
     targeted = getattr(trainer.model, "targeted_module_names", None)
@@ -286,7 +286,7 @@ def evaluate_held_out(
     training: under DeepSpeed ZeRO-3 its engine's weight shards are gathered for generation (every rank evaluates)."""
     if not args.eval_before_after or dataset is None or "answer" not in dataset.column_names:
         return None
-    from .distributed import whole_model_for_generation
+    from ..distributed import whole_model_for_generation
 
     print(f"\nHeld-out evaluation {label} training ({len(dataset)} prompts, greedy):", flush=True)
     with whole_model_for_generation(model, trainer) as whole_model:
