@@ -292,6 +292,25 @@ def test_model_card_without_plot_eval_or_hub_base(tmp_path):
     assert "Count the letters." in card.text
 
 
+def test_model_card_eval_with_one_side_missing_and_unnamed_task(tmp_path):
+    """A metric only one side has gets a dash there and no change; a task without a name shows its description."""
+    path = write_model_card(
+        tmp_path,
+        base_model="org/base",
+        repo_id=None,
+        loss_config=LOSS,
+        task={"description": "sums of two numbers", "prompts": 54},
+        eval_before={"accuracy": 0.5},
+        eval_after={"accuracy": 0.75, "format_rate": 1},
+    )
+    text = ModelCard.load(path).text
+    assert "## Task\n\nsums of two numbers\n\n- prompts: 54\n" in text
+    assert "| accuracy | 0.500 | 0.750 | +0.250 |" in text
+    assert "| format_rate | – | 1 |  |" in text
+    assert f'PeftModel.from_pretrained(base, "{tmp_path}")' in text  # no repo id: the local adapter directory
+    assert "Other hyperparameters" not in text
+
+
 def test_loss_config_from_args():
     class Args:
         loss_type, epsilon, beta, learning_rate = "dapo", 0.2, 0.0, 1e-5

@@ -3,8 +3,11 @@ paths still import, as the very same module objects."""
 
 import ast
 import importlib
+import importlib.resources
+import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -70,3 +73,19 @@ def test_old_paths_import_first_in_a_fresh_process():
         "assert tasks is grpo_plus.app.tasks and push_adapter is grpo_plus.app.hub.push_adapter\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_wheel_ships_the_model_card_template(tmp_path):
+    """A wheel built from pyproject.toml holds templates/model_card.md (setuptools leaves non-Python files out unless
+    they are declared package data), and the installed package reads it through importlib.resources."""
+    source = tmp_path / "source"
+    shutil.copytree(PACKAGE, source / "grpo_plus", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(PACKAGE.parent / name, source / name)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+    subprocess.run([*build, str(source)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("grpo_plus-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = archive.read("grpo_plus/app/templates/model_card.md")
+    template = importlib.resources.files("grpo_plus.app") / "templates" / "model_card.md"
+    assert shipped == template.read_bytes()

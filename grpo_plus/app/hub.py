@@ -1,13 +1,16 @@
 """Hub support for the recipes: fail-fast token/permission check, model card, adapter-only push, local merge.
 
 The recipes call `check_hub_access` before training (a missing or read-only token costs seconds, not a run),
-then after training `write_model_card` and `push_adapter`. `merge_adapter` backs the `--merge` option.
+then after training `write_model_card` (rendered from templates/model_card.md, a Jinja template shipped as package
+data) and `push_adapter`. `merge_adapter` backs the `--merge` option.
 torch / transformers / peft are imported inside `merge_adapter` only, so the rest stays light.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import importlib.resources
 import logging
 import os
 import re
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import huggingface_hub
+import jinja2
 from huggingface_hub import CommitOperationAdd, ModelCard, ModelCardData
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
@@ -232,14 +236,14 @@ def write_model_card(
     tags: Iterable[str] = (),
     base_model_on_hub: bool | None = None,
 ) -> Path:
-    """Write output_dir/README.md: metadata, training setup, task, before/after eval, reward plot, usage, versions.
+    """Write output_dir/README.md from templates/model_card.md: metadata, training setup, task, before/after eval,
+    reward plot, usage, versions.
 
     `base_model_on_hub`: whether `base_model` is a Hub id (the card links it and names it in its metadata, which the
     Hub checks); None guesses from its form."""
     output_dir = Path(output_dir)
     on_hub = _is_hub_id(base_model) if base_model_on_hub is None else base_model_on_hub
     output_dir.mkdir(parents=True, exist_ok=True)
-    has_plot = bool(reward_plot) and (output_dir / reward_plot).is_file()
     data = ModelCardData(
         base_model=base_model if on_hub else None,
         library_name="peft",
@@ -247,106 +251,45 @@ def write_model_card(
         license=license,
         tags=["grpo", "grpo_plus", "trl", "lora", "peft", "reinforcement-learning", *tags],
     )
-    sections = [
-        _card_intro(base_model, repo_id, on_hub),
-        _card_task(task),
-        _card_training(loss_config, training_args),
-        _card_eval(eval_before, eval_after),
-        f"## Reward curve\n\n![reward curve]({reward_plot})\n" if has_plot else "",
-        _card_usage(base_model, repo_id or str(output_dir)),
-        _card_versions(),
-    ]
-    body = "\n".join(s for s in sections if s)
+    eval_before, eval_after = eval_before or {}, eval_after or {}
+    text = _card_template().render(
+        card_data=data.to_yaml(),
+        base_model=base_model,
+        base_model_on_hub=on_hub,
+        repo_id=repo_id,
+        adapter=repo_id or str(output_dir),
+        task=task,
+        loss_config=loss_config,
+        loss_config_meanings=LOSS_CONFIG_KEYS,
+        training_args=training_args,
+        eval_before=eval_before,
+        eval_after=eval_after,
+        eval_metrics=list(dict.fromkeys([*eval_before, *eval_after])),
+        reward_plot=reward_plot if reward_plot and (output_dir / reward_plot).is_file() else None,
+        versions={
+            dist.replace("-", "_"): _version(dist) for dist in ("grpo-plus", "trl", "transformers", "peft", "torch")
+        },
+    )
     path = output_dir / "README.md"
-    ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body}").save(path)
+    ModelCard(text).save(path)
     return path
+
+
+@functools.cache
+def _card_template() -> jinja2.Template:
+    """templates/model_card.md, read as package data (so it is found in an installed wheel too)."""
+    environment = jinja2.Environment(
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, undefined=jinja2.StrictUndefined
+    )
+    environment.filters["cell"] = _fmt
+    environment.globals["change"] = _change
+    source = importlib.resources.files(__package__).joinpath("templates", "model_card.md").read_text(encoding="utf-8")
+    return environment.from_string(source)
 
 
 def _is_hub_id(model: str) -> bool:
     """A Hub repo id, not a local path (a local path in `base_model:` metadata is rejected by the Hub)."""
     return not Path(model).exists() and re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model) is not None
-
-
-def _card_intro(base_model: str, repo_id: str | None, on_hub: bool) -> str:
-    """Title and one-paragraph summary."""
-    title = repo_id.split("/")[-1] if repo_id else "GRPO LoRA adapter"
-    base_link = f"[{base_model}](https://huggingface.co/{base_model})" if on_hub else f"`{base_model}`"
-    return (
-        f"# {title}\n\n"
-        f"A LoRA adapter for {base_link}, trained with GRPO (Group Relative Policy Optimization) "
-        "using grpo_plus, an extension of TRL's `GRPOTrainer` with pluggable objectives. "
-        "This repository holds the adapter only: load it on top of the base model (see Usage).\n"
-    )
-
-
-def _card_task(task: Mapping[str, Any] | str) -> str:
-    """The task section: free text, or a dict with name / description and other details as a list."""
-    if isinstance(task, str):
-        return f"## Task\n\n{task}\n"
-    lines = ["## Task", ""]
-    if task.get("name"):
-        lines.append(f"**{task['name']}**" + (f": {task['description']}" if task.get("description") else ""))
-        lines.append("")
-    elif task.get("description"):
-        lines += [str(task["description"]), ""]
-    lines += [f"- {key}: {_fmt(value)}" for key, value in task.items() if key not in {"name", "description"}]
-    return "\n".join(lines) + "\n"
-
-
-def _card_training(loss_config: Mapping[str, Any], training_args: Mapping[str, Any] | None) -> str:
-    """The objective (loss configuration) and the other hyperparameters, as tables."""
-    lines = [
-        "## Training",
-        "",
-        "GRPO with LoRA. The objective, as configured in grpo_plus:",
-        "",
-        "| setting | value | meaning |",
-        "|---|---|---|",
-    ]
-    lines += [f"| `{key}` | {_fmt(value)} | {LOSS_CONFIG_KEYS.get(key, '')} |" for key, value in loss_config.items()]
-    if training_args:
-        lines += ["", "Other hyperparameters:", "", "| setting | value |", "|---|---|"]
-        lines += [f"| `{key}` | {_fmt(value)} |" for key, value in training_args.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _card_eval(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> str:
-    """Before/after table over the union of metric names (either side may be missing)."""
-    if not before and not after:
-        return ""
-    before, after = before or {}, after or {}
-    keys = list(dict.fromkeys([*before, *after]))
-    lines = ["## Evaluation", "", "Held-out prompts, before and after training:", ""]
-    lines += ["| metric | before | after | change |", "|---|---|---|---|"]
-    for key in keys:
-        b, a = before.get(key), after.get(key)
-        change = _fmt(a - b, signed=True) if _is_number(a) and _is_number(b) else ""
-        lines.append(f"| {key} | {_fmt(b)} | {_fmt(a)} | {change} |")
-    return "\n".join(lines) + "\n"
-
-
-def _card_usage(base_model: str, adapter: str) -> str:
-    """A copy-pasteable snippet loading the adapter with peft."""
-    return f"""## Usage
-
-```python
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-base = AutoModelForCausalLM.from_pretrained("{base_model}")
-tokenizer = AutoTokenizer.from_pretrained("{base_model}")
-model = PeftModel.from_pretrained(base, "{adapter}")
-model = model.merge_and_unload()  # optional: a plain transformers model, no peft needed at inference
-```
-"""
-
-
-def _card_versions() -> str:
-    """Versions of the libraries the adapter was trained with."""
-    lines = ["## Framework versions", ""]
-    for dist in ("grpo-plus", "trl", "transformers", "peft", "torch"):
-        lines.append(f"- {dist.replace('-', '_')}: {_version(dist)}")
-    return "\n".join(lines) + "\n"
 
 
 def _version(dist: str) -> str:
@@ -360,6 +303,11 @@ def _version(dist: str) -> str:
 def _is_number(value: Any) -> bool:
     """int/float but not bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _change(before: Any, after: Any) -> str:
+    """The eval table's change column: after - before, signed, when both are numbers."""
+    return _fmt(after - before, signed=True) if _is_number(after) and _is_number(before) else ""
 
 
 def _fmt(value: Any, signed: bool = False) -> str:
