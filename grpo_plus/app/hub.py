@@ -28,7 +28,6 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ADAPTER_FILES",
     "LOSS_CONFIG_KEYS",
     "HubAccessError",
     "PushSettings",
@@ -40,14 +39,7 @@ __all__ = [
     "write_model_card",
 ]
 
-# What an adapter repo holds; the two weight formats are alternatives (safetensors wins when both exist).
-ADAPTER_FILES = (
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "adapter_model.bin",
-    "README.md",
-    "reward_curve.png",
-)
+# The adapter weights, in the order they are looked for (safetensors wins when both exist).
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
