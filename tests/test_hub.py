@@ -556,6 +556,31 @@ def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, tra
     }
 
 
+def test_a_failed_push_with_a_flag_token_says_to_export_it(monkeypatch, capsys):
+    """The recipe's error line for a failed push whose token came from --hub_token says to export it first (the
+    retry command reads HF_TOKEN), and never prints the token."""
+    import grpo_plus.app.hub
+    from grpo_plus.app.hub import PushSettings
+    from grpo_plus.app.recipe import push_or_exit
+
+    def refused(*args, **kwargs):
+        raise HubAccessError("Pushing the adapter to alice/x failed (HTTP 500)")
+
+    monkeypatch.setattr(grpo_plus.app.hub, "push_adapter", refused)
+
+    class Args:
+        hub_private_repo, hub_revision, hub_token = None, None, "hf_secret_from_the_command_line"
+
+    with pytest.raises(SystemExit):
+        push_or_exit(PushSettings.from_args("out", "alice/x", Args), token=Args.hub_token)
+    err = capsys.readouterr().err
+    assert "hf_secret" not in err
+    assert (
+        "The adapter is saved in out; push it later with the same settings (first export the token this run got "
+        "from --hub_token as HF_TOKEN): grpo-plus push out --repo-id alice/x" in err
+    )
+
+
 def test_the_retry_command_says_where_the_token_came_from():
     from grpo_plus.app.hub import PushSettings
 

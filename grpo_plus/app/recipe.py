@@ -387,9 +387,7 @@ def push_or_exit(push, token: str | None) -> str:
     try:
         return push.push(token)
     except HubAccessError as error:
-        fail(
-            f"{error}\nThe adapter is saved in {push.output_dir}; push it later with the same settings: {push.command()}"
-        )
+        fail(f"{error}\nThe adapter is saved in {push.output_dir}; {push.retry_instructions()}")
 
 
 def fail(message: str) -> NoReturn:
