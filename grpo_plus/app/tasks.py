@@ -4,40 +4,9 @@
 (what `trl.GRPOTrainer` expects) and whose "answer" column holds the integer answer, which TRL hands to
 `correctness_reward` as a keyword argument. Generation is seeded and deterministic. Train and held-out
 ("test") problems never share their arithmetic: a stable hash of the expression ("3+4") decides the split,
-the same way in every level, so a model trained on any level never sees a held-out sum.
-
-The prompt asks for the working, then a fixed final line ("The answer is N."). SmolLM2-135M-Instruct
-computes by restating the question ("3 + 4 = 7"), so `correctness_reward` scores the LAST number of the reply,
-and `format_reward` pays 1.0 for the calculation followed by "The answer is N." and partial credit (0.5) for the
-answer line alone or a short reply ending in a number, so it has room to rise without rewarding guesses.
-
-Levels, measured on the embedded SmolLM2-135M-Instruct with this prompt and the chat template (held-out
-problems; sampled: 16 prompts x 8 samples, temperature 0.7, top_k 0, top_p 1 (TRL's sampling), at most 16 new
-tokens; greedy: 40 prompts, at most 24 new tokens; "mixed" is the fraction of 8-sample groups with both right
-and wrong replies, i.e. with a GRPO learning signal; format is the mean format score of the sampled replies under
-the first version of the reward, which paid 1.0 for the answer line with or without the calculation).
-With 128 samples the standard error is ~4 points, with 40 greedy prompts ~7 points.
-
-    level          sampled acc  mixed  format  greedy acc  notes
-    add-1d            0.41       0.94   0.54      0.65     DEMO_LEVEL; facts: 63 train, 18 held out (x3 phrasings)
-    word-add-1d       0.27       0.94   0.12      0.82     0.32 / format 0.15 sampled with 24 tokens
-    sub-1d            0.21       0.88   0.50      0.33     facts: 20 train, 16 held out (x3 phrasings)
-    word-mixed        0.12       0.62   0.08      0.28     BENCHMARK_LEVEL; 0.20 / 0.11 sampled with 24 tokens
-    add-3-1d          0.09       0.50   0.44      0.20
-    add-2d            0.09       0.31   0.41      0.17
-    add-sub-1d        0.04       0.19   0.50      0.00
-
-Not kept: "two-digit + one-digit" (0.03 sampled, 0.00 greedy: harder for this model than two-digit sums) and
-two-digit sums without carry (same as add-2d). Prompt variants on add-1d (8-16 prompts x 8): no instruction
-0.20 sampled / 0.55 greedy with format 0.20; 'End your reply with "The answer is <number>."' 0.19 / 0.45
-(the model then skips the working and guesses); the kept "Show the calculation, then ..." 0.41 / 0.65.
-A reply in the full format with its working ("9 + 8 = 17\\nThe answer is 17.") is 17 tokens (22 for word
-problems), so give training at least max_completion_length 20 (24 for word levels).
-
-`evaluate` on all 54 held-out add-1d prompts (greedy, 24 tokens): accuracy 0.56, format rate 0.63 before training.
-A stock TRL 1.16 GRPO + LoRA check on add-1d (dapo, r 16, lr 3e-4, 16 completions of <= 20 tokens per step,
-reward weights [1, 0.5]) moved the sampled correctness reward from 0.62, 0.56, 0.19, 0.50, 0.06 (steps 1-5)
-to 0.62, 0.56, 0.75, 0.88 (steps 6-9); CPU contention stopped it there.
+the same way in every level, so a model trained on any level never sees a held-out sum. `correctness_reward`
+scores the last number of the reply and `format_reward` gives partial credit; why, and how hard each level is
+for the embedded SmolLM2-135M-Instruct: docs/notes.md.
 """
 
 from __future__ import annotations
