@@ -436,7 +436,7 @@ def embedded_config():
     """SmolLM2-135M-Instruct's architecture (the embedded model), as the demo loads it."""
     from transformers import AutoConfig
 
-    from grpo_plus.embedded import resolve_model
+    from grpo_plus.app.embedded import resolve_model
 
     config = AutoConfig.from_pretrained(resolve_model("smollm2-135m-instruct"))
     config._attn_implementation = "sdpa"

@@ -58,8 +58,8 @@ def build_trainers(steps: int, baton, rng):
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
-    from grpo_plus import tasks
-    from grpo_plus.embedded import resolve_model
+    from grpo_plus.app import tasks
+    from grpo_plus.app.embedded import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -12,7 +12,7 @@ Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field i
 # grpo_plus first: trl imports peft, peft imports bitsandbytes, and grpo_plus keeps bitsandbytes' import-time
 # notice about an optional Hub kernel out of the console (grpo_plus.quantization).
 from grpo_plus import GRPOTrainer
-from grpo_plus.recipe import (
+from grpo_plus.app.recipe import (
     check_before_training,
     evaluate_held_out,
     exit_on_bad_input,

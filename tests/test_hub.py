@@ -1,4 +1,4 @@
-"""grpo_plus.hub: fail-fast access check, model card, adapter-only push, merge. Offline: the Hub is faked."""
+"""grpo_plus.app.hub: fail-fast access check, model card, adapter-only push, merge. Offline: the Hub is faked."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.hf_api import RepoUrl
 
-from grpo_plus.hub import (
+from grpo_plus.app.hub import (
     HubAccessError,
     adapter_files_to_push,
     check_hub_access,
@@ -63,7 +63,7 @@ def base_and_adapter(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
-    """Hub 'online' as far as grpo_plus.hub can tell (conftest sets offline mode), but any real HTTP request fails."""
+    """Hub 'online' as far as grpo_plus.app.hub can tell (conftest sets offline mode), but any real HTTP request fails."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a test made a network call")
@@ -292,6 +292,25 @@ def test_model_card_without_plot_eval_or_hub_base(tmp_path):
     assert "Count the letters." in card.text
 
 
+def test_model_card_eval_with_one_side_missing_and_unnamed_task(tmp_path):
+    """A metric only one side has gets a dash there and no change; a task without a name shows its description."""
+    path = write_model_card(
+        tmp_path,
+        base_model="org/base",
+        repo_id=None,
+        loss_config=LOSS,
+        task={"description": "sums of two numbers", "prompts": 54},
+        eval_before={"accuracy": 0.5},
+        eval_after={"accuracy": 0.75, "format_rate": 1},
+    )
+    text = ModelCard.load(path).text
+    assert "## Task\n\nsums of two numbers\n\n- prompts: 54\n" in text
+    assert "| accuracy | 0.500 | 0.750 | +0.250 |" in text
+    assert "| format_rate | – | 1 |  |" in text
+    assert f'PeftModel.from_pretrained(base, "{tmp_path}")' in text  # no repo id: the local adapter directory
+    assert "Other hyperparameters" not in text
+
+
 def test_loss_config_from_args():
     class Args:
         loss_type, epsilon, beta, learning_rate = "dapo", 0.2, 0.0, 1e-5
@@ -504,8 +523,8 @@ def fake_hub(monkeypatch):
 def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, trained_output_dir, fake_hub, capsys):
     """A private push fails after the repo was created; the command the recipe prints must push with the same settings
     (private, branch, commit message), or a retry would create a public repo (the Hub's default)."""
-    from grpo_plus.hub import PushSettings
-    from grpo_plus.recipe import push_or_exit
+    from grpo_plus.app.hub import PushSettings
+    from grpo_plus.app.recipe import push_or_exit
 
     class Args:
         hub_private_repo, hub_revision, hub_token = True, "grpo-run-1", None
@@ -537,8 +556,33 @@ def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, tra
     }
 
 
+def test_a_failed_push_with_a_flag_token_says_to_export_it(monkeypatch, capsys):
+    """The recipe's error line for a failed push whose token came from --hub_token says to export it first (the
+    retry command reads HF_TOKEN), and never prints the token."""
+    import grpo_plus.app.hub
+    from grpo_plus.app.hub import PushSettings
+    from grpo_plus.app.recipe import push_or_exit
+
+    def refused(*args, **kwargs):
+        raise HubAccessError("Pushing the adapter to alice/x failed (HTTP 500)")
+
+    monkeypatch.setattr(grpo_plus.app.hub, "push_adapter", refused)
+
+    class Args:
+        hub_private_repo, hub_revision, hub_token = None, None, "hf_secret_from_the_command_line"
+
+    with pytest.raises(SystemExit):
+        push_or_exit(PushSettings.from_args("out", "alice/x", Args), token=Args.hub_token)
+    err = capsys.readouterr().err
+    assert "hf_secret" not in err
+    assert (
+        "The adapter is saved in out; push it later with the same settings (first export the token this run got "
+        "from --hub_token as HF_TOKEN): grpo-plus push out --repo-id alice/x" in err
+    )
+
+
 def test_the_retry_command_says_where_the_token_came_from():
-    from grpo_plus.hub import PushSettings
+    from grpo_plus.app.hub import PushSettings
 
     class Args:
         hub_private_repo, hub_revision, hub_token = False, None, "hf_secret_from_the_command_line"

@@ -13,10 +13,10 @@ from huggingface_hub.hf_api import RepoUrl
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import grpo_plus.hub
-import grpo_plus.recipe
+import grpo_plus.app.hub
+import grpo_plus.app.recipe
+from grpo_plus.app.recipe import parse_recipe_args
 from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.recipe import parse_recipe_args
 from grpo_plus.validation import RewardFunctionError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -76,7 +76,7 @@ def test_recipe_trains_two_steps_and_writes_adapter_card_plot(request, tmp_path,
 def fake_hub(monkeypatch):
     """Replace the Hub at the huggingface_hub boundary; record every write."""
     calls = {"commits": [], "uploads": []}
-    monkeypatch.setattr(grpo_plus.hub, "_hub_offline", lambda: False)  # the suite runs offline; this Hub is fake
+    monkeypatch.setattr(grpo_plus.app.hub, "_hub_offline", lambda: False)  # the suite runs offline; this Hub is fake
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
     monkeypatch.setattr(
         huggingface_hub.HfApi,
@@ -346,7 +346,7 @@ def test_trainer_and_resume_mistakes_fail_before_the_held_out_evaluation(
     def no_evaluation(*args, **kwargs):
         raise AssertionError("the held-out evaluation ran before the bad input was reported")
 
-    monkeypatch.setattr(grpo_plus.recipe, "evaluate_held_out", no_evaluation)
+    monkeypatch.setattr(grpo_plus.app.recipe, "evaluate_held_out", no_evaluation)
     line = error_line(capsys, *tiny_flags(tiny_model_dir, tmp_path / "out", *extra))
     assert expected in line
 
@@ -354,7 +354,7 @@ def test_trainer_and_resume_mistakes_fail_before_the_held_out_evaluation(
 def test_plugins_and_reward_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
     """`python recipes/grpo_lora.py --config run.yaml` from the folder holding the user's modules: the recipe's folder
     is on sys.path, the working directory is not (`python -m pytest` adds it; so the test removes it)."""
-    from grpo_plus.recipe import resolve_reward_funcs
+    from grpo_plus.app.recipe import resolve_reward_funcs
 
     (tmp_path / "my_modes_cwd.py").write_text(
         "from grpo_plus import register_loss_type\n\n"

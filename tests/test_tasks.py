@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from grpo_plus import tasks
-from grpo_plus.tasks import (
+from grpo_plus.app import tasks
+from grpo_plus.app.tasks import (
     LEVELS,
     correctness_reward,
     format_reward,

@@ -24,7 +24,7 @@ import transformers  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-import grpo_plus.hub  # noqa: E402
+import grpo_plus.app.hub  # noqa: E402
 from grpo_plus import GRPOTrainer  # noqa: E402
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "grpo_lora.py"
@@ -54,7 +54,7 @@ class Watch(TrainerCallback):
 
 def install(phase: str | None, kill_step: int, last_step: int, record: Path) -> None:
     """Fake the Hub; make this process SIGKILL itself in `phase` (during step kill_step + 1, or at the end)."""
-    grpo_plus.hub.check_hub_access = lambda repo_id, token=None: f"alice/{repo_id.split('/')[-1]}"
+    grpo_plus.app.hub.check_hub_access = lambda repo_id, token=None: f"alice/{repo_id.split('/')[-1]}"
 
     def push_adapter(output_dir, repo_id, **kwargs):
         if phase == "push":
@@ -63,7 +63,7 @@ def install(phase: str | None, kill_step: int, last_step: int, record: Path) -> 
             f.write(json.dumps({"repo_id": repo_id, "private": kwargs.get("private")}) + "\n")
         return f"https://huggingface.co/{repo_id}"
 
-    grpo_plus.hub.push_adapter = push_adapter
+    grpo_plus.app.hub.push_adapter = push_adapter
     init = GRPOTrainer.__init__
 
     def watched_init(self, *args, **kwargs):

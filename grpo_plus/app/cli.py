@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..plugins import PluginError
 from .hub import DEFAULT_COMMIT_MESSAGE, HubAccessError
-from .plugins import PluginError
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -50,11 +50,11 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .advantages import ADVANTAGE_NORMALIZERS
+    from ..advantages import ADVANTAGE_NORMALIZERS
+    from ..losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+    from ..plugins import load_plugins
+    from ..trl_compat import TRL_NATIVE_LOSS_TYPES
     from .compare import PRESETS
-    from .config import TRL_NATIVE_LOSS_TYPES
-    from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
-    from .plugins import load_plugins
 
     load_plugins(args.plugins)
     for registry in (LOSS_TYPES, IMPORTANCE_SAMPLERS, ADVANTAGE_NORMALIZERS):
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def reject_unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
     """argparse's 'unrecognized arguments', with the closest flag named, as the recipes do (exits 2)."""
-    from .registry import quoted_with_hint
+    from ..registry import quoted_with_hint
 
     flags = [flag.lstrip("-") for action in parser._actions for flag in action.option_strings]
     described = [
