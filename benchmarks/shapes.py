@@ -91,20 +91,26 @@ def recipe(name: str) -> dict:
 
 def synthetic_micro_batch(
     rows: int, group_size: int, prompt_length: int, completion_length: int, vocab_size: int,
-    dead_share: float = 0.0, seed: int = 0,
+    dead_share: float = 0.0, seed: int = 0, ragged: bool = False, first_token: int = FIRST_WORD,
 ) -> dict:  # fmt: skip
     """A training micro-batch as TRL's `_prepare_inputs` hands it to `_compute_loss`: `rows` rows in groups of
     `group_size` consecutive rows sharing a prompt, every completion `completion_length` tokens long (no EOS, no
-    padding: the worst case for memory), advantages random except in the first `dead_share` of the groups (0)."""
+    padding: the worst case for memory) or, `ragged`, between a quarter of that and all of it (the first row full),
+    advantages random except in the first `dead_share` of the groups (0). Token ids from `first_token` up."""
     generator = torch.Generator().manual_seed(seed)
     groups = -(-rows // group_size)
-    prompts = torch.randint(FIRST_WORD, vocab_size, (groups, prompt_length), generator=generator)
+    prompts = torch.randint(first_token, vocab_size, (groups, prompt_length), generator=generator)
     prompt_ids = prompts.repeat_interleave(group_size, dim=0)[:rows]
-    completion_ids = torch.randint(FIRST_WORD, vocab_size, (rows, completion_length), generator=generator)
+    completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
+    if ragged:
+        lengths = torch.randint(max(completion_length // 4, 1), completion_length + 1, (rows,), generator=generator)
+        lengths[0] = completion_length
+        completion_mask = (torch.arange(completion_length) < lengths.unsqueeze(1)).long()
+    completion_ids = torch.randint(first_token, vocab_size, (rows, completion_length), generator=generator)
+    completion_ids = completion_ids * completion_mask
     advantages = torch.randn(rows, generator=generator)
     dead_rows = round(dead_share * groups) * group_size
     advantages[:dead_rows] = 0.0
-    completion_mask = torch.ones_like(completion_ids)
     return {
         "prompt_ids": prompt_ids,
         "prompt_mask": torch.ones_like(prompt_ids),

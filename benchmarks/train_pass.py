@@ -155,35 +155,9 @@ def run_steps(steps: int, warmup: int) -> dict:
     return result
 
 
-def synthetic_micro_batch(tokenizer, prompt_length: int, completion_length: int, dead_share: float, seed: int):
-    """4 groups x 8 rows: one prompt per group, ragged completions, `dead_share` of the groups with advantage 0."""
-    import torch
-
-    groups, generations = 4, 8
-    generator = torch.Generator().manual_seed(seed)
-    vocab = len(tokenizer)
-    prompts = torch.randint(10, vocab, (groups, prompt_length), generator=generator)
-    prompt_ids = prompts.repeat_interleave(generations, dim=0)
-    rows = groups * generations
-    lengths = torch.randint(max(completion_length // 4, 1), completion_length + 1, (rows,), generator=generator)
-    lengths[0] = completion_length
-    completion_mask = (torch.arange(completion_length) < lengths.unsqueeze(1)).long()
-    completion_ids = torch.randint(10, vocab, (rows, completion_length), generator=generator) * completion_mask
-    advantages = torch.randn(rows, generator=generator)
-    dead = round(dead_share * groups)
-    advantages[: dead * generations] = 0.0
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "num_items_in_batch": completion_mask.sum().float(),
-    }
-
-
 def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     """Part 2: `_compute_loss` forward + backward, TRL vs ours on the same weights, alternated; medians."""
+    from shapes import synthetic_micro_batch
     from tiny import ForwardLog
 
     trl_trainer, our_trainer = trainers["trl"], trainers["ours"]
@@ -197,7 +171,17 @@ def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     cases += [(38, 38, 0.0), (19, 57, 0.0), (8, 128, 0.0)]
     rows = []
     for prompt_length, completion_length, dead_share in cases:
-        inputs = synthetic_micro_batch(tokenizer, prompt_length, completion_length, dead_share, seed=len(rows))
+        inputs = synthetic_micro_batch(  # 4 groups x 8 rows, ragged completions
+            32,
+            8,
+            prompt_length,
+            completion_length,
+            len(tokenizer),
+            dead_share,
+            seed=len(rows),
+            ragged=True,
+            first_token=10,
+        )
         seconds = {name: [] for name in SIDES}
         losses = {}
         for repeat in range(repeats):
