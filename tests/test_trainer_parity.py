@@ -25,7 +25,7 @@ from tiny import (
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
-from grpo_plus.trl_compat import logps_unavailable_reason
+from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
 
 pytestmark = [
     pytest.mark.slow,
@@ -43,6 +43,9 @@ def train(
     """Train the tiny model with `package`'s GRPOConfig/GRPOTrainer; returns (state_dict, log_history, forwards)."""
     overrides = {"optim": "sgd", "learning_rate": 0.5, **overrides}
     args = package.GRPOConfig(**tiny_run_kwargs(tmp_path / package.__name__, **overrides))
+    # Same global RNG state for both trainers from here: TRL 1.14 draws a new LoRA adapter's initial weights before
+    # its own set_seed, so they would otherwise depend on what ran earlier in the process.
+    torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     trainer = package.GRPOTrainer(
         model=model,
@@ -216,8 +219,9 @@ def test_kl_at_the_reference_is_exactly_zero_as_in_stock_trl(tiny_model_dir, tmp
         lora_b = max(v.abs().max().item() for k, v in weights.items() if "lora_B" in k)
         assert lora_b == 0.0, f"{package.__name__}: LoRA B moved to {lora_b} with a zero-advantage, zero-KL objective"
         assert [entry["kl"] for entry in logs if "kl" in entry] == [0.0] * 3, package.__name__
-    packed = [call for call in forwards.calls if call["mask_dims"] == 4]  # the block mask of shared-prompt packs
-    assert any(call["grad"] for call in packed) and any(not call["grad"] for call in packed), forwards.calls
+    if has_fused_lm_head():  # TRL 1.14 has no fused LM head: prompts are not shared there, the rest still holds
+        packed = [call for call in forwards.calls if call["mask_dims"] == 4]  # shared-prompt packs' block mask
+        assert any(call["grad"] for call in packed) and any(not call["grad"] for call in packed), forwards.calls
 
 
 def test_bf16_gradient_is_within_trls_own_noise_floor(tiny_model_dir, tmp_path):
