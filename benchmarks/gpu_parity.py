@@ -4,7 +4,7 @@
 
 TRL 1.15 computes log-probs only with a Triton kernel, so on CPU stock TRL cannot train and these tests skip there.
 This plugin, loaded before the tests are collected, makes the same tests train on the GPU: the tiny runs
-(tests/tiny.py's `tiny_run_kwargs`) get `use_cpu=False`, the skip condition asks whether TRL can compute log-probs on
+(tests/helpers/models.py's `tiny_run_kwargs`) get `use_cpu=False`, the skip condition asks whether TRL can compute log-probs on
 CUDA instead of CPU, and weights are compared on the CPU (the trained ones live on the GPU). Nothing else changes:
 same models, seeds, settings and tolerances as on CPU, in float32.
 """
@@ -19,13 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import tiny  # noqa: E402
+from helpers import models, probes  # noqa: E402
 
 import grpo_plus.trl_compat as trl_compat  # noqa: E402
 
 _logps_unavailable_reason = trl_compat.logps_unavailable_reason
-_tiny_run_kwargs = tiny.tiny_run_kwargs
-_max_weight_diff = tiny.max_weight_diff
+_tiny_run_kwargs = models.tiny_run_kwargs
+_max_weight_diff = probes.max_weight_diff
 
 
 def logps_unavailable_on_gpu(device_type: str) -> str | None:
@@ -43,8 +43,8 @@ def max_weight_diff_on_cpu(a: dict, b: dict) -> float:
 
 # Patched before the test modules import these names (pytest loads -p plugins before collecting).
 trl_compat.logps_unavailable_reason = logps_unavailable_on_gpu
-tiny.tiny_run_kwargs = tiny_run_kwargs_on_gpu
-tiny.max_weight_diff = max_weight_diff_on_cpu
+models.tiny_run_kwargs = tiny_run_kwargs_on_gpu
+probes.max_weight_diff = max_weight_diff_on_cpu
 
 
 def pytest_configure(config) -> None:

@@ -6,7 +6,7 @@ Run from the repo root:  .venv/bin/python benchmarks/step_overhead.py [--quick] 
 Both trainers get the same model, data, config and seed, so they do identical work; the script checks that every
 training logs the same completion lengths and losses and ends with the same trainable-weight checksums, and says so.
 Cases:
-  tiny     the random 2-layer Llama of tests/tiny.py: batch 8, 4 generations, 32 tokens, 2 accumulation steps
+  tiny     the random 2-layer Llama of tests/helpers/models.py: batch 8, 4 generations, 32 tokens, 2 accumulation steps
   smollm2  SmolLM2-135M-Instruct (grpo_plus.app.embedded.resolve_model) + LoRA r=16 all-linear, batch 8,
            8 generations, 16 tokens; skipped with a message when the embedded model is unavailable
 
@@ -40,7 +40,7 @@ TIMES = ("step_time", "wall", "cpu")
 MIB = 1024 * 1024
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
-# Per case: GRPOConfig overrides (on top of tests/tiny.py's tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
+# Per case: GRPOConfig overrides (on top of helpers.models.tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
 # the warm-up steps excluded from the timings, and the optimizer steps of a memory run.
 CASES = {
     "tiny": dict(
@@ -154,7 +154,8 @@ def run_child(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import trl
-    from tiny import digit_reward, length_reward, make_tokenizer, prompt_dataset, tiny_run_kwargs
+    from helpers.models import make_tokenizer, prompt_dataset, tiny_run_kwargs
+    from helpers.rewards import digit_reward, length_reward
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
@@ -536,7 +537,7 @@ def main() -> None:
                     continue
             else:
                 sys.path[:0] = [str(ROOT / "tests")]
-                from tiny import save_tiny_model
+                from helpers.models import save_tiny_model
 
                 transformers.utils.logging.disable_progress_bar()
                 model_path = str(save_tiny_model(Path(tmp) / "tiny-model"))

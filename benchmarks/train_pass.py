@@ -53,8 +53,8 @@ def build_trainers(steps: int, baton, rng):
     """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
     import torch
     import trl
+    from helpers.probes import ForwardLog
     from peft import LoraConfig
-    from tiny import ForwardLog
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
@@ -157,8 +157,8 @@ def run_steps(steps: int, warmup: int) -> dict:
 
 def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     """Part 2: `_compute_loss` forward + backward, TRL vs ours on the same weights, alternated; medians."""
+    from helpers.probes import ForwardLog
     from shapes import synthetic_micro_batch
-    from tiny import ForwardLog
 
     trl_trainer, our_trainer = trainers["trl"], trainers["ours"]
     our_trainer.model.load_state_dict(trl_trainer.model.state_dict())

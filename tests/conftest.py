@@ -16,7 +16,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 warnings.filterwarnings("ignore", category=FutureWarning)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import save_tiny_model  # noqa: E402
+from helpers.models import save_tiny_model  # noqa: E402
 
 
 def pytest_report_header(config) -> str:

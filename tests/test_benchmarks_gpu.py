@@ -5,32 +5,24 @@ import ast
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.probes import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 
-def run_script(*args, env=None, timeout=900) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        cwd=ROOT,
-    )
+def run_gpu_benchmark(*args, env=None):
+    return run_python(BENCHMARKS / "gpu.py", *args, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=900)
 
 
 def test_bench_gpu_without_cuda_says_so_in_one_line(tmp_path):
-    result = run_script("--json", str(tmp_path / "gpu.json"), env={"CUDA_VISIBLE_DEVICES": ""})
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_gpu_benchmark("--json", tmp_path / "gpu.json", env={"CUDA_VISIBLE_DEVICES": ""})
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and "no CUDA device" in lines[0], result.stdout
     assert not (tmp_path / "gpu.json").exists()
@@ -39,8 +31,7 @@ def test_bench_gpu_without_cuda_says_so_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_gpu_benchmark_smoke_runs_every_case_and_matches_stock_trl(tmp_path):
     output = tmp_path / "gpu.json"
-    result = run_script("--smoke", "--fresh", "--json", str(output))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_gpu_benchmark("--smoke", "--fresh", "--json", output)
     report = json.loads(output.read_text())
     cases = report["cases"]
     assert set(cases) == {"smoke-lora", "smoke-qlora-gc", "smoke-long"}
@@ -106,28 +97,28 @@ def test_memory_counting_matches_real_compute_and_the_allocator(tmp_path):
 
 def test_gpu_parity_plugin_patches_what_the_parity_tests_import(monkeypatch):
     """The plugin must patch the names tests/test_trainer_parity.py imports, or it would train on CPU (or skip)."""
-    import tiny
+    from helpers import models, probes
 
     import grpo_plus.trl_compat as trl_compat
 
     tree = ast.parse((ROOT / "tests" / "test_trainer_parity.py").read_text())
     imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 for alias in node.names}  # fmt: skip
-    assert {("tiny", "tiny_run_kwargs"), ("tiny", "max_weight_diff")} <= imported
+    assert {("helpers.models", "tiny_run_kwargs"), ("helpers.probes", "max_weight_diff")} <= imported
     assert ("grpo_plus.trl_compat", "logps_unavailable_reason") in imported
 
     for module, name in (
-        (tiny, "tiny_run_kwargs"),
-        (tiny, "max_weight_diff"),
+        (models, "tiny_run_kwargs"),
+        (probes, "max_weight_diff"),
         (trl_compat, "logps_unavailable_reason"),
     ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     on_cuda = trl_compat.logps_unavailable_reason("cuda")
     spec = importlib.util.spec_from_file_location("gpu_parity_under_test", BENCHMARKS / "gpu_parity.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    assert tiny.tiny_run_kwargs("out")["use_cpu"] is False
+    assert models.tiny_run_kwargs("out")["use_cpu"] is False
     assert trl_compat.logps_unavailable_reason("cpu") == on_cuda
-    assert tiny.max_weight_diff({"w": torch.ones(2)}, {"w": torch.zeros(2)}) == 1.0
+    assert probes.max_weight_diff({"w": torch.ones(2)}, {"w": torch.zeros(2)}) == 1.0
 
 
 def test_full_length_sampler_never_ends_and_draws_the_same_tokens_for_the_same_logits():

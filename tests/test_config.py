@@ -1,22 +1,18 @@
 """GRPOConfig: TRL's fields unchanged, registered names accepted, bad values rejected at construction."""
 
 import dataclasses
-import subprocess
-import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import trl
+from helpers.probes import TRAIN_TINY, run_python
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
 from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
 from grpo_plus.config import ConfigError
 from grpo_plus.losses import LOSS_TYPES
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def make(tmp_path, **kwargs) -> GRPOConfig:
@@ -140,20 +136,16 @@ def test_trl_parser_yaml_and_flags(tmp_path):
 
 def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path):
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPTS / "train_tiny.py"),
-            "--model_dir",
-            str(tmp_path / "never-loaded"),
-            "--output_dir",
-            str(tmp_path),
-            "--loss_type",
-            "dapoo",
-        ],
-        capture_output=True,
-        text=True,
+    result = run_python(
+        TRAIN_TINY,
+        "--model_dir",
+        tmp_path / "never-loaded",
+        "--output_dir",
+        tmp_path,
+        "--loss_type",
+        "dapoo",
         timeout=120,
+        check=False,
     )
     assert result.returncode != 0
     assert "loss_type='dapoo' is not registered. Did you mean 'dapo'?" in result.stderr
@@ -177,7 +169,8 @@ def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path
     ids=["epsilon_high_below_epsilon", "epsilon_at_least_1"],
 )
 def test_clip_settings_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs, fragment):
-    from tiny import length_reward, prompt_dataset
+    from helpers.models import prompt_dataset
+    from helpers.rewards import length_reward
     from transformers import AutoModelForCausalLM
 
     from grpo_plus import GRPOTrainer

@@ -13,31 +13,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.probes import TRAIN_TINY, accelerate_launch, max_weight_diff, run_python, train_tiny_flags
 from safetensors.torch import load_file
-from tiny import accelerate_launch, max_weight_diff, tiny_run_kwargs
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra (pip install -e '.[test]')")
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
-SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "accelerate_configs"
 ENGINE_TIMEOUT = 600  # the first DeepSpeed run on a machine compiles its CPU communication op (~1-3 min)
 
 
 def flags(model_dir, output_dir, **overrides) -> list[str]:
-    settings = tiny_run_kwargs(output_dir, optim="sgd", **overrides)
-    settings.pop("disable_tqdm")
-    settings.pop("use_cpu")  # DeepSpeed needs use_cpu false; its CPU accelerator does the rest
-    out = ["--model_dir", str(model_dir)]
-    for key, value in settings.items():
-        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return out
+    """train_tiny.py's flags with SGD; without use_cpu, which DeepSpeed needs false (its CPU accelerator does the rest)."""
+    return train_tiny_flags(model_dir, output_dir, omit=("use_cpu",), optim="sgd", **overrides)
 
 
 def run(args: list[str], tmp_path: Path, name: str, zero_stage: int | str | None = None, processes: int = 2) -> dict:
@@ -49,18 +41,13 @@ def run(args: list[str], tmp_path: Path, name: str, zero_stage: int | str | None
     args += ["--dump_logs", f"{out}.json"]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     if zero_stage is None:
-        command = [sys.executable, SCRIPT, *args, "--use_cpu", "true"]
-        processes = 1
+        launcher, args, processes = None, [*args, "--use_cpu", "true"], 1
     elif zero_stage == "ddp":
-        command = [*accelerate_launch(processes), SCRIPT, *args, "--use_cpu", "true"]
+        launcher, args = accelerate_launch(processes), [*args, "--use_cpu", "true"]
     else:
-        accelerate = str(Path(sys.executable).parent / "accelerate")
-        command = [
-            accelerate, "launch", "--config_file", str(CONFIGS / f"deepspeed_zero{zero_stage}.yaml"),
-            "--num_processes", str(processes), "--mixed_precision", "no", SCRIPT, *args, "--ddp_backend", "gloo",
-        ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+        launcher = accelerate_launch(processes, config_file=CONFIGS / f"deepspeed_zero{zero_stage}.yaml")
+        args = [*args, "--ddp_backend", "gloo"]
+    result = run_python(TRAIN_TINY, *args, launcher=launcher, env=env, timeout=ENGINE_TIMEOUT)
     assert result.stdout.count("FINISHED") == processes, result.stdout[-2000:]
     if zero_stage in (2, 3):
         assert result.stdout.count("engine=DeepSpeedEngine") == processes, "the run did not train under DeepSpeed"
@@ -221,11 +208,14 @@ def test_each_rank_training_alone_is_an_error(tiny_model_dir, tmp_path):
     """DeepSpeed launched on a CPU-only machine without --ddp_backend gloo: accelerate finds no backend and every
     process would train alone (exit 0, wrong batch). grpo_plus stops at start and says what to set."""
     args = flags(tiny_model_dir, tmp_path / "out", max_steps=1)
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    command = [accelerate, "launch", "--config_file", str(CONFIGS / "deepspeed_zero2.yaml"), "--num_processes", "2",
-               "--mixed_precision", "no", SCRIPT, *args]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, env=env)
+    result = run_python(
+        TRAIN_TINY,
+        *args,
+        launcher=accelerate_launch(2, config_file=CONFIGS / "deepspeed_zero2.yaml"),
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        timeout=ENGINE_TIMEOUT,
+        check=False,
+    )
     assert result.returncode != 0
     assert "each of the 2 launched processes would train alone" in result.stderr, result.stderr[-3000:]
     assert "--ddp_backend gloo" in result.stderr
@@ -242,16 +232,15 @@ def test_fsdp_two_gpus_matches_one_process(tiny_model_dir, tmp_path):
     one = run(
         [*flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **settings), *extra], tmp_path, "one"
     )
-    accelerate = str(Path(sys.executable).parent / "accelerate")
     out = tmp_path / "two"
-    command = [
-        accelerate, "launch", "--config_file", str(CONFIGS / "fsdp.yaml"), "--num_processes", "2",
-        "--mixed_precision", "no", SCRIPT,
-        *flags(tiny_model_dir, out, per_device_train_batch_size=4, **settings), *extra,
-        "--dump_weights", f"{out}.safetensors", "--count_forwards", f"{out}.forwards", "--dump_logs", f"{out}.json",
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT)
-    assert result.returncode == 0, result.stderr[-6000:]
+    run_python(
+        TRAIN_TINY,
+        *flags(tiny_model_dir, out, per_device_train_batch_size=4, **settings),
+        *extra,
+        *["--dump_weights", f"{out}.safetensors", "--count_forwards", f"{out}.forwards", "--dump_logs", f"{out}.json"],
+        launcher=accelerate_launch(2, config_file=CONFIGS / "fsdp.yaml"),
+        timeout=ENGINE_TIMEOUT,
+    )
     forwards = [json.loads(Path(f"{out}.forwards.rank{rank}").read_text())["forward"] for rank in (0, 1)]
     assert len(set(forwards)) == 1, forwards
     two = {"weights": load_file(f"{out}.safetensors")}
@@ -266,20 +255,22 @@ def test_recipe_trains_evaluates_and_saves_under_deepspeed(request, tmp_path, re
     tiny_model_dir = request.getfixturevalue("tiny_model_dir_bnb" if recipe == "grpo_qlora" else "tiny_model_dir")
     out = tmp_path / "run"
     recipe = Path(__file__).resolve().parents[1] / "recipes" / f"{recipe}.py"
-    accelerate = str(Path(sys.executable).parent / "accelerate")
-    command = [
-        accelerate, "launch", "--config_file", str(CONFIGS / f"deepspeed_zero{zero_stage}.yaml"),
-        "--num_processes", "2", "--mixed_precision", "no", str(recipe),
+    recipe_flags = [
         "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--ddp_backend", "gloo",
         "--bf16", "false", "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
         "--max_completion_length", "8", "--learning_rate", "0.05", "--report_to", "none", "--lora_r", "4",
         "--lora_alpha", "8", "--lora_target_modules", "all-linear", "--task_eval_size", "8",
         "--eval_max_new_tokens", "4", "--save_strategy", "no", "--disable_tqdm", "true",
-        "--reward_funcs", "tiny:length_reward", "--gradient_checkpointing", "false",
+        "--reward_funcs", "helpers.rewards:length_reward", "--gradient_checkpointing", "false",
     ]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).parent)}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=ENGINE_TIMEOUT, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    result = run_python(
+        recipe,
+        *recipe_flags,
+        launcher=accelerate_launch(2, config_file=CONFIGS / f"deepspeed_zero{zero_stage}.yaml"),
+        env=env,
+        timeout=ENGINE_TIMEOUT,
+    )
     assert result.stdout.count("Held-out results") == 2, "every rank evaluates before and after"
     adapter = load_file(out / "adapter_model.safetensors")
     assert adapter and all(w.numel() > 0 for w in adapter.values()), "a ZeRO-3 shard was saved instead of the adapter"

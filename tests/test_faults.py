@@ -7,39 +7,37 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import trl
 from datasets import Dataset
+from helpers.models import tiny_trainer
+from helpers.probes import SCRIPTS, logged, max_weight_diff, run_python
+from helpers.rewards import digit_reward, half_dead_reward, length_reward
 from peft import LoraConfig
 from safetensors.torch import load_file
-from tiny import digit_reward, half_dead_reward, length_reward, max_weight_diff, prompt_dataset, tiny_run_kwargs
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
-from grpo_plus import GRPOConfig, GRPOTrainer
+import grpo_plus
 from grpo_plus.checkpoints import CheckpointError, checkpoint_problem, last_complete_checkpoint
 from grpo_plus.validation import DatasetError, RewardFunctionError, RewardOutputError
 
-SCRIPTS = Path(__file__).parent / "scripts"
-
 
 def build(
-    model_dir, output_dir, rewards=(length_reward, digit_reward), trainer_cls=GRPOTrainer, peft=None, data=None, **args
+    model_dir, output_dir, rewards=(length_reward, digit_reward), package=grpo_plus, peft=None, data=None, **args
 ):
     """A trainer on the tiny model: 4 steps, checkpoints every 2, unless `args` say otherwise."""
-    settings = tiny_run_kwargs(output_dir, **{"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **args})
-    config_cls = GRPOConfig if trainer_cls is GRPOTrainer else trl.GRPOConfig
-    return trainer_cls(
+    return tiny_trainer(
+        output_dir,
+        list(rewards),
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        reward_funcs=list(rewards),
-        args=config_cls(**settings),
-        train_dataset=prompt_dataset(8) if data is None else data,
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        dataset=data,
         peft_config=peft,
+        package=package,
+        **{"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **args},
     )
 
 
@@ -75,15 +73,15 @@ def no_answer_reward(completions, **kwargs):
     raise ValueError("no answer found")
 
 
-@pytest.mark.parametrize("trainer_cls", [trl.GRPOTrainer, GRPOTrainer], ids=["stock_trl", "grpo_plus"])
-def test_a_failing_reward_raises_its_own_type_as_stock_trl_does(tiny_model_dir, tmp_path, trainer_cls):
-    trainer = build(tiny_model_dir, tmp_path, rewards=[no_answer_reward], trainer_cls=trainer_cls, save_strategy="no")
+@pytest.mark.parametrize("package", [trl, grpo_plus], ids=["stock_trl", "grpo_plus"])
+def test_a_failing_reward_raises_its_own_type_as_stock_trl_does(tiny_model_dir, tmp_path, package):
+    trainer = build(tiny_model_dir, tmp_path, rewards=[no_answer_reward], package=package, save_strategy="no")
     try:
         trainer.train()
     except ValueError as error:  # what a script written against stock TRL catches
         caught = error
     assert str(caught) == "no answer found"
-    if trainer_cls is GRPOTrainer:
+    if package is grpo_plus:
         assert isinstance(caught, RewardFunctionError)  # and what a grpo_plus script catches
         (note,) = caught.__notes__
         assert note.startswith("Reward function 'no_answer_reward' raised ValueError, called with 4 completions")
@@ -164,7 +162,7 @@ def test_all_infinite_rewards_warn_once_naming_the_function(tiny_model_dir, tmp_
         trainer.train()
     warnings = [r.getMessage() for r in caplog.records if "infinite_reward" in r.getMessage()]
     assert len(warnings) == 1 and "+-inf for 4 of 4 completions" in warnings[0] and "trains nothing" in warnings[0]
-    assert [entry["loss"] for entry in trainer.state.log_history if "loss" in entry] == [0.0, 0.0]
+    assert logged(trainer, "loss") == [0.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -410,11 +408,9 @@ def test_kill_9_at_every_phase_resumes_to_the_uninterrupted_weights(tiny_model_d
         "--max_completion_length", "8", "--learning_rate", "0.01", "--report_to", "none", "--lora_r", "4",
         "--lora_alpha", "8", "--lora_target_modules", "all-linear", "--task_eval_size", "8", "--eval_max_new_tokens",
         "4", "--save_strategy", "steps", "--save_steps", "2", "--disable_tqdm", "true", "--reward_funcs",
-        "tiny:length_reward", "tiny:digit_reward", "--push_to_hub", "true", "--hub_model_id", "x",
+        "helpers.rewards:length_reward", "helpers.rewards:digit_reward", "--push_to_hub", "true", "--hub_model_id", "x",
     ]  # fmt: skip
-    command = [sys.executable, str(SCRIPTS / "kill_recipe.py"), "--out", str(tmp_path), "--", *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python(SCRIPTS / "kill_recipe.py", "--out", tmp_path, "--", *flags, timeout=600)
     runs = {
         r["phase"]: r for r in map(json.loads, (line for line in result.stdout.splitlines() if line.startswith('{"')))
     }

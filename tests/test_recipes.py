@@ -216,7 +216,7 @@ def test_raising_reward_names_the_function_and_leaves_a_resumable_checkpoint(tin
     out = tmp_path / "run"
     flags = tiny_flags(tiny_model_dir, out, "--save_steps", "100", "--max_steps", "4", "--eval_before_after", "false")
     with pytest.raises(ZeroDivisionError, match="Reward function 'explode_at_step_3' raised ZeroDivisionError") as err:
-        load_recipe("grpo_lora").main([*flags, "--reward_funcs", "correctness", "tiny:explode_at_step_3"])
+        load_recipe("grpo_lora").main([*flags, "--reward_funcs", "correctness", "helpers.rewards:explode_at_step_3"])
     assert isinstance(err.value, RewardFunctionError)
     # save_steps=100 never fired: the checkpoint is the one saved on the crash, at the last finished step.
     assert last_complete_checkpoint(out) == str(out / "checkpoint-2")

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import IterableDataset
-from tiny import (
-    accelerate_launch,
-    dead_rows,
-    kill_after_checkpoint,
-    make_model,
-    make_tokenizer,
-    odd_prompts_dead_reward,
-    prompt_dataset,
-    tiny_run_kwargs,
-)
+from helpers.models import make_model, make_tokenizer, prompt_dataset, tiny_run_kwargs
+from helpers.probes import accelerate_launch, kill_after_checkpoint
+from helpers.rewards import dead_rows, odd_prompts_dead_reward
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig, GRPOTrainer

@@ -249,7 +249,7 @@ class EchoModel:
 
 
 def test_evaluate_scores_greedy_replies_in_batches() -> None:
-    from tiny import make_tokenizer
+    from helpers.models import make_tokenizer
 
     tokenizer = make_tokenizer()
     dataset = make_dataset("test", "add-1d", 5, seed=0)
@@ -274,7 +274,7 @@ def test_evaluate_scores_greedy_replies_in_batches() -> None:
 
 
 def test_evaluate_runs_a_real_tiny_model() -> None:
-    from tiny import make_model, make_tokenizer
+    from helpers.models import make_model, make_tokenizer
 
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
@@ -284,7 +284,7 @@ def test_evaluate_runs_a_real_tiny_model() -> None:
 
 
 def test_evaluate_rejects_an_empty_dataset() -> None:
-    from tiny import make_model, make_tokenizer
+    from helpers.models import make_model, make_tokenizer
 
     tokenizer = make_tokenizer()
     with pytest.raises(ValueError, match="empty"):

@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from tiny import ForwardLog, make_tokenizer, prompt_dataset
+from helpers.models import make_tokenizer, prompt_dataset
+from helpers.probes import ForwardLog
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,

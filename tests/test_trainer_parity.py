@@ -11,17 +11,10 @@ import math
 import pytest
 import torch
 import trl
+from helpers.models import prompt_dataset, tiny_run_kwargs
+from helpers.probes import ForwardLog, max_weight_diff
+from helpers.rewards import constant_reward, digit_reward, half_dead_reward, length_reward
 from peft import LoraConfig
-from tiny import (
-    ForwardLog,
-    constant_reward,
-    digit_reward,
-    half_dead_reward,
-    length_reward,
-    max_weight_diff,
-    prompt_dataset,
-    tiny_run_kwargs,
-)
 from transformers import AutoModelForCausalLM
 
 import grpo_plus

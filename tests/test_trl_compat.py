@@ -10,7 +10,8 @@ import pytest
 import torch
 import trl
 import trl.trainer.utils as trl_utils
-from tiny import length_reward, prompt_dataset, tiny_run_kwargs
+from helpers.models import prompt_dataset, tiny_trainer
+from helpers.rewards import length_reward
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
@@ -36,14 +37,9 @@ def fresh_warning_state(monkeypatch):
     monkeypatch.setattr(trl_compat, "_warned_versions", set())
 
 
-def build_trainer(tiny_model_dir, tmp_path):
+def build_trainer(tiny_model_dir, tmp_path, package=grpo_plus):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return grpo_plus.GRPOTrainer(
-        model=model,
-        reward_funcs=length_reward,
-        args=grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path)),
-        train_dataset=prompt_dataset(4),
-    )
+    return tiny_trainer(tmp_path, length_reward, model=model, dataset=prompt_dataset(4), package=package)
 
 
 # ------------------------------------------------------------------------------------------------ the version window
@@ -206,13 +202,7 @@ def test_logps_unavailable_reason_follows_trl(monkeypatch):
 def test_logps_unavailable_reason_is_true_of_stock_trl(tiny_model_dir, tmp_path):
     """The reason the matrix skips training tests is a fact, not an assumption: stock TRL's log-prob computation
     fails exactly when a reason is given."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=length_reward,
-        args=trl.GRPOConfig(**tiny_run_kwargs(tmp_path)),
-        train_dataset=prompt_dataset(4),
-    )
+    trainer = build_trainer(tiny_model_dir, tmp_path, package=trl)
     input_ids = torch.randint(3, 20, (2, 6))
     call = lambda: trainer._get_per_token_logps_and_entropies(  # noqa: E731
         trainer.model, input_ids, torch.ones_like(input_ids), 3, compute_entropy=True

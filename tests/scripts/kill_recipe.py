@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the recipes load rewards from tiny.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the recipes load rewards from helpers.rewards
 
 import transformers  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402

@@ -17,19 +17,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from tiny import (  # noqa: E402
-    GroupRecorder,
+from helpers.models import prompt_dataset  # noqa: E402
+from helpers.probes import GroupRecorder, record_draws, use_row_seeded_sampling  # noqa: E402
+from helpers.rewards import (  # noqa: E402
     constant_reward,
     digit_reward,
     half_dead_reward,
     length_reward,
     odd_prompts_constant_reward,
     odd_prompts_dead_reward,
-    prompt_dataset,
-    use_row_seeded_sampling,
 )
+from peft import LoraConfig  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
@@ -38,7 +37,7 @@ from grpo_plus import GRPOConfig, GRPOTrainer  # noqa: E402
 
 @dataclass
 class TinyArgs:
-    model_dir: str = field(metadata={"help": "Directory of a tiny model saved by tests/tiny.py."})
+    model_dir: str = field(metadata={"help": "Directory of a tiny model (helpers.models.save_tiny_model)."})
     num_prompts: int = field(default=16)
     row_seeded_sampling: bool = field(default=False, metadata={"help": "Deterministic per-row sampling."})
     dump_weights: str | None = field(default=None, metadata={"help": "Write the final weights here (safetensors)."})
@@ -126,17 +125,13 @@ REWARDS = {
 def record_selective_draws(trainer, path: str) -> None:
     """Append each draw (the step it was made after, drawn and skipped rows) as a line, flushed: a killed run
     leaves every decision it made."""
-    selector = trainer._selective_rollout
-    draw = selector.draw
 
-    def recording_draw(num_prompts):
-        result = draw(num_prompts)
-        line = {"after_step": trainer.state.global_step, "indices": result.indices, "skipped": result.skipped}
+    def write_line(draw):
+        line = {"after_step": trainer.state.global_step, "indices": draw.indices, "skipped": draw.skipped}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
-        return result
 
-    selector.draw = recording_draw
+    record_draws(trainer, on_draw=write_line)
 
 
 def main() -> None:
