@@ -24,7 +24,7 @@ import torch
 
 IGNORE_INDEX = -100
 # Model families whose forward takes position_ids and a custom 4D attention mask as given, checked by the exactness
-# tests (tests/test_train_pass.py) against TRL's own forward.
+# tests (tests/test_train_pass_trainer.py) against TRL's own forward.
 SHARED_PROMPT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
 # Forward cost of a pack of n positions, in units of one position's linear layers: n + n^2 / (ATTENTION_COST * d).

@@ -1,4 +1,5 @@
-"""Zero-waste training pass: the same gradient as TRL's full forward, with fewer positions computed."""
+"""Zero-waste training pass in grpo_plus.GRPOTrainer: the same gradient and log-probs as TRL's full forward, with fewer
+positions computed; the fallbacks to the full forward, each named."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers.models import make_tokenizer, prompt_dataset
+from helpers.models import make_tokenizer, prompt_dataset, tiny_trainer
 from helpers.probes import ForwardLog
 from transformers import (
     AutoModelForCausalLM,
@@ -20,15 +21,8 @@ from transformers import (
 )
 
 import grpo_plus
-from grpo_plus import GRPOConfig, GRPOTrainer
-from grpo_plus.train_pass import (
-    IGNORE_INDEX,
-    block_attention_mask,
-    pack_shared_prompts,
-    plan_packs,
-    row_chunks,
-    rows_with_gradient,
-)
+from grpo_plus import GRPOTrainer
+from grpo_plus.train_pass import pack_shared_prompts, rows_with_gradient
 from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
 from grpo_plus.zero_waste import ZeroWastePass
 
@@ -77,25 +71,21 @@ def make_trainer(
     torch.manual_seed(0)
     config = model_config or tiny_config(family, len(tokenizer), **(config_overrides or {}))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    kwargs = dict(
-        output_dir="unused",
+    settings = dict(
         per_device_train_batch_size=G * GROUPS,
         num_generations=G,
         max_completion_length=COMPLETION_WIDTH,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         epsilon_high=0.28,
         temperature=0.7,
     )
-    kwargs.update(args)
-    trainer = GRPOTrainer(
+    trainer = tiny_trainer(
+        "unused",
+        [lambda completions, **kw: [0.0] * len(completions)],
         model=model,
-        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-        args=GRPOConfig(**kwargs),
-        train_dataset=prompt_dataset(4),
-        processing_class=tokenizer,
+        tokenizer=tokenizer,
+        dataset=prompt_dataset(4),
         peft_config=peft_config,
+        **{**settings, **args},
     )
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -186,17 +176,11 @@ def assert_saved_pass_matches_full(trainer: GRPOTrainer, inputs: dict) -> tuple[
 # ---- exactness ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
-def family_trainer(request):
-    return make_trainer(request.param)
-
-
 @pytest.mark.parametrize("importance_sampling_level", ["token", "sequence", "sequence_token"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_gradient_equals_full_pass(family_trainer, loss_type, importance_sampling_level):
-    trainer = family_trainer
-    trainer.loss_type, trainer.importance_sampling_level = loss_type, importance_sampling_level
-    trainer.args.loss_type, trainer.args.importance_sampling_level = loss_type, importance_sampling_level
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradient_equals_full_pass(family, loss_type, importance_sampling_level):
+    trainer = make_trainer(family, loss_type=loss_type, importance_sampling_level=importance_sampling_level)
     inputs = micro_batch(trainer)
     set_zero_waste(trainer, on=False)
     log = ForwardLog(trainer.model)
@@ -547,47 +531,3 @@ def test_config_field_turns_it_off():
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [
         ((G * GROUPS, PROMPT_WIDTH + COMPLETION_WIDTH), 2)
     ]
-
-
-# ---- packing ------------------------------------------------------------------------------------------------------
-
-
-def test_pack_layout_positions_targets_and_mask():
-    prompt_ids = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [8, 9, 10, 11]])
-    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
-    completion_ids = torch.tensor([[20, 21, 22], [30, 0, 0], [40, 41, 0]])
-    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
-    batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, hidden_size=1024)
-    # Pack 0: prompt [5, 6] once, then [7, 20, 21] -> predicts [20, 21, 22] and [7] -> predicts [30].
-    assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 7], [8, 9, 10, 11, 40, 0]]
-    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5, 3], [0, 1, 2, 3, 4, 0]]
-    ignore = IGNORE_INDEX
-    assert batch.targets.tolist() == [[ignore, ignore, 20, 21, 22, 30], [ignore] * 3 + [40, 41, ignore]]
-    # The second completion of the first group sees the prompt (positions 0-1) and itself, not the first completion.
-    assert batch.block_mask[0, 0, 5].tolist() == [True, True, False, False, False, True]
-    assert batch.block_mask[1, 0, 5].tolist() == [False] * 5 + [True]  # padding attends only itself
-    assert sorted(zip(*[t.tolist() for t in batch.destination], strict=True)) == [
-        (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1),
-    ]  # fmt: skip
-
-
-def test_masked_token_inside_a_completion_stays_invisible():
-    segments = torch.tensor([[-1, 0, 0, 0]])
-    valid = torch.tensor([[True, True, False, True]])
-    mask = block_attention_mask(segments, valid)[0, 0]
-    assert mask[3].tolist() == [True, True, False, True]
-
-
-def test_packing_stops_where_attention_would_cost_more_than_a_second_prompt_copy():
-    assert plan_packs(prefix_length=60, completion_lengths=[12] * 8, hidden_size=576) == [list(range(8))]
-    packs = plan_packs(prefix_length=200, completion_lengths=[512] * 8, hidden_size=896)
-    assert [len(p) for p in packs] == [2, 2, 2, 2]
-
-
-def test_rows_with_gradient_and_chunks():
-    advantages = torch.tensor([0.0, 1.0, float("nan"), -2.0])
-    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
-    assert rows_with_gradient(advantages, mask).tolist() == [False, True, True, False]
-    # TRL's chunks of consecutive rows: how many depends on the row count only, never on which prompts repeat.
-    assert row_chunks(5, max_rows=4) == [range(0, 4), range(4, 5)]
-    assert row_chunks(4, max_rows=None) == [range(0, 4)]
