@@ -17,6 +17,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers.models import save_tiny_model  # noqa: E402
+from helpers.probes import kept_unchanged  # noqa: E402
 
 
 def pytest_report_header(config) -> str:
@@ -58,12 +59,16 @@ def restore_registries():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny random Llama + character tokenizer saved once per session."""
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama + character tokenizer saved once per session (read only)."""
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    with kept_unchanged(path, "the session's tiny model"):
+        yield str(path)
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir_bnb(tmp_path_factory) -> str:
+def tiny_model_dir_bnb(tmp_path_factory):
     """Like tiny_model_dir, but wide enough (64) for bitsandbytes' 4-bit CPU kernels (block size 64)."""
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model-64"), hidden_size=64))
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-model-64"), hidden_size=64)
+    with kept_unchanged(path, "the session's 64-wide tiny model"):
+        yield str(path)

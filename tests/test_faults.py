@@ -14,7 +14,7 @@ import torch
 import trl
 from datasets import Dataset
 from helpers.models import tiny_trainer
-from helpers.probes import SCRIPTS, logged, max_weight_diff, run_python
+from helpers.probes import SCRIPTS, kept_unchanged, logged, max_weight_diff, run_python
 from helpers.rewards import digit_reward, half_dead_reward, length_reward
 from peft import LoraConfig
 from safetensors.torch import load_file
@@ -239,7 +239,8 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
     trainer = build(tiny_model_dir, out, save_steps=1)
     trainer.train()
-    return weights(trainer), out / "checkpoint-3"
+    with kept_unchanged(out, "the uninterrupted run"):
+        yield weights(trainer), out / "checkpoint-3"
 
 
 @pytest.mark.parametrize("phase", ["generation", "scoring", "scoring_ctrl_c", "training_pass", "optimizer"])
@@ -294,7 +295,8 @@ def lora_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("lora-run")
     trainer = build(tiny_model_dir, out, max_steps=2, save_steps=1, peft=LoraConfig(r=4, target_modules="all-linear"))
     trainer.train()
-    return out, weights(trainer)
+    with kept_unchanged(out, "the LoRA run (tests resume from a copy)"):
+        yield out, weights(trainer)
 
 
 def copy_run(lora_run, tmp_path) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 import torch
+from helpers.probes import kept_unchanged
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.hf_api import RepoUrl
@@ -58,7 +59,8 @@ def base_and_adapter(tmp_path_factory, tiny_model_dir):
     torch.manual_seed(0)
     peft_model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     peft_model.save_pretrained(adapter_dir)
-    return Path(tiny_model_dir), adapter_dir, peft_model.eval()
+    with kept_unchanged(adapter_dir, "the shared adapter"):
+        yield Path(tiny_model_dir), adapter_dir, peft_model.eval()
 
 
 @pytest.fixture(autouse=True)
