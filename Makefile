@@ -43,7 +43,7 @@ test-engines: $(STAMP)
 TRL_MINORS   ?= 1.14 1.15 1.16
 MATRIX_DIR   ?= .venvs
 MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_losses_parity.py tests/test_invariance.py \
-                tests/test_trainer_parity.py
+                tests/test_trainer_parity.py tests/test_train_pass_trainer.py
 MATRIX_ENVS  := $(addprefix trl-,$(TRL_MINORS)) oldest
 # uv (from the dev extra) builds the environments: hard links from its cache make each one seconds, not minutes.
 UV           := $(VENV)/bin/uv
