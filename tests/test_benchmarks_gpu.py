@@ -12,6 +12,8 @@ import pytest
 import torch
 from helpers.probes import run_python
 
+from grpo_plus.trl_compat import has_fused_lm_head
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -48,7 +50,8 @@ def test_gpu_benchmark_smoke_runs_every_case_and_matches_stock_trl(tmp_path):
             assert values["same_completions"] and values["losses_equal"], (name, side)
             # float32 on CPU: the zero-waste forward reads the same numbers as TRL's
             assert values["entropies_max_rel_diff"] <= 1e-5 and values["grad_norms_max_rel_diff"] <= 1e-5
-        assert summary["ours"]["positions_frac"] < 1.0, "the zero-waste pass computed every position"
+        if has_fused_lm_head():  # TRL 1.14: no shared prompt, and full-length completions leave no padding
+            assert summary["ours"]["positions_frac"] < 1.0, "the zero-waste pass computed every position"
         assert summary["ours_off"]["positions_frac"] == 1.0
 
     ladder = cases["smoke-long"]["summary"]
@@ -63,6 +66,7 @@ def test_gpu_benchmark_smoke_runs_every_case_and_matches_stock_trl(tmp_path):
     assert markdown.count("| smoke-long |") == 6
 
 
+@pytest.mark.skipif(not has_fused_lm_head(), reason="memory.py counts TRL's fused LM head (TRL >= 1.15)")
 def test_memory_counting_matches_real_compute_and_the_allocator(tmp_path):
     """Fake counting (shapes only) equals real compute byte for byte, the real count equals the CPU allocator's
     record up to the small tensors no operator returns, and the depth extrapolation equals the full model."""

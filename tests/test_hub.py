@@ -517,6 +517,13 @@ def fake_hub(monkeypatch):
 
     monkeypatch.setattr(HTTP_SESSION_CLASS, "send", local_only)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+    # Online as far as huggingface_hub can tell (conftest sets offline mode; huggingface_hub < 1 refuses every
+    # request then, 127.0.0.1 included, through the sessions it made while offline).
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    reset_sessions = getattr(huggingface_hub.utils, "reset_sessions", None)
+    if reset_sessions is not None:
+        reset_sessions()
     yield hub
     hub.shutdown()
     hub.server_close()
