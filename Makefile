@@ -8,7 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-matrix lint format demo bench compare clean
+.PHONY: install test test-fast test-engines test-matrix lint format demo bench compare clean bench-memory \
+        bench-gpu test-gpu-parity gpu-wheels
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,10 +25,16 @@ $(STAMP): $(PY) pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# Multi-process tests on real engines: DeepSpeed ZeRO-2/3 on CPU processes over gloo (tests/test_deepspeed.py), kept
+# apart so `make test` stays under 15 minutes on a 2-core machine. The first run compiles DeepSpeed's CPU
+# communication op into ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), once per machine. .ci/run runs both.
+test-engines: $(STAMP)
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q -m engine -rs $(PYTEST_ARGS)
 
 # ---- TRL version matrix: one environment per supported TRL minor (its newest patch, the newest of everything
 # else) plus "oldest" (every runtime dependency at the lower bound pyproject.toml declares, .ci/lower_bounds.py).
@@ -36,7 +43,8 @@ test-fast: $(STAMP)
 TRL_MINORS   ?= 1.14 1.15 1.16
 MATRIX_DIR   ?= .venvs
 MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_losses_parity.py tests/test_invariance.py \
-                tests/test_trainer_parity.py tests/test_generation.py
+                tests/test_trainer_parity.py tests/test_train_pass_trainer.py \
+                tests/test_generation.py
 MATRIX_ENVS  := $(addprefix trl-,$(TRL_MINORS)) oldest
 # uv (from the dev extra) builds the environments: hard links from its cache make each one seconds, not minutes.
 UV           := $(VENV)/bin/uv
@@ -51,7 +59,7 @@ test-matrix: $(addprefix test-matrix-,$(MATRIX_ENVS))
 test-matrix-%: $(MATRIX_DIR)/%/.installed
 	@echo "== test-matrix $*"
 	HF_HUB_OFFLINE=1 $(MATRIX_DIR)/$*/bin/python -m pytest -p no:cacheprovider -rs \
-		$(if $(filter oldest,$*),,$(MATRIX_TESTS)) $(PYTEST_ARGS)
+		$(if $(filter oldest,$*),-m "not engine",$(MATRIX_TESTS)) $(PYTEST_ARGS)
 
 .PRECIOUS: $(MATRIX_DIR)/%/.installed
 $(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(STAMP)
@@ -77,6 +85,48 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/core_overhead.py
 	$(PY) benchmarks/step_overhead.py
+
+# ---- memory and GPU --------------------------------------------------------------------------------------------
+# Training-pass memory of stock TRL vs grpo_plus, counted on CPU from shapes alone (no GPU needed; ~20 min on 2 cores).
+bench-memory: $(STAMP)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) benchmarks/memory.py
+
+# On a GPU machine with only torch/transformers/peft/accelerate (no .venv, no network), the system python3 runs these
+# after the wheels from `make gpu-wheels` are installed there (README: GPU and memory). Without CUDA, bench-gpu says so
+# in one line and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+BENCH_GPU_ARGS ?=
+
+bench-gpu:
+	@HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu.py $(BENCH_GPU_ARGS)
+
+# The drop-in parity tests, trained on the GPU (benchmarks/gpu_parity.py): with TRL 1.15, whose log-probs need CUDA.
+test-gpu-parity:
+	HF_HUB_OFFLINE=1 PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PYTHON) -m pytest -p gpu_parity \
+		-p no:cacheprovider -rs tests/test_trainer_parity.py $(PYTEST_ARGS)
+
+# Wheels a bare GPU machine needs beside its torch/transformers/peft/accelerate, at the versions .venv tests: TRL,
+# datasets and the dependencies that machine lacks, bitsandbytes (its manylinux wheel carries the CUDA kernels),
+# transformers and peft (the machine's own may be older), grpo_plus itself; TRL 1.15 apart, for test-gpu-parity.
+# GPU_WHEEL_PYTHON is the GPU machine's Python (3.12 on this workplace's GPU machines; multiprocess is built per Python).
+GPU_WHEELS       ?= .whl
+GPU_WHEEL_PYTHON ?= 3.12
+GPU_WHEEL_MIB    ?= 64
+GPU_WHEEL_NAMES  ?= trl datasets dill multiprocess fsspec bitsandbytes transformers peft
+PIP_DOWNLOAD      = $(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_WHEEL_PYTHON) \
+                    --implementation cp --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+                    --platform manylinux2014_x86_64
+venv_version      = $(shell $(PY) -c "import importlib.metadata as m; print(m.version('$(1)'))")
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)/trl-1.15
+	$(PIP) wheel --quiet --no-deps --wheel-dir $(GPU_WHEELS) .
+	$(PIP_DOWNLOAD) --dest $(GPU_WHEELS) $(foreach name,$(GPU_WHEEL_NAMES),$(name)==$(call venv_version,$(name)))
+	$(PIP_DOWNLOAD) --dest $(GPU_WHEELS)/trl-1.15 trl==1.15.0
+	@ls -l $(GPU_WHEELS)/*.whl $(GPU_WHEELS)/trl-1.15/*.whl
+	@total=$$(cat $(GPU_WHEELS)/*.whl $(GPU_WHEELS)/trl-1.15/*.whl | wc -c); \
+	echo "gpu-wheels: $$((total / 1048576)) MiB in $(GPU_WHEELS)/ (limit $(GPU_WHEEL_MIB) MiB)"; \
+	test $$total -le $$(($(GPU_WHEEL_MIB) * 1048576)) || { echo "gpu-wheels: over $(GPU_WHEEL_MIB) MiB"; exit 1; }
 
 compare: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/grpo-plus compare

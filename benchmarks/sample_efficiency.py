@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/sample_efficiency.py [--setting fresh|multi-epoch] [--budget-minutes 6] [--seeds 0 1 2]
 
 Every side trains SmolLM2-135M-Instruct + LoRA with the same batch, learning rate, sampling and token budget
-(grpo_plus.compare.BASE_SETTINGS); they differ in the objective and in how prompts are sampled:
+(grpo_plus.app.compare.BASE_SETTINGS); they differ in the objective and in how prompts are sampled:
   trl_defaults        trl.GRPOTrainer with TRL 1.16's default objective: loss_type dapo, epsilon 0.2 (symmetric),
                       scale_rewards group, every sampled group trained on.
   dynamic_sampling    grpo_plus.GRPOTrainer, dapo + clip-higher (epsilon_high 0.28) + DAPO dynamic sampling.
@@ -39,8 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo_plus import tasks  # noqa: E402
-from grpo_plus.compare import BASE_SETTINGS, run_configuration  # noqa: E402
+from grpo_plus.app import tasks  # noqa: E402
+from grpo_plus.app.compare import BASE_SETTINGS, run_configuration  # noqa: E402
 
 _GRPO_PLUS = dict(loss_type="dapo", epsilon_high=0.28)
 SIDES = {

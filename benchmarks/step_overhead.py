@@ -6,35 +6,15 @@ Run from the repo root:  .venv/bin/python benchmarks/step_overhead.py [--quick] 
 Both trainers get the same model, data, config and seed, so they do identical work; the script checks that every
 training logs the same completion lengths and losses and ends with the same trainable-weight checksums, and says so.
 Cases:
-  tiny     the random 2-layer Llama of tests/tiny.py: batch 8, 4 generations, 32 tokens, 2 accumulation steps
-  smollm2  SmolLM2-135M-Instruct (grpo_plus.embedded.resolve_model) + LoRA r=16 all-linear, batch 8, 8 generations,
-           16 tokens; skipped with a message when the embedded model is unavailable
+  tiny     the random 2-layer Llama of tests/helpers/models.py: batch 8, 4 generations, 32 tokens, 2 accumulation steps
+  smollm2  SmolLM2-135M-Instruct (grpo_plus.app.embedded.resolve_model) + LoRA r=16 all-linear, batch 8,
+           8 generations, 16 tokens; skipped with a message when the embedded model is unavailable
 
-Step time: lock-step alternation. A round builds both trainers afresh in one process and trains them in two threads
-that pass a baton at every optimizer step (trl step 1, ours step 1, trl step 2, ...; who moves first alternates
-between rounds), each thread swapping in its own RNG state, so the two see the same machine load within a step of
-each other and draw the random numbers they would alone. Several rounds run per child process, over a few children.
-Why not separate processes per run: on a shared machine the median step time of identical runs spreads by +-25%
-between processes (load, and the memory layout of the process), which buries a 2% difference. Even in lock-step,
-two *identical* trainers in one round can differ by a few % (rarely 20%+) because each has its own memory layout,
-so the estimate is the median over rounds of the per-round ratio; --calibrate runs the same rounds with stock TRL in
-both slots (A/A) to show what spread noise alone produces. Per optimizer step after the warm-up steps:
-  step_time  TRL's own logged `step_time` (its training_step over the micro-batches: generation, scoring, forward,
-             backward)
-  wall       on_step_begin -> on_step_end (the above plus gradient clipping and the optimizer step)
-  cpu        the thread's CPU time over the same span (what other jobs on the machine cannot steal)
-The table shows medians of the steps pooled over all rounds, their ratio ours / trl, and below it the median of the
-per-round ratios with a bootstrap 95% interval (rough with few rounds).
-
-Peak memory: separate runs, one trainer per fresh subprocess, alternating (trl, ours, ours, trl, ...). On CPU under a
-pinned glibc malloc (MALLOC_MMAP_THRESHOLD_=65536, MALLOC_TRIM_THRESHOLD_=0), so large buffers are mmap'd and
-unmapped when freed and the RSS follows live memory (with glibc's adaptive threshold, the peak RSS of identical runs
-differs by +-2-3% from heap fragmentation; the pinned malloc costs ~40% speed, so it is not used for timing).
-Reported: peak RSS (VmHWM) over trainer.train(), reset through /proc/self/clear_refs just before it, and "train +",
-its increase over the RSS right before train() (training memory without imports and the model load). On CUDA:
-torch.cuda.max_memory_allocated over train() and its increase over the allocation before it.
-Targets (issue 3): step time <= 1.02x, peak memory <= 1.01x. grpo_plus runs with zero_waste_pass=False here, so both
-trainers do the same work; benchmarks/train_pass.py measures what the zero-waste pass saves.
+Step time is measured with the two trainers alternating step by step in one process (the median of per-round
+ratios; --calibrate for an A/A run), peak memory in separate subprocesses under a pinned glibc malloc; why, and
+what each column means: docs/notes.md. Targets (issue 3): step time <= 1.02x, peak memory <= 1.01x. grpo_plus runs
+with zero_waste_pass=False here, so both trainers do the same work; benchmarks/train_pass.py measures what the
+zero-waste pass saves.
 """
 
 from __future__ import annotations
@@ -60,7 +40,7 @@ TIMES = ("step_time", "wall", "cpu")
 MIB = 1024 * 1024
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
-# Per case: GRPOConfig overrides (on top of tests/tiny.py's tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
+# Per case: GRPOConfig overrides (on top of helpers.models.tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
 # the warm-up steps excluded from the timings, and the optimizer steps of a memory run.
 CASES = {
     "tiny": dict(
@@ -174,7 +154,8 @@ def run_child(spec: dict) -> None:
     torch.set_num_threads(spec["threads"])
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import trl
-    from tiny import digit_reward, length_reward, make_tokenizer, prompt_dataset, tiny_run_kwargs
+    from helpers.models import make_tokenizer, prompt_dataset, tiny_run_kwargs
+    from helpers.rewards import digit_reward, length_reward
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
@@ -389,9 +370,9 @@ def memory_runs(case: str, repeats: int, common: dict, pinned_malloc: bool) -> d
 def resolve_smollm() -> str | None:
     """Local dir of SmolLM2-135M-Instruct, or None (with the reason printed) if it is unavailable."""
     try:
-        from grpo_plus.embedded import resolve_model
+        from grpo_plus.app.embedded import resolve_model
     except ImportError as exc:
-        print(f"smollm2: skipped, grpo_plus.embedded is not importable ({exc})")
+        print(f"smollm2: skipped, grpo_plus.app.embedded is not importable ({exc})")
         return None
     start = time.perf_counter()
     try:
@@ -556,7 +537,7 @@ def main() -> None:
                     continue
             else:
                 sys.path[:0] = [str(ROOT / "tests")]
-                from tiny import save_tiny_model
+                from helpers.models import save_tiny_model
 
                 transformers.utils.logging.disable_progress_bar()
                 model_path = str(save_tiny_model(Path(tmp) / "tiny-model"))

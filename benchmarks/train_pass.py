@@ -50,13 +50,13 @@ def build_trainers(steps: int, baton, rng):
     """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
     import torch
     import trl
+    from helpers.probes import ForwardLog
     from peft import LoraConfig
-    from tiny import ForwardLog
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
-    from grpo_plus import tasks
-    from grpo_plus.embedded import resolve_model
+    from grpo_plus.app import tasks
+    from grpo_plus.app.embedded import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -142,36 +142,10 @@ def run_steps(steps: int, warmup: int) -> dict:
     return result
 
 
-def synthetic_micro_batch(tokenizer, prompt_length: int, completion_length: int, dead_share: float, seed: int):
-    """4 groups x 8 rows: one prompt per group, ragged completions, `dead_share` of the groups with advantage 0."""
-    import torch
-
-    groups, generations = 4, 8
-    generator = torch.Generator().manual_seed(seed)
-    vocab = len(tokenizer)
-    prompts = torch.randint(10, vocab, (groups, prompt_length), generator=generator)
-    prompt_ids = prompts.repeat_interleave(generations, dim=0)
-    rows = groups * generations
-    lengths = torch.randint(max(completion_length // 4, 1), completion_length + 1, (rows,), generator=generator)
-    lengths[0] = completion_length
-    completion_mask = (torch.arange(completion_length) < lengths.unsqueeze(1)).long()
-    completion_ids = torch.randint(10, vocab, (rows, completion_length), generator=generator) * completion_mask
-    advantages = torch.randn(rows, generator=generator)
-    dead = round(dead_share * groups)
-    advantages[: dead * generations] = 0.0
-    return {
-        "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "advantages": advantages,
-        "num_items_in_batch": completion_mask.sum().float(),
-    }
-
-
 def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     """Part 2: `_compute_loss` forward + backward, TRL vs ours on the same weights, alternated; medians."""
-    from tiny import ForwardLog
+    from helpers.probes import ForwardLog
+    from shapes import synthetic_micro_batch
 
     trl_trainer, our_trainer = trainers["trl"], trainers["ours"]
     our_trainer.model.load_state_dict(trl_trainer.model.state_dict())
@@ -184,7 +158,17 @@ def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     cases += [(38, 38, 0.0), (19, 57, 0.0), (8, 128, 0.0)]
     rows = []
     for prompt_length, completion_length, dead_share in cases:
-        inputs = synthetic_micro_batch(tokenizer, prompt_length, completion_length, dead_share, seed=len(rows))
+        inputs = synthetic_micro_batch(  # 4 groups x 8 rows, ragged completions
+            32,
+            8,
+            prompt_length,
+            completion_length,
+            len(tokenizer),
+            dead_share,
+            seed=len(rows),
+            ragged=True,
+            first_token=10,
+        )
         seconds = {name: [] for name in SIDES}
         losses = {}
         for repeat in range(repeats):

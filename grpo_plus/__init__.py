@@ -1,7 +1,8 @@
 """grpo_plus: pluggable GRPO objectives on top of TRL's GRPOTrainer.
 
-The core (`grpo_plus.advantages`, `grpo_plus.losses`) imports only torch; the trainer, config and recipes
-are loaded lazily so `import grpo_plus` stays light.
+The core (`grpo_plus.advantages`, `grpo_plus.losses`) imports only torch; the trainer and config are loaded
+lazily so `import grpo_plus` stays light. The demo kit the recipes use (task, embedded model, Hub push, plots,
+the `grpo-plus` command) is `grpo_plus.app`, which the library never imports.
 """
 
 from .advantages import available_advantage_normalizers, compute_advantages, register_advantage_normalizer

@@ -109,3 +109,10 @@ def compute_advantages(
             f"expected {tuple(grouped.shape)}."
         )
     return torch.nan_to_num(advantages.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def combine_rewards(rewards_per_func: torch.Tensor, reward_weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum over reward functions ignoring NaN; NaN where every function returned None (TRL's rule)."""
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards

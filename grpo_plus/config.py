@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import numbers
+import os
+import sys
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,17 +19,16 @@ from .advantages import ADVANTAGE_NORMALIZERS
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
 from .plugins import load_plugins
 from .registry import did_you_mean
+from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
+from .settings import ConfigError, not_allowed
+from .trl_compat import TRL_IMPORTANCE_SAMPLING_LEVELS, TRL_NATIVE_LOSS_TYPES, TRL_SCALE_REWARDS
 
-# Loss types TRL 1.16 implements and grpo_plus leaves to TRL's own `_compute_loss` (token/sequence levels only).
-TRL_NATIVE_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
-TRL_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+__all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
+
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
-
-
-class ConfigError(ValueError):
-    """A GRPOConfig field has a value that is not allowed."""
+_DYNAMIC_DEFAULTS = DynamicSamplingSettings()
 
 
 def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
@@ -32,7 +38,9 @@ def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -
 
 def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     """Check the GRPO objective fields of a (grpo_plus or TRL) config; canonicalize aliases in place."""
-    load_plugins(getattr(args, "plugins", None) or ())
+    settings = PlusSettings.from_args(args)
+    load_plugins(settings.plugins)
+    _check_field_types(args)
     how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
 
     loss_types = [*LOSS_TYPES.names(with_aliases=True), *TRL_NATIVE_LOSS_TYPES]
@@ -59,8 +67,99 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     args.scale_rewards = ADVANTAGE_NORMALIZERS.resolve(args.scale_rewards)
 
     _check_ranges(args)
-    _check_combinations(args, trl_native)
-    _check_selective_rollout(args)
+    _check_combinations(args, trl_native, settings)
+    settings.validate(args)
+    _warn_about_clipping(args)
+
+
+# What a scalar field's value must be, by its declared type (bool before int: a bool is an int in Python).
+_SCALAR_KINDS = {bool: "true or false", int: "an integer", float: "a number"}
+
+
+@functools.cache
+def _scalar_field_kinds(cls: type) -> dict[str, tuple[type, bool]]:
+    """Field -> (bool, int or float; whether None is allowed) for the fields of `cls` declared with such a type."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:  # an annotation that does not resolve: check nothing rather than fail
+        return {}
+    kinds = {}
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        scalar = [option for option in options if option is not type(None)]
+        if len(scalar) == 1 and scalar[0] in _SCALAR_KINDS:
+            kinds[f.name] = (scalar[0], len(scalar) < len(options))
+    return kinds
+
+
+def field_type_problem(cls: type, name: str, value: Any) -> str | None:
+    """Why `value` cannot be dataclass `cls`'s field `name` (e.g. a list where a number belongs), or None.
+
+    Only scalar fields (bool, int, float, optionally None) are checked. Strings are left to the parser that
+    converts them (a CLI or YAML "1e-5"), except for a bool field, where any non-empty string would count as true."""
+    kind_and_optional = _scalar_field_kinds(cls).get(name)
+    if kind_and_optional is None or value is None:
+        return None
+    kind, optional = kind_and_optional
+    if isinstance(value, str) and kind is not bool:
+        return None
+    if kind is bool:
+        ok = isinstance(value, (bool, numbers.Integral)) and value in (0, 1)
+    elif kind is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        return None
+    allowed = _SCALAR_KINDS[kind] + (" or null/None" if optional else "")
+    return f"{name}={value!r} is not allowed: {name} must be {allowed}, not a {type(value).__name__}."
+
+
+def _check_field_types(args: trl.GRPOConfig) -> None:
+    for name in _scalar_field_kinds(type(args)):
+        problem = field_type_problem(type(args), name, getattr(args, name, None))
+        if problem is not None:
+            raise ConfigError(problem)
+
+
+def _warn_about_clipping(args: trl.GRPOConfig) -> None:
+    """Settings TRL accepts that are most likely mistakes: a warning, once per config, saying what they do."""
+    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if epsilon_high < args.epsilon:
+        _warn_once(
+            args,
+            f"epsilon_high={epsilon_high} is below epsilon={args.epsilon}: the ratio is clipped to [1 - epsilon, "
+            f"1 + epsilon_high] = [{1 - args.epsilon:g}, {1 + epsilon_high:g}], so updates that make a token more "
+            "likely are cut off sooner than updates that make it less likely. Clip-higher (DAPO) is the opposite, "
+            "epsilon_high > epsilon (e.g. 0.28 with 0.2). TRL accepts this; training goes on.",
+        )
+    if args.epsilon >= 1:
+        _warn_once(
+            args,
+            f"epsilon={args.epsilon} is >= 1: the lower clip bound 1 - epsilon = {1 - args.epsilon:g} is not "
+            "positive, and the ratio always is, so nothing is ever clipped from below (no lower clip at all). The "
+            "usual value is 0.2 (GSPO: 3e-4). TRL accepts this; training goes on.",
+        )
+
+
+def _warn_once(args: Any, message: str) -> None:
+    """Warn once per config object: it is validated when built and again by the trainer."""
+    warned = args.__dict__.setdefault("_grpo_plus_warned", set())
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, UserWarning, stacklevel=_stacklevel_outside_grpo_plus())
+
+
+def _stacklevel_outside_grpo_plus() -> int:
+    """The stacklevel of the first caller outside grpo_plus (and dataclass-generated __init__), for warnings."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_ranges(args: trl.GRPOConfig) -> None:
@@ -73,29 +172,17 @@ def _check_ranges(args: trl.GRPOConfig) -> None:
         fail("epsilon_high", ">= 0 or None (None uses epsilon; DAPO's clip-higher uses 0.28)")
     if args.delta is not None and not args.delta > 1:
         fail("delta", "> 1 or None (the two-sided bound on the ratio, INTELLECT-2)")
-    dual_clip = getattr(args, "dual_clip", None)
-    if dual_clip is not None and not dual_clip > 1:
-        fail("dual_clip", "> 1 or None (the dual-clip constant c: for A < 0 the loss is capped at c*|A|)")
     if args.beta < 0:
         fail("beta", ">= 0 (the KL coefficient; 0 disables the reference model)")
     if args.num_iterations < 1:
         fail("num_iterations", ">= 1")
     if not 0.0 <= args.top_entropy_quantile <= 1.0:
         fail("top_entropy_quantile", "in [0, 1]")
-    if getattr(args, "dynamic_sampling_min_std", 0.0) < 0:
-        fail("dynamic_sampling_min_std", ">= 0")
-    if getattr(args, "max_sampling_rounds", 1) < 1:
-        fail("max_sampling_rounds", ">= 1 (1 filters without refilling)")
-    buffer = getattr(args, "overlong_buffer_length", None)
-    if buffer is not None and not (args.max_completion_length and 0 < buffer <= args.max_completion_length):
-        fail("overlong_buffer_length", f"in (0, max_completion_length={args.max_completion_length}] or None")
-    if getattr(args, "overlong_penalty", 0.0) < 0:
-        fail("overlong_penalty", ">= 0")
     if args.loss_type == "dr_grpo" and args.max_completion_length is None:
         fail("max_completion_length", "set for loss_type='dr_grpo' (it is Dr. GRPO's constant normalizer L)")
 
 
-def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
+def _check_combinations(args: trl.GRPOConfig, trl_native: bool, settings: PlusSettings) -> None:
     if trl_native:
         if args.importance_sampling_level not in TRL_IMPORTANCE_SAMPLING_LEVELS:
             raise ConfigError(
@@ -103,26 +190,16 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
                 f"loss_type={args.loss_type!r}: TRL computes that loss itself and supports only "
                 f"{', '.join(TRL_IMPORTANCE_SAMPLING_LEVELS)}."
             )
-        if getattr(args, "dual_clip", None) is not None:
+        if settings.dual_clip is not None:
             raise ConfigError(
                 f"dual_clip cannot be combined with loss_type={args.loss_type!r}: it applies to the clipped "
                 f"surrogate of the grpo_plus loss types ({', '.join(LOSS_TYPES.names())})."
             )
-    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in (
-        "group",
-        "batch",
-        "none",
-    ):
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards not in TRL_SCALE_REWARDS:
         raise ConfigError(
             f"scale_rewards={args.scale_rewards!r} cannot be combined with "
             "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "
             "itself and ignores scale_rewards. Use multi_objective_aggregation='sum_then_normalize'."
-        )
-    if getattr(args, "dynamic_sampling", False) and args.per_device_train_batch_size % args.num_generations:
-        raise ConfigError(
-            f"dynamic_sampling=True needs per_device_train_batch_size ({args.per_device_train_batch_size}) to be a "
-            f"multiple of num_generations ({args.num_generations}), so that groups are never split across processes "
-            "or micro-batches."
         )
     epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if args.delta is not None and args.delta <= 1 + epsilon_high:
@@ -131,30 +208,6 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool) -> None:
             "delta > 1 + epsilon_high so the bound only caps ratios the clip would not.",
             stacklevel=3,
         )
-
-
-def _check_selective_rollout(args: trl.GRPOConfig) -> None:
-    """The `selective_rollout_*` fields (checked whether or not selective rollout is on, so a YAML typo surfaces)."""
-    if not hasattr(args, "selective_rollout"):
-        return  # a plain trl.GRPOConfig
-
-    def fail(name: str, allowed: str) -> None:
-        raise ConfigError(f"{name}={getattr(args, name)!r} is not allowed: {name} must be {allowed}.")
-
-    low, high = args.selective_rollout_explore_min, args.selective_rollout_explore_max
-    if not 0 < low <= 1:
-        fail("selective_rollout_explore_min", "in (0, 1] (the lowest exploration probability)")
-    if not low <= high <= 1:
-        fail("selective_rollout_explore_max", f"in [selective_rollout_explore_min={low}, 1]")
-    for name in ("selective_rollout_explore_solved", "selective_rollout_explore_unsolved"):
-        if not low <= getattr(args, name) <= high:
-            fail(name, f"in [selective_rollout_explore_min={low}, selective_rollout_explore_max={high}]")
-    if not 0 <= args.selective_rollout_explore_step <= 1:
-        fail("selective_rollout_explore_step", "in [0, 1] (0 keeps the exploration probabilities fixed)")
-    if not 0 <= args.selective_rollout_target_dead_frac <= 1:
-        fail("selective_rollout_target_dead_frac", "in [0, 1]")
-    if args.selective_rollout_history < 1:
-        fail("selective_rollout_history", ">= 1 (the longest dead streak that counts)")
 
 
 @dataclass
@@ -183,14 +236,14 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
     dynamic_sampling_min_std: float = field(
-        default=1e-4,
+        default=_DYNAMIC_DEFAULTS.min_std,
         metadata={
             "help": "A group counts as informative when the std of its rewards exceeds this (absolute, in reward "
             "units); the default tolerates float noise in continuous rewards."
         },
     )
     max_sampling_rounds: int = field(
-        default=4,
+        default=_DYNAMIC_DEFAULTS.max_rounds,
         metadata={
             "help": "Most generation rounds per generation batch with dynamic sampling (1 = filter only, no refill). "
             "When the batch is still short, training uses the informative groups found (logged)."
@@ -308,3 +361,56 @@ class GRPOConfig(trl.GRPOConfig):
         # Validate our fields before TRL/transformers set up devices, so a typo fails in milliseconds.
         validate_grpo_settings(self)
         super().__post_init__()
+
+
+_OWN_FIELDS = tuple(f for f in dataclasses.fields(GRPOConfig) if f.name not in trl.GRPOConfig.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class PlusSettings:
+    """grpo_plus's own GRPOConfig fields, read once, grouped by capability (PEFT-style: each group validates itself).
+
+    Built from any config: a plain `trl.GRPOConfig` gets GRPOConfig's field defaults, so there is one default per
+    setting (`tests/test_config.py` checks every own field of GRPOConfig lands here).
+    """
+
+    dual_clip: float | None
+    overlong_buffer_length: int | None
+    overlong_penalty: float
+    zero_waste_pass: bool
+    zero_waste_shared_prompt: bool
+    zero_waste_generation: bool
+    plugins: tuple[str, ...]
+    dynamic_sampling: DynamicSamplingSettings
+    selective_rollout: bool
+    selective: SelectiveRolloutSettings
+
+    @classmethod
+    def from_args(cls, args: trl.GRPOConfig) -> PlusSettings:
+        own = types.SimpleNamespace(**{f.name: getattr(args, f.name, f.default) for f in _OWN_FIELDS})
+        return cls(
+            dual_clip=own.dual_clip,
+            overlong_buffer_length=own.overlong_buffer_length,
+            overlong_penalty=own.overlong_penalty,
+            zero_waste_pass=own.zero_waste_pass,
+            zero_waste_shared_prompt=own.zero_waste_shared_prompt,
+            zero_waste_generation=own.zero_waste_generation,
+            plugins=tuple(own.plugins or ()),
+            dynamic_sampling=DynamicSamplingSettings.from_args(own),
+            selective_rollout=own.selective_rollout,
+            selective=SelectiveRolloutSettings.from_args(own),
+        )
+
+    def validate(self, args: trl.GRPOConfig) -> None:
+        """Raise ConfigError for a value grpo_plus cannot use (the selective-rollout fields are checked whether or
+        not it is on, so a typo in a YAML file surfaces)."""
+        if self.dual_clip is not None and not self.dual_clip > 1:
+            allowed = "> 1 or None (the dual-clip constant c: for A < 0 the loss is capped at c*|A|)"
+            raise not_allowed("dual_clip", self.dual_clip, allowed)
+        buffer, length = self.overlong_buffer_length, args.max_completion_length
+        if buffer is not None and not (length and 0 < buffer <= length):
+            raise not_allowed("overlong_buffer_length", buffer, f"in (0, max_completion_length={length}] or None")
+        if self.overlong_penalty < 0:
+            raise not_allowed("overlong_penalty", self.overlong_penalty, ">= 0")
+        self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
+        self.selective.validate()

@@ -18,8 +18,9 @@ token changes only if that noise flips a near-tie.
 
 Where the loop would not be transformers' own, `generate` calls `model.generate` unchanged and says why
 (`GenerationStats.fallback`): another decoding mode (beams, assisted, contrastive), a cache that cannot be copied by
-row (static, quantized, linear-attention or encoder-decoder caches), model inputs other than ids / mask / positions
-(multimodal), streaming or score outputs, processes kept in lock-step (DeepSpeed ZeRO-3 / FSDP), or a transformers
+row (static, quantized, linear-attention or encoder-decoder caches), active dropout (TRL generates with the model in
+training mode; one prefill per prompt would draw other dropout masks than G prefills), model inputs other than ids /
+mask / positions (multimodal), streaming or score outputs, processes kept in lock-step (DeepSpeed ZeRO-3 / FSDP), or a transformers
 release whose decoding loop is not the one mirrored here (it needs `_prefill` and `next_sequence_length`, 5.x).
 """
 
@@ -34,6 +35,8 @@ import transformers
 from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
+
+from .train_pass import dropout_blocker
 
 # Model inputs the loop splits by row; generate also passes the cache, use_cache and logits_to_keep.
 ROW_INPUTS = ("attention_mask", "position_ids")
@@ -134,6 +137,8 @@ def _generate(model, model_generate, generate_kwargs: dict) -> tuple[torch.Tenso
     for name in ("streamer", "assistant_model", "synced_gpus", "custom_generate"):
         if reason is None and generate_kwargs.get(name) is not None:
             reason = f"generate was called with {name}={generate_kwargs[name]!r}"
+    if reason is None:
+        reason = dropout_blocker(model)  # one prefill per prompt and a smaller decode batch draw other masks
     if reason is None and processes_in_lockstep(model):
         reason = "DeepSpeed ZeRO-3 / FSDP over several processes keeps every process's forwards in lock-step"
     if reason is None:

@@ -18,6 +18,10 @@ from .registry import Registry
 # Importance sampling: log_ratio (B, T) = logp - old_logp  ->  log importance weights, (B, T) or (B, 1)
 # ---------------------------------------------------------------------------------------------------------------------
 
+# Trait of loss types and importance samplers: a row whose advantage is 0 adds nothing to the loss or its gradient, so
+# the trainer may leave such rows out of the training forward (grpo_plus.train_pass).
+ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING = "zero_advantage_rows_contribute_nothing"
+
 ImportanceSampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 IMPORTANCE_SAMPLERS: Registry[ImportanceSampler] = Registry("importance sampling", "importance_sampling_level")
 
@@ -38,7 +42,7 @@ def register_importance_sampling(
         name,
         aliases=aliases,
         override=override,
-        zero_advantage_rows_contribute_nothing=zero_advantage_rows_contribute_nothing,
+        traits={ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING: zero_advantage_rows_contribute_nothing},
     )
 
 
@@ -143,7 +147,7 @@ def register_loss_type(
         aliases=aliases,
         requires=requires,
         override=override,
-        zero_advantage_rows_contribute_nothing=zero_advantage_rows_contribute_nothing,
+        traits={ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING: zero_advantage_rows_contribute_nothing},
     )
 
 
@@ -188,6 +192,16 @@ def window_token_mean(masked_loss: torch.Tensor, ctx: AggregationContext) -> tor
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ClipInputs:
+    """What the clip flags are computed from (detached)."""
+
+    bounded_weights: torch.Tensor  # w after the two-sided bound `delta`, (B, T) or (B, 1)
+    advantages: torch.Tensor  # (B, 1) or (B, T)
+    epsilon: float
+    epsilon_high: float
+
+
 @dataclass
 class PolicyLossOutput:
     """Loss, per-token loss and the detached tensors the metrics are computed from."""
@@ -198,21 +212,20 @@ class PolicyLossOutput:
     importance_weights: torch.Tensor  # (B, T) or (B, 1): exp(log w) before the two-sided bound
     is_dual_clipped: torch.Tensor | None
     per_token_kl: torch.Tensor | None  # (B, T), as added to the loss (times w when bias-corrected)
-    # What the clip flags are computed from, on first use (a loss-only caller never pays for them):
-    # w after the two-sided bound (detached), advantages (B, 1) or (B, T), and (epsilon, epsilon_high).
-    clip_inputs: tuple[torch.Tensor, torch.Tensor, float, float] | None = field(repr=False, default=None)
+    # What the clip flags are computed from, on first use (a loss-only caller never pays for them).
+    clip_inputs: ClipInputs | None = field(repr=False, default=None)
 
     @cached_property
     def is_low_clipped(self) -> torch.Tensor:
         """w < 1 - epsilon where A < 0: (B, T), or (B, 1) for per-sequence weights with per-sequence advantages."""
-        weights, advantages, epsilon, _ = self.clip_inputs
-        return (weights < 1 - epsilon) & (advantages < 0)
+        clip = self.clip_inputs
+        return (clip.bounded_weights < 1 - clip.epsilon) & (clip.advantages < 0)
 
     @cached_property
     def is_high_clipped(self) -> torch.Tensor:
         """w > 1 + epsilon_high where A > 0, shaped like `is_low_clipped`."""
-        weights, advantages, _, epsilon_high = self.clip_inputs
-        return (weights > 1 + epsilon_high) & (advantages > 0)
+        clip = self.clip_inputs
+        return (clip.bounded_weights > 1 + clip.epsilon_high) & (clip.advantages > 0)
 
     def metric_totals(self) -> dict[str, torch.Tensor]:
         """name -> tensor([sum, count]); sum the tensors over processes, then divide, for a global mean.
@@ -378,20 +391,18 @@ def compute_policy_loss(
     _check_inputs(logps, old_logps, advantages, mask, ref_logps, beta, policy_weights)
 
     advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    coef_1 = torch.exp(log_weights_fn(logps - old_logps, mask))
-    raw_weights = coef_1.detach()
+    weights = torch.exp(log_weights_fn(logps - old_logps, mask))  # w; TRL calls it coef_1
 
     per_token_kl = None
     if beta != 0.0:
         # k3 estimator of KL(pi || pi_ref); multiplied by w it is the unbiased reverse-KL gradient (DeepSeek-V3.2).
         per_token_kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         if use_bias_correction_kl:
-            per_token_kl = per_token_kl * coef_1
+            per_token_kl = per_token_kl * weights
 
-    coef_2 = torch.clamp(coef_1, 1 - epsilon, 1 + epsilon_high)
-    if delta is not None:
-        coef_1 = torch.clamp(coef_1, max=delta)
-    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    clipped_weights = torch.clamp(weights, 1 - epsilon, 1 + epsilon_high)  # TRL's coef_2
+    bounded_weights = weights if delta is None else torch.clamp(weights, max=delta)
+    per_token_loss = -torch.min(bounded_weights * advantages, clipped_weights * advantages)
 
     is_dual_clipped = None
     if dual_clip is not None:
@@ -412,10 +423,10 @@ def compute_policy_loss(
         loss=loss,
         per_token_loss=per_token_loss.expand(mask.shape),
         mask=mask,
-        importance_weights=raw_weights,
+        importance_weights=weights.detach(),
         is_dual_clipped=is_dual_clipped,
         per_token_kl=None if per_token_kl is None else per_token_kl.detach(),
-        clip_inputs=(coef_1.detach(), advantages.detach(), epsilon, epsilon_high),
+        clip_inputs=ClipInputs(bounded_weights.detach(), advantages.detach(), epsilon, epsilon_high),
     )
 
 

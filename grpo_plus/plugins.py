@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 from collections.abc import Iterable
 from importlib.metadata import entry_points
+from types import ModuleType
 
 ENTRY_POINT_GROUP = "grpo_plus.plugins"
 logger = logging.getLogger(__name__)
@@ -42,15 +45,32 @@ def load_entry_point_plugins() -> list[str]:
     return loaded
 
 
+def import_user_module(name: str) -> ModuleType:
+    """Import a user's module (plugins, reward functions), also from the working directory: `python recipes/x.py`
+    puts the script's folder on sys.path, not the folder it is run from, where the user's modules usually are."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        cwd = os.getcwd()
+        if error.name != name.split(".")[0] or any(os.path.abspath(p or ".") == cwd for p in sys.path):
+            raise
+    sys.path.append(cwd)  # appended: an installed module of the same name still wins
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        sys.path.remove(cwd)
+        raise
+
+
 def import_plugin_modules(modules: Iterable[str]) -> None:
     """Import modules that register modes (the config's `plugins` field: `--plugins my_modes`)."""
     for module in modules:
         try:
-            importlib.import_module(module)
+            import_user_module(module)
         except ImportError as error:
             raise PluginError(
-                f"plugins: could not import {module!r} ({error}). Give an importable module name "
-                "(on PYTHONPATH or installed) whose import registers your modes."
+                f"plugins: could not import {module!r} ({error}). Give an importable module name (in the working "
+                "directory, on PYTHONPATH or installed) whose import registers your modes."
             ) from error
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -37,9 +38,12 @@ class Entry(Generic[F]):
     aliases: tuple[str, ...] = ()
     requires: tuple[str, ...] = ()
     doc: str = ""
-    # Declared by the registrar: a row whose advantage is 0 adds nothing to the loss or its gradient, so the
-    # trainer may leave such rows out of the training forward (see grpo_plus.train_pass).
-    zero_advantage_rows_contribute_nothing: bool = False
+    # Properties the registrar declared about `fn` that callers may rely on, by name (read with `trait`).
+    traits: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def trait(self, name: str, default: Any = None) -> Any:
+        """A declared property of the registered callable, or `default` when the registrar did not declare it."""
+        return self.traits.get(name, default)
 
 
 @dataclass
@@ -59,9 +63,11 @@ class Registry(Generic[F]):
         aliases: Iterable[str] = (),
         requires: Iterable[str] = (),
         override: bool = False,
-        zero_advantage_rows_contribute_nothing: bool = False,
+        traits: Mapping[str, Any] | None = None,
     ) -> Callable[[F], F] | F:
-        """Register `fn` under `name` (usable as a decorator). Re-registering needs `override=True`."""
+        """Register `fn` under `name` (usable as a decorator). Re-registering needs `override=True`.
+
+        `traits` are properties the registrar declares about `fn` (see `Entry.trait`)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"A {self.kind} name must be a non-empty string, got {name!r}.")
         aliases = tuple(aliases)
@@ -79,14 +85,9 @@ class Registry(Generic[F]):
             for alias in aliases:
                 self._drop(alias)  # an alias may replace a whole entry (override=True): drop it, not shadow it
                 self._aliases[alias] = name
-            self._entries[name] = Entry(
-                name,
-                func,
-                aliases,
-                tuple(requires),
-                (func.__doc__ or "").strip(),
-                zero_advantage_rows_contribute_nothing,
-            )
+            doc = (func.__doc__ or "").strip()
+            declared = MappingProxyType(dict(traits or {}))
+            self._entries[name] = Entry(name, func, aliases, tuple(requires), doc, declared)
             return func
 
         return decorator(fn) if fn is not None else decorator
@@ -116,6 +117,10 @@ class Registry(Generic[F]):
         if isinstance(name, str) and name in self._aliases:
             return self._aliases[name]
         raise ValueError(self.unknown_message(name))
+
+    def entries(self) -> list[Entry[F]]:
+        """Every registered entry, sorted by name."""
+        return [self._entries[name] for name in self.names()]
 
     def entry(self, name: str) -> Entry[F]:
         return self._entries[self.resolve(name)]

@@ -1,13 +1,15 @@
-"""DAPO dynamic sampling helpers: find informative groups, stitch rounds of generations, shuffle by group."""
+"""DAPO dynamic sampling: find informative groups, generate refill rounds, stitch them, shuffle by group."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .advantages import nanstd
+from .settings import ConfigError, not_allowed
 
 # Generation-batch keys by how they pad when rounds of different lengths are concatenated.
 _LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
@@ -87,7 +89,7 @@ def shuffle_groups(batch: dict[str, Any], num_generations: int) -> dict[str, Any
     return {k: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in batch.items()}
 
 
-def refill_prompts(dataset, num_generations: int, prompts_per_draw: int, seed: int) -> Iterator[list[int]]:
+def refill_prompts(dataset_size: int, num_generations: int, prompts_per_draw: int, seed: int) -> Iterator[list[int]]:
     """Endless draws of dataset indices, each prompt repeated `num_generations` times, reshuffled every pass.
 
     Every process iterates the same sequence (same seed) and takes its own slice of each draw.
@@ -96,6 +98,117 @@ def refill_prompts(dataset, num_generations: int, prompts_per_draw: int, seed: i
     pending: list[int] = []
     while True:
         while len(pending) < prompts_per_draw:
-            pending += torch.randperm(len(dataset), generator=generator).tolist()
+            pending += torch.randperm(dataset_size, generator=generator).tolist()
         draw, pending = pending[:prompts_per_draw], pending[prompts_per_draw:]
         yield [index for index in draw for _ in range(num_generations)]
+
+
+@dataclass(frozen=True)
+class DynamicSamplingSettings:
+    """GRPOConfig's dynamic-sampling fields: `dynamic_sampling`, `dynamic_sampling_min_std`, `max_sampling_rounds`."""
+
+    enabled: bool = False
+    min_std: float = 1e-4  # a group is informative when the std of its rewards exceeds this
+    max_rounds: int = 4  # generation rounds per generation batch (1 = filter only)
+
+    @classmethod
+    def from_args(cls, args: Any) -> DynamicSamplingSettings:
+        return cls(args.dynamic_sampling, args.dynamic_sampling_min_std, args.max_sampling_rounds)
+
+    def validate(self, per_device_train_batch_size: int, num_generations: int) -> None:
+        """Raise ConfigError, naming the GRPOConfig field, for a value dynamic sampling cannot use."""
+        if self.min_std < 0:
+            raise not_allowed("dynamic_sampling_min_std", self.min_std, ">= 0")
+        if self.max_rounds < 1:
+            raise not_allowed("max_sampling_rounds", self.max_rounds, ">= 1 (1 filters without refilling)")
+        if self.enabled and per_device_train_batch_size % num_generations:
+            raise ConfigError(
+                f"dynamic_sampling=True needs per_device_train_batch_size ({per_device_train_batch_size}) to be a "
+                f"multiple of num_generations ({num_generations}), so that groups are never split across processes "
+                "or micro-batches."
+            )
+
+
+class DynamicSampling:
+    """Fills one generation batch with informative groups: keeps each round's informative groups, asks for refill
+    rounds until every process holds enough (or `max_rounds`), and stitches what it kept.
+
+    The trainer supplies the rounds (TRL's generation and scoring) and the collectives; this class holds the refill
+    stream, which every process iterates alike (same seed) taking its own slice, and whose position is training
+    state (`refill_draws_made`, checkpointed so a resumed run continues the stream).
+    """
+
+    def __init__(self, settings: DynamicSamplingSettings, dataset_size: int, num_generations: int, seed: int):
+        self.settings, self.dataset_size, self.num_generations, self.seed = (
+            settings,
+            dataset_size,
+            num_generations,
+            seed,
+        )
+        self.refill_draws_made = 0
+        self._draws: Iterator[list[int]] | None = None
+
+    def restart_at(self, refill_draws_made: int) -> None:
+        """Continue the refill stream where a checkpointed run stood (after `refill_draws_made` draws)."""
+        self._draws, self.refill_draws_made = None, refill_draws_made
+
+    def refill_rows(self, prompts_per_draw: int) -> list[int]:
+        """Dataset rows of the next refill draw over all processes, each prompt `num_generations` times."""
+        if self._draws is None:
+            self._draws = refill_prompts(self.dataset_size, self.num_generations, prompts_per_draw, self.seed)
+            for _ in range(self.refill_draws_made):
+                next(self._draws)
+        self.refill_draws_made += 1
+        return next(self._draws)
+
+    def collect(
+        self,
+        first_round: dict[str, Any],
+        wanted: int,
+        process_index: int,
+        round_rewards: Callable[[], torch.Tensor],
+        next_round: Callable[[], dict[str, Any]],
+        fewest_across_processes: Callable[[int], int],
+        loss_tokens_across_processes: Callable[[torch.Tensor], torch.Tensor],
+        pad_token_id: int,
+        micro_batches: int,
+    ) -> tuple[dict[str, Any], dict[str, float]]:
+        """(this process's generation batch, metrics). `wanted` groups per process; `round_rewards()` are the
+        gathered rewards (all processes) of the round just scored; every process trains the same number of whole
+        groups, a multiple of `micro_batches`. With nothing informative enough, the first round trains, as in TRL."""
+        num_generations = self.num_generations
+        kept, kept_groups, filtered, seen, rounds, batch = [], 0, 0, 0, 0, first_round
+        while True:
+            rounds += 1
+            informative = informative_groups(round_rewards(), num_generations, self.settings.min_std)
+            local = informative[process_index * wanted : (process_index + 1) * wanted]
+            if rounds == 1:
+                first_round_informative = informative.float().mean().item()
+            kept.append(select_rows(batch, group_rows(local, num_generations)))
+            kept_groups += int(local.sum())
+            filtered, seen = filtered + int((~informative).sum()), seen + informative.numel()
+            fewest = fewest_across_processes(kept_groups)  # collective: every process runs the same rounds
+            if fewest >= wanted or rounds >= self.settings.max_rounds:
+                break
+            batch = next_round()
+
+        usable = min(fewest, wanted)
+        usable -= usable % micro_batches
+        if usable == 0:
+            output, trained_informative = first_round, first_round_informative
+        else:
+            output = concat_rows(kept, pad_token_id)
+            output = {k: v[: usable * num_generations] for k, v in output.items()}
+            output["num_items_in_batch"] = loss_tokens_across_processes(
+                output["completion_mask"] * output.get("tool_mask", 1)
+            )
+            trained_informative = 1.0
+        metrics = {
+            "rounds": rounds,
+            "groups_filtered": filtered,
+            "filtered_frac": filtered / seen,
+            "trained_groups_per_process": usable,
+            "short_batch": float(usable < wanted),
+            "trained_informative_frac": trained_informative,
+        }
+        return output, metrics

@@ -14,6 +14,7 @@ the same history make the same decisions, and the state is a handful of numbers 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from .sampling import informative_groups
+from .settings import not_allowed
 
 SOLVED, UNSOLVED = "solved", "unsolved"
 KINDS = (SOLVED, UNSOLVED)
@@ -54,6 +56,27 @@ class SelectiveRolloutSettings:
         names = [f.name for f in fields(cls) if f.name != "min_std"]
         settings = {name: getattr(args, f"selective_rollout_{name}") for name in names}
         return cls(**settings, min_std=args.dynamic_sampling_min_std)
+
+    def validate(self) -> None:
+        """Raise ConfigError, naming the GRPOConfig field, for a value selective rollout cannot use."""
+
+        def fail(name: str, allowed: str) -> None:
+            raise not_allowed(f"selective_rollout_{name}", getattr(self, name), allowed)
+
+        low, high = self.explore_min, self.explore_max
+        if not 0 < low <= 1:
+            fail("explore_min", "in (0, 1] (the lowest exploration probability)")
+        if not low <= high <= 1:
+            fail("explore_max", f"in [selective_rollout_explore_min={low}, 1]")
+        for name in ("explore_solved", "explore_unsolved"):
+            if not low <= getattr(self, name) <= high:
+                fail(name, f"in [selective_rollout_explore_min={low}, selective_rollout_explore_max={high}]")
+        if not 0 <= self.explore_step <= 1:
+            fail("explore_step", "in [0, 1] (0 keeps the exploration probabilities fixed)")
+        if not 0 <= self.target_dead_frac <= 1:
+            fail("target_dead_frac", "in [0, 1]")
+        if self.history < 1:
+            fail("history", ">= 1 (the longest dead streak that counts)")
 
 
 @dataclass
@@ -186,12 +209,16 @@ class SelectiveRollout:
 
     def _dead_kind(self, mean_reward: float) -> str:
         """All right (solved) or all wrong (unsolved): the group's reward against `solved_reward`, by default the
-        midpoint of the lowest and highest reward seen so far (0.5 for a 0/1 reward). Unscorable is unsolved."""
+        midpoint of the lowest and highest reward seen so far (0.5 for a 0/1 reward). Until two different rewards
+        have been seen there is no midpoint: a positive reward counts as right, 0 or less as wrong. Unscorable is
+        unsolved."""
         threshold = self.settings.solved_reward
-        if threshold is None:
-            low, high = self.reward_range if self.reward_range is not None else (0.0, 0.0)
-            threshold = (low + high) / 2
-        return SOLVED if mean_reward >= threshold else UNSOLVED
+        if threshold is not None:
+            return SOLVED if mean_reward >= threshold else UNSOLVED
+        low, high = self.reward_range if self.reward_range is not None else (0.0, 0.0)
+        if low == high:
+            return SOLVED if mean_reward > 0 else UNSOLVED
+        return SOLVED if mean_reward >= (low + high) / 2 else UNSOLVED
 
     # ---- adaptation and metrics ---------------------------------------------------------------------------------
 
@@ -240,15 +267,16 @@ class SelectiveRollout:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"Unknown selective-rollout state version {state.get('version')!r}.")
+        problem = state_problem(state)
+        if problem is not None:
+            raise ValueError(problem)
         if state["dataset_size"] != self.dataset_size:
             raise ValueError(
-                f"The checkpoint's selective-rollout history is for a train_dataset of {state['dataset_size']} rows; "
-                f"this run's has {self.dataset_size}. Resume with the same dataset."
+                f"its history is for a train_dataset of {state['dataset_size']} rows; this run's has "
+                f"{self.dataset_size}. Resume with the same dataset."
             )
         self.seed, self.pass_index, self.position = state["seed"], state["pass_index"], state["position"]
-        self.streaks = {index: (kind, streak) for index, kind, streak in state["streaks"]}
+        self.streaks = {index: (kind, min(streak, self.settings.history)) for index, kind, streak in state["streaks"]}
         self.explore = {kind: float(state["explore"][kind]) for kind in KINDS}
         self.reward_range = tuple(state["reward_range"]) if state["reward_range"] is not None else None
         self._tally, self._pass_cache = _Tally(), None
@@ -266,5 +294,65 @@ class SelectiveRollout:
         path = Path(checkpoint) / STATE_FILE
         if not path.is_file():
             return False
-        self.load_state_dict(json.loads(path.read_text()))
+        try:
+            self.load_state_dict(json.loads(path.read_text()))
+        except ValueError as error:  # JSONDecodeError included
+            raise ValueError(f"{path} cannot be loaded: {error}") from error
         return True
+
+
+def state_problem(state: Any) -> str | None:
+    """What is wrong with a saved selective-rollout state (a dict from `state_dict`), or None."""
+    if not isinstance(state, dict):
+        return f"expected a JSON object, found {type(state).__name__}"
+    if state.get("version") != STATE_VERSION:
+        return f"unknown state version {state.get('version')!r} (this grpo_plus writes {STATE_VERSION})"
+    missing = {"dataset_size", "seed", "pass_index", "position", "streaks", "explore", "reward_range"} - set(state)
+    if missing:
+        return f"fields missing: {', '.join(sorted(missing))}"
+    size = state["dataset_size"]
+    checks = [
+        (_is_int(size) and size >= 1, "dataset_size must be an integer >= 1"),
+        (_is_int(state["seed"]), "seed must be an integer"),
+        (_is_int(state["pass_index"]) and state["pass_index"] >= 0, "pass_index must be an integer >= 0"),
+        (_is_int(state["position"]) and 0 <= state["position"] <= size, f"position must be in [0, {size}]"),
+        (
+            isinstance(state["explore"], dict)
+            and all(_is_number(state["explore"].get(kind)) and 0 <= state["explore"][kind] <= 1 for kind in KINDS),
+            f"explore must give a probability in [0, 1] for {' and '.join(KINDS)}",
+        ),
+        (
+            state["reward_range"] is None
+            or (
+                isinstance(state["reward_range"], list)
+                and len(state["reward_range"]) == 2
+                and all(_is_number(v) and math.isfinite(v) for v in state["reward_range"])
+                and state["reward_range"][0] <= state["reward_range"][1]
+            ),
+            "reward_range must be null or [low, high] with finite low <= high",
+        ),
+        (
+            isinstance(state["streaks"], list)
+            and all(
+                isinstance(entry, list)
+                and len(entry) == 3
+                and _is_int(entry[0])
+                and 0 <= entry[0] < size
+                and entry[1] in KINDS
+                and _is_int(entry[2])
+                and entry[2] >= 1
+                for entry in state["streaks"]
+            ),
+            f"every streak must be [row in [0, {size}), kind in {list(KINDS)}, length >= 1]",
+        ),
+    ]
+    failed = [message for ok, message in checks if not ok]
+    return f"out-of-range values: {'; '.join(failed)}" if failed else None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -17,14 +17,14 @@ so that each segment's first position predicts its own first completion token).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 IGNORE_INDEX = -100
 # Model families whose forward takes position_ids and a custom 4D attention mask as given, checked by the exactness
-# tests (tests/test_train_pass.py) against TRL's own forward.
+# tests (tests/test_train_pass_trainer.py) against TRL's own forward.
 SHARED_PROMPT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
 # Forward cost of a pack of n positions, in units of one position's linear layers: n + n^2 / (ATTENTION_COST * d).
@@ -110,7 +110,7 @@ class PackedBatch:
     targets: torch.Tensor  # (n, L): the token each position predicts, IGNORE_INDEX where nothing is scored
     source: tuple[torch.Tensor, torch.Tensor]  # (pack, position) of every scored position
     destination: tuple[torch.Tensor, torch.Tensor]  # (row, completion column) of the same positions
-    rows: int  # original rows covered
+    shares_prompts: bool = True  # some pack holds two or more completions after its prompt
 
     @property
     def positions(self) -> int:
@@ -170,37 +170,65 @@ def pack_shared_prompts(
     attended = completion_mask_cpu.bool()
     lengths = [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in attended]
 
-    packs: list[dict[str, list]] = []
+    packs: list[_Pack] = []
     for rows in group_rows_by_prompt(prompt_ids_cpu, prompt_mask_cpu):
         rows = [r for r in rows if lengths[r] > 0]  # nothing scored, nothing to compute (TRL returns zeros)
         if not rows:
             continue
         prefix_columns = prompt_mask_cpu[rows[0], :-1].nonzero().squeeze(1)
         for pack_rows in plan_packs(len(prefix_columns), [lengths[r] for r in rows], hidden_size):
-            pack = {"ids": [], "pos": [], "seg": [], "valid": [], "tgt": [], "dst_row": [], "dst_col": []}
-            first = rows[pack_rows[0]]
-            pack["ids"].append(prompt_ids_cpu[first, prefix_columns])
-            pack["pos"].append(prefix_columns)
-            pack["seg"].append(torch.full((len(prefix_columns),), _PREFIX))
-            pack["valid"].append(torch.ones(len(prefix_columns), dtype=torch.bool))
-            pack["tgt"].append(torch.full((len(prefix_columns),), IGNORE_INDEX))
+            pack = _Pack()
+            pack.add(
+                prompt_ids_cpu[rows[pack_rows[0]], prefix_columns],
+                prefix_columns,
+                segment=_PREFIX,
+                attended=torch.ones(len(prefix_columns), dtype=torch.bool),
+                targets=torch.full((len(prefix_columns),), IGNORE_INDEX),
+            )
             for segment, index in enumerate(pack_rows):
                 row, length = rows[index], lengths[rows[index]]
-                pack["ids"].append(torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]))
-                pack["pos"].append(torch.arange(prompt_width - 1, prompt_width - 1 + length))
-                pack["seg"].append(torch.full((length,), segment))
-                pack["valid"].append(torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]))
                 scored = attended[row, :length]
-                pack["tgt"].append(completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX))
-                columns = scored.nonzero().squeeze(1)
-                pack["dst_row"].append(torch.full((len(columns),), row))
-                pack["dst_col"].append(columns)
-            packs.append({key: torch.cat(parts) for key, parts in pack.items()})
-    return _stack_packs(packs, pad_token_id, prompt_ids.device, len(lengths))
+                pack.add(
+                    torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]),
+                    torch.arange(prompt_width - 1, prompt_width - 1 + length),
+                    segment=segment,
+                    attended=torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]),
+                    targets=completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX),
+                    destination_row=row,
+                    destination_columns=scored.nonzero().squeeze(1),
+                )
+            packs.append(pack)
+    return _stack_packs(packs, pad_token_id, prompt_ids.device)
 
 
-def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device, rows: int) -> PackedBatch:
-    width = max((len(p["ids"]) for p in packs), default=0)
+@dataclass
+class _Pack:
+    """One model row under construction: the shared prefix, then one segment per completion."""
+
+    token_ids: list[torch.Tensor] = field(default_factory=list)
+    position_ids: list[torch.Tensor] = field(default_factory=list)
+    segments: list[torch.Tensor] = field(default_factory=list)  # _PREFIX, or the completion's index in the pack
+    attended: list[torch.Tensor] = field(default_factory=list)  # keys TRL's 2D attention mask attends
+    targets: list[torch.Tensor] = field(default_factory=list)  # the token each position predicts, or IGNORE_INDEX
+    destination_rows: list[torch.Tensor] = field(default_factory=list)  # TRL row of each scored position
+    destination_columns: list[torch.Tensor] = field(default_factory=list)  # TRL completion column of each
+
+    def add(self, token_ids, position_ids, segment, attended, targets, destination_row=None, destination_columns=None):
+        self.token_ids.append(token_ids)
+        self.position_ids.append(position_ids)
+        self.segments.append(torch.full((len(token_ids),), segment))
+        self.attended.append(attended)
+        self.targets.append(targets)
+        if destination_row is not None:
+            self.destination_rows.append(torch.full((len(destination_columns),), destination_row))
+            self.destination_columns.append(destination_columns)
+
+    def __len__(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
+
+def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
+    width = max((len(p) for p in packs), default=0)
     n = len(packs)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((n, width), dtype=torch.long)
@@ -209,17 +237,18 @@ def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device
     targets = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
     source_pack, source_position, destination_row, destination_col = [], [], [], []
     for index, pack in enumerate(packs):
-        length = len(pack["ids"])
-        input_ids[index, :length] = pack["ids"]
-        position_ids[index, :length] = pack["pos"]
-        segments[index, :length] = pack["seg"]
-        valid[index, :length] = pack["valid"]
-        targets[index, :length] = pack["tgt"]
-        scored = (pack["tgt"] != IGNORE_INDEX).nonzero().squeeze(1)
+        length = len(pack)
+        input_ids[index, :length] = torch.cat(pack.token_ids)
+        position_ids[index, :length] = torch.cat(pack.position_ids)
+        segments[index, :length] = torch.cat(pack.segments)
+        valid[index, :length] = torch.cat(pack.attended)
+        pack_targets = torch.cat(pack.targets)
+        targets[index, :length] = pack_targets
+        scored = (pack_targets != IGNORE_INDEX).nonzero().squeeze(1)
         source_pack.append(torch.full((len(scored),), index))
         source_position.append(scored)
-        destination_row.append(pack["dst_row"])
-        destination_col.append(pack["dst_col"])
+        destination_row.append(torch.cat(pack.destination_rows))
+        destination_col.append(torch.cat(pack.destination_columns))
     block_mask = block_attention_mask(segments, valid)
 
     def flat(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -232,7 +261,7 @@ def _stack_packs(packs: list[dict[str, torch.Tensor]], pad_token_id: int, device
         targets=targets.to(device),
         source=(flat(source_pack), flat(source_position)),
         destination=(flat(destination_row), flat(destination_col)),
-        rows=rows,
+        shares_prompts=any(len(pack.segments) > 2 for pack in packs),  # the prefix and 2+ completion segments
     )
 
 
@@ -264,14 +293,109 @@ def unpack(values: torch.Tensor, batch: PackedBatch, shape: tuple[int, int]) -> 
     return picked.new_zeros(shape).index_put(batch.destination, picked)
 
 
-def chunk_rows(groups: list[list[int]], max_rows: int | None) -> list[list[int]]:
-    """Consecutive groups merged into chunks of at most `max_rows` rows (a group is never split)."""
-    if not max_rows:
-        return [[row for group in groups for row in group]]
-    chunks: list[list[int]] = []
-    for group in groups:
-        if chunks and len(chunks[-1]) + len(group) <= max_rows:
-            chunks[-1].extend(group)
-        else:
-            chunks.append(list(group))
-    return chunks
+def row_chunks(num_rows: int, max_rows: int | None) -> list[range]:
+    """TRL's chunks of a no-grad pass: consecutive rows, `max_rows` at a time (all rows when None).
+
+    The count depends only on the number of rows, never on the data, so every process makes the same number of
+    model calls: under DeepSpeed ZeRO-3 / FSDP each call gathers parameters collectively, and a process that made
+    fewer calls than the others would leave them waiting forever.
+    """
+    step = max_rows or max(num_rows, 1)
+    return [range(start, min(start + step, num_rows)) for start in range(0, num_rows, step)]
+
+
+def dropout_blocker(model: torch.nn.Module) -> str | None:
+    """Why the model's forward draws random numbers (active dropout), or None.
+
+    Dropout masks are drawn per position from the global RNG: a forward over fewer rows, fewer columns or one
+    prompt copy per group draws different masks than TRL's full forward, so no saving is exact while it is active.
+    """
+    if not model.training:
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
+            return f"dropout is active in the training forward ({name or 'model'}: p={module.p})"
+    config = getattr(model, "config", None)
+    attention_dropout = getattr(config, "attention_dropout", 0.0)  # functional dropout inside attention (Llama family)
+    if isinstance(attention_dropout, (int, float)) and attention_dropout > 0:
+        return f"dropout is active in the training forward (attention_dropout={attention_dropout})"
+    return None
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+
+
+def forward_rows(
+    forward: Forward,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    width: int,
+    live: torch.Tensor | None,
+    fill: torch.Tensor,
+    bridge: slice,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(log-probs, entropies, aux loss) of a (B, prompt + `width`) batch, sending only the `live` rows through
+    `forward(input_ids, attention_mask, width)`; the other rows get `fill` (log-probs) and 0 (entropies).
+
+    Exactly one `forward` call whatever `live` holds, so every process calls the model equally often. When no row
+    is live, backward (and DDP's all-reduce) still needs a graph over every parameter: one position's log-prob,
+    taken at the `bridge` columns of the first row, times zero.
+    """
+    if live is None or bool(live.all()):
+        return forward(input_ids, attention_mask, width)
+    rows = live.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        anchor, _, _ = forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+        return fill + 0.0 * anchor.sum(), torch.zeros_like(fill), None
+    logps, entropies, _ = forward(input_ids[rows], attention_mask[rows], width)
+    no_entropy = torch.zeros_like(fill)
+    entropies = None if entropies is None else scatter_rows(entropies, rows, no_entropy)
+    return scatter_rows(logps, rows, fill), entropies, None
+
+
+def shared_prompt_logps(
+    model_forward: Callable[[PackedBatch], tuple[torch.Tensor, torch.Tensor | None]],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    batch_size: int | None,
+    hidden_size: int,
+    pad_token_id: int,
+    unshared_positions: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None where packing
+    does not pay: a chunk has no token to score, no pack shares its prompt (a block mask would only cost: a dense
+    S x S mask per pack, and models expand grouped key/value heads for it), or the packs, padded to the widest,
+    hold at least the `unshared_positions` the caller's per-row forward would compute (rows of a group spread
+    over micro-batches). The caller then runs the per-row forward, which makes the same number of model calls.
+
+    `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
+    entropies or None). Chunks are TRL's (`row_chunks`), one model call each.
+    """
+    prompt_width = input_ids.shape[1] - logits_to_keep
+    prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
+    prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+    batches = []
+    for rows in row_chunks(input_ids.shape[0], batch_size):
+        index = torch.arange(rows.start, rows.stop, device=input_ids.device)
+        batch = pack_shared_prompts(
+            prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index],
+            hidden_size, pad_token_id,
+        )  # fmt: skip
+        if batch.input_ids.numel() == 0:
+            return None
+        batches.append((index, batch))
+    if not any(batch.shares_prompts for _, batch in batches):
+        return None
+    if unshared_positions is not None and sum(batch.positions for _, batch in batches) >= unshared_positions:
+        return None
+    logps = entropies = None
+    for index, batch in batches:
+        chunk_logps, chunk_entropies = model_forward(batch)
+        shape = (len(index), logits_to_keep)
+        logps = chunk_logps.new_zeros((input_ids.shape[0], logits_to_keep)) if logps is None else logps
+        logps = logps.index_put((index,), unpack(chunk_logps, batch, shape))
+        if chunk_entropies is not None:
+            entropies = logps.new_zeros(logps.shape) if entropies is None else entropies
+            entropies = entropies.index_put((index,), unpack(chunk_entropies, batch, shape))
+    return logps, entropies

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 import trl
 import trl.trainer.utils as trl_utils
 from packaging.version import Version
+from trl.models import unwrap_model_for_generation
+from trl.models.utils import disable_gradient_checkpointing
 from trl.rewards import get_soft_overlong_punishment
-from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict
+from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict, use_adapter
 
 __all__ = [
     "FORWARD_INPUT_KEYS",
@@ -28,6 +33,12 @@ __all__ = [
     "UntestedTRLVersionWarning",
     "check_hooked_methods",
     "check_trl_compatibility",
+    "TRL_IMPORTANCE_SAMPLING_LEVELS",
+    "TRL_NATIVE_LOSS_TYPES",
+    "TRL_SCALE_REWARDS",
+    "disable_gradient_checkpointing",
+    "entropy_bonus",
+    "fused_lm_head_forward",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "is_async_callable",
@@ -36,13 +47,22 @@ __all__ = [
     "uses_continuous_batching",
     "nanmax",
     "nanmin",
+    "reference_model",
     "split_tensor_dict",
     "tested_trl_versions_text",
+    "unwrap_model_for_generation",
 ]
 
 # The TRL minors `make test-matrix` runs the parity tests against (every patch release of each). pyproject.toml caps
 # TRL below the next minor; tests/test_trl_compat.py checks that the cap, this list and the Makefile agree.
 TESTED_TRL_MINORS = ("1.14", "1.15", "1.16")
+
+# ---- TRL's objective as TRL 1.14-1.16 implement it -----------------------------------------------------------------
+# Loss types TRL computes itself and grpo_plus hands to TRL's own `_compute_loss` (token / sequence levels only).
+TRL_NATIVE_LOSS_TYPES = ("cispo", "sapo", "luspo", "vespo")
+TRL_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+# The `scale_rewards` names TRL's inline advantage code accepts (grpo_plus's registry adds aliases and user modes).
+TRL_SCALE_REWARDS = ("group", "batch", "none")
 
 # Model inputs `_get_per_token_logps_and_entropies` takes besides ids and mask (multimodal models), by keyword.
 FORWARD_INPUT_KEYS = (
@@ -69,20 +89,24 @@ class TRLCompatibilityError(RuntimeError):
 
 @dataclass(frozen=True)
 class HookedMethod:
-    """A private `trl.GRPOTrainer` method grpo_plus relies on, and the arguments it must accept.
+    """A private method of `trl.GRPOTrainer` (or of the transformers Trainer under it) that grpo_plus relies on.
 
-    `overridden`: grpo_plus replaces the method and TRL calls the replacement, so TRL's parameters must be exactly
-    `positional` (a new parameter would be passed to an override that does not take it); with `passes_rest_on`, the
-    override reads only the leading `positional` ones and hands any further ones to TRL's method unchanged, so TRL's
-    parameters must start with `positional`. Otherwise grpo_plus only calls it, and TRL's signature must accept
-    `positional` (under these names, or through *args) and `keywords`.
+    `overridden`: grpo_plus.GRPOTrainer defines it (TRL calls grpo_plus's version); otherwise grpo_plus only calls
+    TRL's. `check` says what must still hold in TRL for that to work:
+    - "exact": TRL calls grpo_plus's override, which takes exactly `positional`, so TRL's parameters must be exactly
+      those (a new parameter would be passed to an override that does not take it);
+    - "accepts": grpo_plus calls TRL's method with `positional` (by position) and `keywords`, so TRL's signature must
+      accept that call (an override that forwards whatever TRL passes, or a plain call);
+    - "leading": TRL calls grpo_plus's override, which reads the leading `positional` parameters and hands any
+      further ones to TRL's method unchanged, so TRL's parameters must start with exactly those;
+    - "exists": the override forwards `*args, **kwargs` untouched: the method must only still exist.
     """
 
     name: str
-    positional: tuple[str, ...]
+    positional: tuple[str, ...] = ()
     keywords: tuple[str, ...] = ()
+    check: str = "exact"
     overridden: bool = True
-    passes_rest_on: bool = False
 
 
 HOOKED_METHODS = (
@@ -92,15 +116,18 @@ HOOKED_METHODS = (
     HookedMethod("_generate_and_score_completions", ("inputs",)),
     # 1.14.0: (..., multimodal_fields, has_tool_images=False); 1.14.2+: (..., multimodal_fields, num_generations,
     # has_tool_images=False). The zero-waste generation override reads the first three and passes the rest on.
-    HookedMethod("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields"), passes_rest_on=True),
+    HookedMethod("_generate_single_turn", ("prompt_ids", "images", "multimodal_fields"), check="leading"),
     # 1.14: (model, *args, batch_size=None, compute_aux_loss=False, **kwargs); 1.15+: every argument spelled out.
     # grpo_plus's override (the zero-waste pass) takes any keyword TRL passes and calls TRL's method this way.
     HookedMethod(
         "_get_per_token_logps_and_entropies",
         ("model", "input_ids", "attention_mask", "logits_to_keep"),
         ("batch_size", "compute_entropy", "compute_aux_loss", *FORWARD_INPUT_KEYS),
-        overridden=False,
+        check="accepts",
     ),
+    HookedMethod("_save_checkpoint", ("model", "trial")),  # TRL's, over transformers': extra training state
+    HookedMethod("_save", ("output_dir", "state_dict")),  # transformers': no Hub token, no local base-model path
+    HookedMethod("_maybe_log_save_evaluate", check="exists"),  # transformers': a step is complete after it
 )
 
 
@@ -117,14 +144,17 @@ def is_tested_trl_version(version: str) -> bool:
 
 def _signature_problem(method, expected: HookedMethod) -> str | None:
     """Why `method` does not fit `expected`, or None if it does."""
+    if expected.check == "exists":
+        return None
     parameters = list(inspect.signature(method).parameters.values())[1:]  # drop self
-    if expected.overridden:
+    if expected.check in ("exact", "leading"):
         names = tuple(p.name for p in parameters)
-        read = parameters[: len(expected.positional)] if expected.passes_rest_on else parameters
+        leading = expected.check == "leading"
+        read = parameters[: len(expected.positional)] if leading else parameters
         if tuple(p.name for p in read) != expected.positional or any(
             p.kind is not p.POSITIONAL_OR_KEYWORD for p in read
         ):
-            takes = ", ".join([*expected.positional, *(["..."] if expected.passes_rest_on else [])])
+            takes = ", ".join([*expected.positional, *(["..."] if leading else [])])
             return f"its parameters are ({', '.join(names)}), grpo_plus's override takes ({takes})"
         return None
     try:
@@ -177,6 +207,70 @@ def check_trl_compatibility(trainer_class: type | None = None, trl_version: str 
 def _next_minor(minor: str) -> str:
     major, minor_number = minor.split(".")
     return f"{major}.{int(minor_number) + 1}"
+
+
+@contextmanager
+def reference_model(trainer: trl.GRPOTrainer) -> Iterator[torch.nn.Module]:
+    """The model TRL computes reference log-probs with, set up as TRL does (1.14-1.16 `_generate_and_score_completions`):
+    `ref_model` when there is one, else the PEFT policy with its adapters off (or its initial copy named "ref")."""
+    if trainer.ref_model is not None:
+        yield trainer.ref_model
+        return
+    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
+        yield trainer.model
+
+
+def fused_lm_head_forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    shift_labels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-position (log-prob of `shift_labels`, entropy) through TRL's fused LM head (TRL >= 1.15 patches the model
+    so that `fused_lm_head=True` returns `.log_probs` / `.entropy` instead of logits; -100 labels score nothing).
+    `attention_mask` may be a 4D mask, which the checked model families take as given."""
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        shift_labels=shift_labels,
+        fused_lm_head=True,
+    )
+    return out.log_probs, out.entropy
+
+
+def entropy_bonus(trainer: trl.GRPOTrainer, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """TRL's entropy bonus `coef * mean token entropy` over `mask`, with its static or adaptive (Skywork-OR1)
+    coefficient, advancing the adaptive controller state TRL keeps on the trainer (`entropy_coef`,
+    `_last_world_entropy`, `_entropy_window_stats`) and logging `entropy_coef` as TRL does.
+
+    TRL computes this inline in `_compute_loss`, where it cannot be called: this mirrors TRL 1.16.0
+    `trl/trainer/grpo_trainer.py` lines 3186-3245 (the same code in 1.14.2 lines 3257-3316 and 1.15.0 from 3112).
+    """
+    accumulation_steps = trainer.current_gradient_accumulation_steps if mode == "train" else 1.0
+    mean_entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation_steps
+    args = trainer.args
+    coef = trainer.entropy_coef
+    if trainer.use_adaptive_entropy and trainer._last_world_entropy > args.entropy_target:
+        coef = 0.0  # the coefficient and gating of the previous optimizer step, for the whole window
+    if trainer.use_adaptive_entropy and mode == "train":
+        stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+        window = trainer._entropy_window_stats
+        trainer._entropy_window_stats = stats if window is None else window + stats
+        if trainer.accelerator.sync_gradients:
+            totals = trainer.accelerator.reduce(trainer._entropy_window_stats, reduction="sum")
+            world_entropy = (totals[0] / totals[1].clamp(min=1.0)).item()
+            if world_entropy <= args.entropy_target:
+                trainer.entropy_coef = min(trainer.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                trainer.entropy_coef = max(trainer.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            trainer._last_world_entropy = world_entropy
+            trainer._entropy_window_stats = None
+    if mode == "train" and trainer.accelerator.sync_gradients:
+        trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
+    return coef * mean_entropy
 
 
 def has_fused_lm_head() -> bool:

@@ -12,8 +12,10 @@ Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field i
 # grpo_plus first: trl imports peft, peft imports bitsandbytes, and grpo_plus keeps bitsandbytes' import-time
 # notice about an optional Hub kernel out of the console (grpo_plus.quantization).
 from grpo_plus import GRPOTrainer
-from grpo_plus.recipe import (
+from grpo_plus.app.recipe import (
+    check_before_training,
     evaluate_held_out,
+    exit_on_bad_input,
     finish_run,
     load_data_and_rewards,
     load_tokenizer,
@@ -48,22 +50,25 @@ def main(argv=None):
     # 3. Data and verifiable rewards.
     train_dataset, test_dataset, reward_funcs = load_data_and_rewards(script_args)
 
-    # 4. Train, measuring held-out accuracy before and after.
-    before = evaluate_held_out(model, tokenizer, test_dataset, script_args, "before")
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        processing_class=tokenizer,
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    # 4. Train, measuring held-out accuracy before and after. The trainer is built (checking the dataset, the LoRA
+    #    target modules and any checkpoint to resume from) before the evaluation, so bad input fails in seconds.
+    with exit_on_bad_input():
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+    resume_from_checkpoint = check_before_training(trainer, training_args, model_args)
+    before = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "before")  # LoRA B = 0: the base
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter
-    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after")
+    after = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "after", trainer)
 
     # 5. Report, model card, reward plot; push the adapter and merge if asked.
-    finish_run(trainer, script_args, model_args.model_name_or_path, model_path, before, after, hub_repo_id)
+    finish_run(trainer, script_args, model_path, before, after, hub_repo_id)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 warnings.filterwarnings("ignore", category=FutureWarning)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiny import save_tiny_model  # noqa: E402
+from helpers.models import save_tiny_model  # noqa: E402
+from helpers.probes import kept_unchanged  # noqa: E402
 
 
 def pytest_report_header(config) -> str:
@@ -44,13 +45,30 @@ def restore_environment():
         os.environ.update(saved)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
-    """A tiny random Llama + character tokenizer saved once per session."""
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model")))
+@pytest.fixture(autouse=True)
+def restore_registries():
+    """Undo modes a test registered (plugins, user modes): later tests see the built-in registries."""
+    from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
+    from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+
+    registries = (ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES)
+    saved = [(registry, dict(registry._entries), dict(registry._aliases)) for registry in registries]
+    yield
+    for registry, entries, aliases in saved:
+        registry._entries, registry._aliases = entries, aliases
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir_bnb(tmp_path_factory) -> str:
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama + character tokenizer saved once per session (read only)."""
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    with kept_unchanged(path, "the session's tiny model"):
+        yield str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_bnb(tmp_path_factory):
     """Like tiny_model_dir, but wide enough (64) for bitsandbytes' 4-bit CPU kernels (block size 64)."""
-    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-model-64"), hidden_size=64))
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-model-64"), hidden_size=64)
+    with kept_unchanged(path, "the session's 64-wide tiny model"):
+        yield str(path)

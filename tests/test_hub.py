@@ -1,19 +1,26 @@
-"""grpo_plus.hub: fail-fast access check, model card, adapter-only push, merge. Offline: the Hub is faked."""
+"""grpo_plus.app.hub: fail-fast access check, model card, adapter-only push, merge. Offline: the Hub is faked."""
 
 from __future__ import annotations
 
+import http.server
 import importlib
+import json
+import os
+import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
+from helpers.probes import kept_unchanged
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.hf_api import RepoUrl
 
-from grpo_plus.hub import (
+from grpo_plus.app.hub import (
     HubAccessError,
     adapter_files_to_push,
     check_hub_access,
@@ -29,6 +36,7 @@ WHOAMI_URL = "https://huggingface.co/api/whoami-v2"
 # transformers 4.x needs).
 HTTP_SESSION_CLASS = type(huggingface_hub.utils.get_session())
 HTTP = importlib.import_module(HTTP_SESSION_CLASS.__module__.split(".")[0])
+REAL_SEND = HTTP_SESSION_CLASS.send
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -51,12 +59,13 @@ def base_and_adapter(tmp_path_factory, tiny_model_dir):
     torch.manual_seed(0)
     peft_model = add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
     peft_model.save_pretrained(adapter_dir)
-    return Path(tiny_model_dir), adapter_dir, peft_model.eval()
+    with kept_unchanged(adapter_dir, "the shared adapter"):
+        yield Path(tiny_model_dir), adapter_dir, peft_model.eval()
 
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch):
-    """Hub 'online' as far as grpo_plus.hub can tell (conftest sets offline mode), but any real HTTP request fails."""
+    """Hub 'online' as far as grpo_plus.app.hub can tell (conftest sets offline mode), but any real HTTP request fails."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a test made a network call")
@@ -285,6 +294,25 @@ def test_model_card_without_plot_eval_or_hub_base(tmp_path):
     assert "Count the letters." in card.text
 
 
+def test_model_card_eval_with_one_side_missing_and_unnamed_task(tmp_path):
+    """A metric only one side has gets a dash there and no change; a task without a name shows its description."""
+    path = write_model_card(
+        tmp_path,
+        base_model="org/base",
+        repo_id=None,
+        loss_config=LOSS,
+        task={"description": "sums of two numbers", "prompts": 54},
+        eval_before={"accuracy": 0.5},
+        eval_after={"accuracy": 0.75, "format_rate": 1},
+    )
+    text = ModelCard.load(path).text
+    assert "## Task\n\nsums of two numbers\n\n- prompts: 54\n" in text
+    assert "| accuracy | 0.500 | 0.750 | +0.250 |" in text
+    assert "| format_rate | – | 1 |  |" in text
+    assert f'PeftModel.from_pretrained(base, "{tmp_path}")' in text  # no repo id: the local adapter directory
+    assert "Other hyperparameters" not in text
+
+
 def test_loss_config_from_args():
     class Args:
         loss_type, epsilon, beta, learning_rate = "dapo", 0.2, 0.0, 1e-5
@@ -413,3 +441,164 @@ def test_merge_adapter_matches_peft_logits(tmp_path, base_and_adapter):
         base_logits = base(ids).logits
     torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=0)
     assert not torch.allclose(merged_logits, base_logits, atol=1e-3)  # the adapter really did something
+
+
+# ------------------------------------------------------------------------------------------------ retrying a failed push
+
+
+class FakeHub(http.server.ThreadingHTTPServer):
+    """The Hub's endpoints a push uses, on 127.0.0.1: records every repo-create request and every commit."""
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+        self.creates, self.branches, self.commits, self.fail_commits = [], [], [], True
+
+
+class FakeHubHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        if self.path.startswith("/api/whoami-v2"):
+            return self.reply(200, user_info())
+        self.reply(404, {"error": f"not faked: GET {self.path}"})
+
+    def do_POST(self):
+        hub, path = self.server, self.path.split("?")[0]
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if path == "/api/repos/create":
+            request = json.loads(body)
+            hub.creates.append(request)
+            return self.reply(200, {"url": f"{hub.url}/{request['organization']}/{request['name']}"})
+        if path == "/api/validate-yaml":
+            return self.reply(200, {})
+        parts = path.split("/")  # /api/models/{namespace}/{name}/{action}/{revision}
+        if parts[:3] == ["", "api", "models"] and parts[5] == "branch":
+            hub.branches.append(parts[6])
+            return self.reply(200, {})
+        if parts[:3] == ["", "api", "models"] and parts[5] == "preupload":
+            files = json.loads(body)["files"]
+            return self.reply(
+                200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
+        if parts[:3] == ["", "api", "models"] and parts[5] == "commit":
+            if hub.fail_commits:
+                return self.reply(
+                    500, {"error": "Internal Error - We're working hard to fix this as soon as possible!"}
+                )
+            lines = [json.loads(line) for line in body.splitlines()]
+            header = next(line["value"] for line in lines if line["key"] == "header")
+            files = sorted(line["value"]["path"] for line in lines if line["key"] == "file")
+            hub.commits.append({"revision": parts[6], "summary": header["summary"], "files": files})
+            url = f"{hub.url}/{parts[3]}/{parts[4]}/commit/{'0' * 40}"
+            return self.reply(200, {"commitUrl": url, "commitOid": "0" * 40, "pullRequestUrl": None})
+        self.reply(404, {"error": f"not faked: POST {path}"})
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """A fake Hub on 127.0.0.1 that this process (and a subprocess given HF_ENDPOINT) really talks HTTP to."""
+    hub = FakeHub()
+    thread = threading.Thread(target=hub.serve_forever, daemon=True)
+    thread.start()
+
+    def local_only(self, request, *args, **kwargs):
+        assert str(request.url).startswith(hub.url), f"a request left the fake Hub: {request.url}"
+        return REAL_SEND(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(HTTP_SESSION_CLASS, "send", local_only)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", hub.url)
+    # Online as far as huggingface_hub can tell (conftest sets offline mode; huggingface_hub < 1 refuses every
+    # request then, 127.0.0.1 included, through the sessions it made while offline).
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    reset_sessions = getattr(huggingface_hub.utils, "reset_sessions", None)
+    if reset_sessions is not None:
+        reset_sessions()
+    yield hub
+    hub.shutdown()
+    hub.server_close()
+
+
+def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, trained_output_dir, fake_hub, capsys):
+    """A private push fails after the repo was created; the command the recipe prints must push with the same settings
+    (private, branch, commit message), or a retry would create a public repo (the Hub's default)."""
+    from grpo_plus.app.hub import PushSettings
+    from grpo_plus.app.recipe import push_or_exit
+
+    class Args:
+        hub_private_repo, hub_revision, hub_token = True, "grpo-run-1", None
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    with pytest.raises(SystemExit) as exit_info:
+        push_or_exit(PushSettings.from_args(trained_output_dir, "alice/x", Args), token=None)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: Pushing the adapter to alice/x failed (HTTP 500)" in err
+    retry = err.split("push it later with the same settings: ", 1)[1].strip()
+    assert fake_hub.commits == [] and len(fake_hub.creates) == 1
+    created = fake_hub.creates[0]
+    assert created.get("visibility") == "private" or created.get("private") is True  # huggingface_hub >= 1 / older
+
+    fake_hub.fail_commits = False
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_ENDPOINT=fake_hub.url, HF_TOKEN="hf_test", HF_HOME=str(trained_output_dir.parent / "hf-home"))
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # grpo-plus and python of this venv
+    result = subprocess.run(["bash", "-c", retry], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert fake_hub.creates[1] == fake_hub.creates[0]  # same visibility, same name
+    assert fake_hub.branches == ["grpo-run-1", "grpo-run-1"]
+    (commit,) = fake_hub.commits
+    assert commit == {
+        "revision": "grpo-run-1",
+        "summary": "Upload GRPO LoRA adapter (grpo_plus)",
+        "files": sorted(ADAPTER_PUSH),
+    }
+
+
+def test_a_failed_push_with_a_flag_token_says_to_export_it(monkeypatch, capsys):
+    """The recipe's error line for a failed push whose token came from --hub_token says to export it first (the
+    retry command reads HF_TOKEN), and never prints the token."""
+    import grpo_plus.app.hub
+    from grpo_plus.app.hub import PushSettings
+    from grpo_plus.app.recipe import push_or_exit
+
+    def refused(*args, **kwargs):
+        raise HubAccessError("Pushing the adapter to alice/x failed (HTTP 500)")
+
+    monkeypatch.setattr(grpo_plus.app.hub, "push_adapter", refused)
+
+    class Args:
+        hub_private_repo, hub_revision, hub_token = None, None, "hf_secret_from_the_command_line"
+
+    with pytest.raises(SystemExit):
+        push_or_exit(PushSettings.from_args("out", "alice/x", Args), token=Args.hub_token)
+    err = capsys.readouterr().err
+    assert "hf_secret" not in err
+    assert (
+        "The adapter is saved in out; push it later with the same settings (first export the token this run got "
+        "from --hub_token as HF_TOKEN): grpo-plus push out --repo-id alice/x" in err
+    )
+
+
+def test_the_retry_command_says_where_the_token_came_from():
+    from grpo_plus.app.hub import PushSettings
+
+    class Args:
+        hub_private_repo, hub_revision, hub_token = False, None, "hf_secret_from_the_command_line"
+
+    instructions = PushSettings.from_args("out dir", "alice/x", Args).retry_instructions()
+    assert "hf_secret" not in instructions
+    assert instructions == (
+        "push it later with the same settings (first export the token this run got from --hub_token as HF_TOKEN): "
+        "grpo-plus push 'out dir' --repo-id alice/x --private false --commit-message 'Upload GRPO LoRA adapter (grpo_plus)'"
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.losses import PolicyLossInputs, policy_loss_inputs
 
 from grpo_plus.losses import compute_policy_loss
 
@@ -19,18 +20,12 @@ L = 15  # max_completion_length
 SPLITS = [(2, 1), (4, 1), (1, 2), (1, 4), (2, 2), (4, 2), (2, 4)]  # (k micro-batches, P processes)
 
 
-def make_inputs(seed: int, per_token_advantages: bool = False):
-    gen = torch.Generator().manual_seed(seed)
-    logps = -3 * torch.rand(B, T, generator=gen, dtype=torch.float64)
-    old_logps = logps - 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    ref_logps = logps + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    shape = (B, T) if per_token_advantages else (B,)
-    advantages = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    lengths = torch.randint(0, T + 1, (B,), generator=gen)
-    lengths[3] = 0  # an all-masked row
+def make_inputs(seed: int, per_token_advantages: bool = False) -> PolicyLossInputs:
+    """Ragged completions drawn per seed (one all masked, one a single token); ratios off-policy by 0.4 * N(0, 1)."""
+    lengths = torch.randint(0, T + 1, (B,), generator=torch.Generator().manual_seed(seed))
+    lengths[3] = 0
     lengths[5] = 1
-    mask = (torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)).long()
-    return logps, old_logps, ref_logps, advantages, mask
+    return policy_loss_inputs(lengths, T, seed, drift_noise=0.4, per_token_advantages=per_token_advantages)
 
 
 def split_gradient(inputs, k: int, num_processes: int, **settings) -> torch.Tensor:

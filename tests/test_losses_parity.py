@@ -11,9 +11,8 @@ import itertools
 
 import pytest
 import torch
+from helpers.losses import PolicyLossInputs, policy_loss_and_grad, policy_loss_inputs
 from trl_oracle import trl_entropy_mask, trl_policy_loss
-
-from grpo_plus.losses import compute_policy_loss
 
 TOL = 1e-6
 B, T = 6, 9
@@ -23,23 +22,19 @@ LENGTHS = [9, 0, 1, 4, 7, 5]  # ragged: one all-masked row, one single-token com
 METRICS = ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]
 
 
-def make_inputs(seed: int, per_token_advantages: bool = False, dtype=torch.float64):
-    gen = torch.Generator().manual_seed(seed)
-    logps = -torch.rand(B, T, generator=gen, dtype=dtype) * 3
+def make_inputs(seed: int, per_token_advantages: bool = False) -> PolicyLossInputs:
     # logps - old_logps = a per-sequence offset plus per-token noise, chosen with the advantage signs so that
     # token- and sequence-level ratios leave the clip range on both sides (w > 1.28 with A > 0, w < 0.8 with
     # A < 0), and some ratios with A < 0 exceed delta=1.5.
-    offset = torch.tensor([0.8, 0.0, -0.8, -0.8, 0.1, 0.8], dtype=dtype).unsqueeze(1)
-    drift = offset + 0.3 * torch.randn(B, T, generator=gen, dtype=dtype)
-    old_logps = logps - drift
-    ref_logps = logps + 0.3 * torch.randn(B, T, generator=gen, dtype=dtype)
-    signs = torch.tensor([1.0, 1.0, 1.0, -1.0, 1.0, -1.0], dtype=dtype)
-    advantages = signs * (0.1 + torch.rand(B, generator=gen, dtype=dtype))
-    if per_token_advantages:
-        advantages = advantages.unsqueeze(1) * (0.5 + torch.rand(B, T, generator=gen, dtype=dtype))
-        advantages[:, ::3] *= -1  # per-token signs vary within a sequence
-    mask = (torch.arange(T).unsqueeze(0) < torch.tensor(LENGTHS).unsqueeze(1)).long()
-    return logps, old_logps, ref_logps, advantages, mask
+    return policy_loss_inputs(
+        LENGTHS,
+        T,
+        seed,
+        drift=[0.8, 0.0, -0.8, -0.8, 0.1, 0.8],
+        advantage_signs=[1.0, 1.0, 1.0, -1.0, 1.0, -1.0],
+        advantage_floor=0.1,
+        per_token_advantages=per_token_advantages,
+    )
 
 
 def run_both(logps, old_logps, ref_logps, advantages, mask, *, policy_weights=None, trl_only=None, **settings):
@@ -56,15 +51,13 @@ def run_both(logps, old_logps, ref_logps, advantages, mask, *, policy_weights=No
         num_items_in_batch=mask.sum() * S * P,
         **settings,
     )
-    ours_logps = logps.clone().requires_grad_()
-    out = compute_policy_loss(ours_logps, old_logps, advantages, mask, policy_weights=policy_weights, **common)
-    out.loss.backward()
+    out, ours_grad = policy_loss_and_grad(logps, old_logps, advantages, mask, policy_weights=policy_weights, **common)
     trl_logps = logps.clone().requires_grad_()
     # TRL's stand-in: steps_per_generation defaults to gradient_accumulation_steps, so its dapo normalizer
     # N/P * S/steps_per_generation equals ours, N/P.
     trl_loss, trl_metrics = trl_policy_loss(trl_logps, old_logps, advantages, mask, **common, **(trl_only or {}))
     trl_loss.backward()
-    ours = {"loss": out.loss.detach(), "grad": ours_logps.grad, "metrics": out.metrics, "out": out}
+    ours = {"loss": out.loss.detach(), "grad": ours_grad, "metrics": out.metrics, "out": out}
     theirs = {"loss": trl_loss.detach(), "grad": trl_logps.grad, "metrics": trl_metrics}
     return ours, theirs
 

@@ -1,4 +1,4 @@
-"""grpo_plus.plotting: PNGs from Trainer log histories, with labelled axes and legends."""
+"""grpo_plus.app.plotting: PNGs from Trainer log histories, with labelled axes and legends."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from grpo_plus.plotting import plot_comparison, plot_training_curves, series  # noqa: E402
-from grpo_plus.recipe import held_out_accuracy_points  # noqa: E402
+from grpo_plus.app.plotting import plot_comparison, plot_training_curves, series  # noqa: E402
+from grpo_plus.app.recipe import held_out_accuracy_points  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

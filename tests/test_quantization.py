@@ -8,17 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.probes import run_python
 
 import grpo_plus  # noqa: F401  (importing grpo_plus installs the filter)
 
 NOTICE = "gemm_4bit_forward from kernels-community"
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-
-
-def run_python(*args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def test_only_the_kernel_notice_is_dropped(caplog):

@@ -2,20 +2,22 @@
 
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
-import yaml
 from huggingface_hub.hf_api import RepoUrl
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import grpo_plus.hub
+import grpo_plus.app.hub
+import grpo_plus.app.recipe
+from grpo_plus.app.recipe import parse_recipe_args
 from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.recipe import parse_recipe_args
+from grpo_plus.validation import RewardFunctionError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ADAPTER_PUSH = {"adapter_config.json", "adapter_model.safetensors", "README.md", "reward_curve.png"}
@@ -62,18 +64,19 @@ def test_recipe_trains_two_steps_and_writes_adapter_card_plot(request, tmp_path,
     assert not (out / "model.safetensors").exists(), "only the adapter should be saved"
     assert_adapter_reloads_and_generates(tiny_model_dir, out)
     card = (out / "README.md").read_text()
-    for expected in (str(tiny_model_dir), "dr_grpo", "epsilon_high", "0.28", "add-1d", "accuracy", "reward_curve.png"):
+    base_folder = Path(tiny_model_dir).name  # a local base model is named by its folder, never by its path
+    for expected in (f"`{base_folder}`", "dr_grpo", "epsilon_high", "0.28", "add-1d", "accuracy", "reward_curve.png"):
         assert expected in card, expected
+    assert str(tiny_model_dir) not in card and "base_model:" not in card  # not a Hub id: no Hub metadata
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base_folder
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    if recipe == "grpo_qlora":
-        assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
 
 
 @pytest.fixture
 def fake_hub(monkeypatch):
     """Replace the Hub at the huggingface_hub boundary; record every write."""
     calls = {"commits": [], "uploads": []}
-    monkeypatch.setattr(grpo_plus.hub, "_hub_offline", lambda: False)  # the suite runs offline; this Hub is fake
+    monkeypatch.setattr(grpo_plus.app.hub, "_hub_offline", lambda: False)  # the suite runs offline; this Hub is fake
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
     monkeypatch.setattr(
         huggingface_hub.HfApi,
@@ -138,11 +141,18 @@ def test_failed_push_after_training_is_an_error_line_and_keeps_the_adapter(
     monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", connection_reset)
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        load_recipe("grpo_lora").main(tiny_flags(tiny_model_dir, out, "--push_to_hub", "true", "--hub_model_id", "x"))
+        load_recipe("grpo_lora").main(
+            tiny_flags(
+                tiny_model_dir, out, "--push_to_hub", "true", "--hub_model_id", "x", "--hub_private_repo", "true"
+            )
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "\nerror: --push_to_hub needs network access" in err and "Connection reset by peer" in err
-    assert f"The adapter is saved in {out}; push it later with" in err and "push_adapter(" in err
+    retry = (
+        f"The adapter is saved in {out}; push it later with the same settings: grpo-plus push {out} --repo-id alice/x"
+    )
+    assert retry + " --private true --commit-message " in err
     assert (out / "adapter_model.safetensors").is_file()
 
 
@@ -205,8 +215,9 @@ def test_bad_grpo_value_on_the_command_line_exits_with_the_reason(tmp_path, caps
 def test_raising_reward_names_the_function_and_leaves_a_resumable_checkpoint(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     flags = tiny_flags(tiny_model_dir, out, "--save_steps", "100", "--max_steps", "4", "--eval_before_after", "false")
-    with pytest.raises(RuntimeError, match="Reward function 'explode_at_step_3' raised ZeroDivisionError"):
-        load_recipe("grpo_lora").main([*flags, "--reward_funcs", "correctness", "tiny:explode_at_step_3"])
+    with pytest.raises(ZeroDivisionError, match="Reward function 'explode_at_step_3' raised ZeroDivisionError") as err:
+        load_recipe("grpo_lora").main([*flags, "--reward_funcs", "correctness", "helpers.rewards:explode_at_step_3"])
+    assert isinstance(err.value, RewardFunctionError)
     # save_steps=100 never fired: the checkpoint is the one saved on the crash, at the last finished step.
     assert last_complete_checkpoint(out) == str(out / "checkpoint-2")
     load_recipe("grpo_lora").main([*flags, "--resume_from_checkpoint", "true"])
@@ -224,6 +235,140 @@ def test_shipped_configs_parse(config, tmp_path):
 
 @pytest.mark.parametrize("config", sorted((RECIPES / "accelerate_configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_accelerate_configs_are_valid(config):
-    settings = yaml.safe_load(config.read_text())
-    assert settings["distributed_type"] in ("NO", "MULTI_GPU", "DEEPSPEED")
-    assert settings["num_machines"] == 1
+    """accelerate's own loader reads every shipped config (it rejects unknown keys); GPU configs keep use_cpu off,
+    which DeepSpeed needs (with use_cpu accelerate silently drops it)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    settings = load_config_from_file(str(config))
+    assert settings.distributed_type in ("NO", "MULTI_GPU", "DEEPSPEED", "FSDP")
+    assert settings.num_machines == 1 and not settings.use_cpu
+    if settings.distributed_type == "DEEPSPEED":
+        assert settings.deepspeed_config["zero_stage"] == int(config.stem[-1])
+
+
+# ---- every mistake one `error:` line, exit status 2, before anything trains (issue 18) ------------------------------
+
+
+def error_line(capsys, *argv, recipe="grpo_lora") -> str:
+    """Run a recipe expecting bad input: its stderr, which must be a single `error: ...` line after exit status 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_recipe(recipe).main([str(arg) for arg in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err[-3000:]
+    assert "Traceback" not in err and "usage:" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if the recipe gets as far as loading a model."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    ("config_text", "expected"),
+    [
+        (None, "error: config file {path} does not exist."),
+        (
+            "loss_type: dapo\n  epsilon: 0.2\n",
+            "error: config file {path} is not valid YAML at line 3, column 10: mapping values are not allowed here.",
+        ),
+        (
+            "- loss_type\n- dapo\n",
+            "error: config file {path} must hold a YAML mapping (field: value lines); it holds list",
+        ),
+        (
+            "use_cpu: true\nbf16: false\nlearning_rate: [1, 2]\n",
+            "error: config file {path}: learning_rate=[1, 2] is not ",
+        ),
+        # no use_cpu on a CPU machine: TRL's bf16 check would fail first and hide the typo
+        ("lossy_type: dapo\n", "error: unknown key in the config file: 'lossy_type' (did you mean 'loss_type'?)"),
+    ],
+    ids=["missing", "yaml_syntax", "not_a_mapping", "list_for_a_number", "unknown_key_before_bf16_check"],
+)
+def test_config_file_mistakes_are_one_line(tmp_path, capsys, no_model_loading, config_text, expected):
+    path = tmp_path / "run.yaml"
+    if config_text is not None:
+        path.write_text(config_text if config_text.startswith("-") else f"output_dir: {tmp_path}\n{config_text}")
+    assert error_line(capsys, "--config", path).startswith(expected.format(path=path))
+
+
+def test_a_value_of_the_wrong_type_names_the_flag_without_the_usage_dump(tmp_path, capsys, no_model_loading):
+    line = error_line(capsys, "--output_dir", tmp_path, "--use_cpu", "true", "--learning_rate", "fast")
+    assert line == "error: argument --learning_rate/--learning-rate: invalid float value: 'fast'"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "flag", "expected"),
+    [
+        ("grpo_lora", "--load_in_4bit", "error: --load_in_4bit: recipes/grpo_lora.py trains on an unquantized base"),
+        ("grpo_lora", "--load_in_8bit", "error: --load_in_8bit: recipes/grpo_lora.py trains on an unquantized base"),
+        ("grpo_qlora", "--load_in_8bit", "error: --load_in_8bit: recipes/grpo_qlora.py quantizes the base to 4 bits"),
+    ],
+)
+def test_a_quantization_flag_the_recipe_cannot_honour_fails_at_start(
+    tmp_path, capsys, no_model_loading, recipe, flag, expected
+):
+    line = error_line(
+        capsys, "--output_dir", tmp_path, "--use_cpu", "true", "--bf16", "false", flag, "true", recipe=recipe
+    )
+    assert line.startswith(expected)
+    if recipe == "grpo_lora" and flag == "--load_in_4bit":
+        assert "use recipes/grpo_qlora.py" in line
+
+
+def test_an_empty_jsonl_dataset_is_one_line(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("")
+    line = error_line(capsys, *tiny_flags(tiny_model_dir, tmp_path / "out", "--dataset_name", data))
+    assert line.startswith(f"error: cannot load dataset '{data}': ")
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (("--lora_target_modules", "no_such_proj"), "error: Target modules no_such_proj not found in the base model"),
+        (("--lora_target_modules", "q_proj", "v_prj"), "error: --lora_target_modules: v_prj matches no module"),
+        (("--resume_from_checkpoint", "true"), "holds no complete checkpoint"),
+    ],
+    ids=["lora_target_modules", "one_lora_target_module", "no_checkpoint_to_resume"],
+)
+def test_trainer_and_resume_mistakes_fail_before_the_held_out_evaluation(
+    tiny_model_dir, tmp_path, capsys, monkeypatch, extra, expected
+):
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the held-out evaluation ran before the bad input was reported")
+
+    monkeypatch.setattr(grpo_plus.app.recipe, "evaluate_held_out", no_evaluation)
+    line = error_line(capsys, *tiny_flags(tiny_model_dir, tmp_path / "out", *extra))
+    assert expected in line
+
+
+def test_plugins_and_reward_modules_are_found_in_the_working_directory(tmp_path, monkeypatch):
+    """`python recipes/grpo_lora.py --config run.yaml` from the folder holding the user's modules: the recipe's folder
+    is on sys.path, the working directory is not (`python -m pytest` adds it; so the test removes it)."""
+    from grpo_plus.app.recipe import resolve_reward_funcs
+
+    (tmp_path / "my_modes_cwd.py").write_text(
+        "from grpo_plus import register_loss_type\n\n"
+        "@register_loss_type('cwd_sum', override=True)\ndef cwd_sum(masked_loss, ctx):\n    return masked_loss.sum()\n"
+    )
+    (tmp_path / "my_rewards_cwd.py").write_text(
+        "def score(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\nplugins: [my_modes_cwd]\nloss_type: cwd_sum\n"
+    )
+    _, training_args, _ = parse_recipe_args(["--config", str(config)])
+    assert training_args.loss_type == "cwd_sum"
+    assert resolve_reward_funcs(["my_rewards_cwd:score"])[0].__name__ == "score"

@@ -10,23 +10,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from grpo_plus.losses import compute_policy_loss
+from helpers.losses import policy_loss_and_grad, policy_loss_inputs
 
 B, T, L, S, P = 5, 8, 10, 2, 2
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
 
 
 def make_inputs(seed: int, per_token_advantages: bool):
-    gen = torch.Generator().manual_seed(seed)
-    logps = -3 * torch.rand(B, T, generator=gen, dtype=torch.float64)
-    offset = torch.tensor([0.5, -0.5, 0.0, 0.4, -0.4], dtype=torch.float64).unsqueeze(1)  # clipped and unclipped rows
-    old_logps = logps - offset - 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    shape = (B, T) if per_token_advantages else (B,)
-    advantages = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    if not per_token_advantages:  # high-clip row 0, low-clip row 1, the rest inside the clip range
-        advantages = (0.2 + advantages.abs()) * torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0], dtype=torch.float64)
-    mask = (torch.arange(T).unsqueeze(0) < torch.tensor([8, 3, 0, 1, 6]).unsqueeze(1)).long()
+    """(logps, old_logps, advantages, mask): a high-clip row 0 and a low-clip row 1 (per-row ratio offsets with the
+    advantage signs), the rest inside the clip range; one all-masked row, one single-token row."""
+    logps, old_logps, _, advantages, mask = policy_loss_inputs(
+        [8, 3, 0, 1, 6],
+        T,
+        seed,
+        drift=[0.5, -0.5, 0.0, 0.4, -0.4],
+        advantage_signs=[1.0, -1.0, 1.0, -1.0, 1.0],
+        advantage_floor=0.2,
+        per_token_advantages=per_token_advantages,
+    )
     return logps, old_logps, advantages, mask
 
 
@@ -47,9 +48,8 @@ def num_items(mask):
 
 
 def loss_and_grad(logps, old_logps, advantages, mask, **settings):
-    leaf = logps.clone().requires_grad_()
-    out = compute_policy_loss(
-        leaf,
+    return policy_loss_and_grad(
+        logps,
         old_logps,
         advantages,
         mask,
@@ -59,8 +59,6 @@ def loss_and_grad(logps, old_logps, advantages, mask, **settings):
         num_processes=P,
         **settings,
     )
-    out.loss.backward()
-    return out, leaf.grad
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -143,15 +141,17 @@ def test_per_token_advantages_gradients_follow_closed_forms(loss_type):
 
 
 def dual_inputs(per_token_advantages: bool):
-    gen = torch.Generator().manual_seed(5)
-    logps = -3 * torch.rand(B, T, generator=gen, dtype=torch.float64)
-    # Ratios up to ~e^2.5 so that w*|A| > c*|A| for c = 3 on a good share of tokens.
-    old_logps = logps - 1.2 * torch.randn(B, T, generator=gen, dtype=torch.float64) - 0.6
-    shape = (B, T) if per_token_advantages else (B,)
-    advantages = torch.randn(*shape, generator=gen, dtype=torch.float64)
-    if not per_token_advantages:
-        advantages = advantages.abs() * torch.tensor([-1.0, 1.0, -1.0, -1.0, 1.0], dtype=torch.float64)
-    mask = (torch.arange(T).unsqueeze(0) < torch.tensor([8, 5, 0, 1, 6]).unsqueeze(1)).long()
+    """Ratios up to ~e^2.5 (logps - old_logps = 0.6 + 1.2 * N(0, 1)), so that w*|A| > c*|A| for c = 3 on a good share
+    of tokens."""
+    logps, old_logps, _, advantages, mask = policy_loss_inputs(
+        [8, 5, 0, 1, 6],
+        T,
+        5,
+        drift=0.6,
+        drift_noise=1.2,
+        advantage_signs=[-1.0, 1.0, -1.0, -1.0, 1.0],
+        per_token_advantages=per_token_advantages,
+    )
     return logps, old_logps, advantages, mask
 
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from grpo_plus import tasks
-from grpo_plus.tasks import (
+from grpo_plus.app import tasks
+from grpo_plus.app.tasks import (
     LEVELS,
     correctness_reward,
     format_reward,
@@ -249,7 +249,7 @@ class EchoModel:
 
 
 def test_evaluate_scores_greedy_replies_in_batches() -> None:
-    from tiny import make_tokenizer
+    from helpers.models import make_tokenizer
 
     tokenizer = make_tokenizer()
     dataset = make_dataset("test", "add-1d", 5, seed=0)
@@ -274,7 +274,7 @@ def test_evaluate_scores_greedy_replies_in_batches() -> None:
 
 
 def test_evaluate_runs_a_real_tiny_model() -> None:
-    from tiny import make_model, make_tokenizer
+    from helpers.models import make_model, make_tokenizer
 
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
@@ -284,7 +284,7 @@ def test_evaluate_runs_a_real_tiny_model() -> None:
 
 
 def test_evaluate_rejects_an_empty_dataset() -> None:
-    from tiny import make_model, make_tokenizer
+    from helpers.models import make_model, make_tokenizer
 
     tokenizer = make_tokenizer()
     with pytest.raises(ValueError, match="empty"):
@@ -295,7 +295,8 @@ def test_evaluate_generates_model_generates_replies_with_fewer_positions() -> No
     """Held-out evaluation through grpo_plus's generation: the same greedy replies as `model.generate`, and the
     replies that ended early are not decoded further."""
     import torch
-    from tiny import ForwardLog, make_model, make_tokenizer
+    from helpers.models import make_model, make_tokenizer
+    from helpers.probes import ForwardLog
 
     from grpo_plus.generation import transformers_blocker
 

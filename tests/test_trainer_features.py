@@ -2,61 +2,49 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
-from safetensors.torch import load_file
-from tiny import (
+from helpers.models import tiny_trainer
+from helpers.probes import (
+    TRAIN_TINY,
     accelerate_launch,
     kill_after_checkpoint,
-    length_reward,
     max_weight_diff,
-    prompt_dataset,
-    tiny_run_kwargs,
+    run_python,
+    train_tiny_flags,
 )
+from helpers.rewards import length_reward
+from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from grpo_plus import GRPOConfig, GRPOTrainer
 from grpo_plus.checkpoints import is_complete_checkpoint, last_complete_checkpoint
 
 pytestmark = pytest.mark.slow
-SCRIPT = str(Path(__file__).parent / "scripts" / "train_tiny.py")
-
-
-def run_script(args, env=None, timeout=300, launcher=(sys.executable,)):
-    result = subprocess.run([*launcher, SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
-def flags(model_dir, output_dir, **overrides):
-    settings = tiny_run_kwargs(output_dir, **overrides)
-    settings.pop("disable_tqdm")
-    out = ["--model_dir", str(model_dir)]
-    for key, value in settings.items():
-        out += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    return out
 
 
 def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
     """DAPO on 2 gloo processes x 4 sequences ends where 1 process x 8 sequences ends.
 
-    Sampling is made row-deterministic (tests/tiny.py RowSeededSampler), so both runs see identical completions.
+    Sampling is made row-deterministic (helpers.probes.RowSeededSampler), so both runs see identical completions.
     SGD keeps the comparison linear in the gradient: Adam's m/sqrt(v) would turn float-rounding noise in
     near-zero gradient entries into full-size steps. What remains is float32 summation order (all-reduce vs one
     sum over the batch), ~1e-7 relative per step, hence the 1e-5 tolerance on weights that move by ~1e-2.
     """
     common = dict(num_generations=4, max_steps=3, optim="sgd", loss_type="dapo", epsilon_high=0.28)
-    one = flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **common)
-    two = flags(tiny_model_dir, tmp_path / "two", per_device_train_batch_size=4, **common)
-    run_script([*one, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "one.safetensors")])
-    launcher = accelerate_launch(2)
-    result = run_script(
-        [*two, "--row_seeded_sampling", "--dump_weights", str(tmp_path / "two.safetensors")], launcher=launcher
+    one = train_tiny_flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **common)
+    two = train_tiny_flags(tiny_model_dir, tmp_path / "two", per_device_train_batch_size=4, **common)
+    run_python(TRAIN_TINY, *one, "--row_seeded_sampling", "--dump_weights", tmp_path / "one.safetensors")
+    result = run_python(
+        TRAIN_TINY,
+        *two,
+        "--row_seeded_sampling",
+        "--dump_weights",
+        tmp_path / "two.safetensors",
+        launcher=accelerate_launch(2),
     )
     assert result.stdout.count("FINISHED global_step=3") == 2, "expected two ranks to finish"
     one_w, two_w = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
@@ -65,35 +53,14 @@ def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
     assert max_weight_diff(one_w, two_w) <= 1e-5
 
 
-def test_ddp_with_an_all_dead_micro_batch_matches_one_process(tiny_model_dir, tmp_path):
-    """Zero-waste pass under DDP: a rank whose whole micro-batch has zero advantage computes almost nothing, yet
-    joins the gradient all-reduce (no hang) and the run ends where one process ends."""
-    common = dict(num_generations=4, max_steps=4, optim="sgd", loss_type="dapo", learning_rate=0.5)
-    one = flags(tiny_model_dir, tmp_path / "one", per_device_train_batch_size=8, **common)
-    two = flags(tiny_model_dir, tmp_path / "two", per_device_train_batch_size=4, **common)
-    extra = ["--row_seeded_sampling", "--reward", "half_dead"]
-    run_script([*one, *extra, "--dump_weights", str(tmp_path / "one.safetensors")])
-    run_script(
-        [*two, *extra, "--dump_weights", str(tmp_path / "two.safetensors"), "--record_groups", str(tmp_path / "g")],
-        launcher=accelerate_launch(2),
-        timeout=400,
-    )
-    ranks = [json.loads((tmp_path / f"g.rank{rank}").read_text()) for rank in (0, 1)]
-    mixed = [a["any_advantage"] != b["any_advantage"] for a, b in zip(*ranks, strict=True)]
-    assert any(mixed), f"no step had one rank all dead and the other live: {ranks}"
-    one_w, two_w = load_file(tmp_path / "one.safetensors"), load_file(tmp_path / "two.safetensors")
-    assert max_weight_diff(one_w, load_file(Path(tiny_model_dir) / "model.safetensors")) > 1e-3
-    assert max_weight_diff(one_w, two_w) <= 1e-5
-
-
 def test_lora_changes_only_adapter_weights(tiny_model_dir, tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=length_reward,
-        args=GRPOConfig(**tiny_run_kwargs(tmp_path, loss_type="dr_grpo", epsilon_high=0.28)),
-        train_dataset=prompt_dataset(8),
+    trainer = tiny_trainer(
+        tmp_path,
+        length_reward,
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+        loss_type="dr_grpo",
+        epsilon_high=0.28,
     )
     before = {k: v.clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
@@ -113,14 +80,14 @@ def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, 
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization, dtype=torch.float32)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    trainer = GRPOTrainer(
+    trainer = tiny_trainer(
+        tmp_path,
+        length_reward,
         model=model,
-        reward_funcs=length_reward,
-        args=GRPOConfig(
-            **tiny_run_kwargs(tmp_path, max_steps=1, loss_type="dapo", importance_sampling_level="sequence_token")
-        ),
-        train_dataset=prompt_dataset(8),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False),
+        max_steps=1,
+        loss_type="dapo",
+        importance_sampling_level="sequence_token",
     )
     trainer.train()
     assert trainer.state.global_step == 1
@@ -142,7 +109,7 @@ def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, 
 
 def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    args = flags(
+    args = train_tiny_flags(
         tiny_model_dir,
         out,
         max_steps=12,
@@ -153,13 +120,13 @@ def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
         dual_clip=3.0,
         scale_rewards="batch",
     )
-    kill_after_checkpoint([sys.executable, SCRIPT, *args, "--step_delay", "0.4"], out / "checkpoint-4")
+    kill_after_checkpoint([sys.executable, TRAIN_TINY, *args, "--step_delay", "0.4"], out / "checkpoint-4")
     assert not (out / "checkpoint-12").exists(), "the run finished before it could be killed"
     killed_at = last_complete_checkpoint(out)
     killed_step = int(killed_at.rsplit("-", 1)[1])
     assert 4 <= killed_step < 12
 
-    result = run_script([*args, "--resume", "--dump_logs", str(tmp_path / "logs.json")])
+    result = run_python(TRAIN_TINY, *args, "--resume", "--dump_logs", tmp_path / "logs.json")
     assert "FINISHED global_step=12" in result.stdout
     assert f"FIRST_STEP={killed_step + 1}" in result.stdout, "did not resume from the last complete checkpoint"
     logs = json.loads((tmp_path / "logs.json").read_text())
@@ -244,7 +211,7 @@ def test_user_modes_train_from_yaml(tiny_model_dir, tmp_path, discovery):
     (tmp_path / "run.yaml").write_text("\n".join(yaml_lines) + "\n")
     calls = tmp_path / "calls.txt"
     env = {**os.environ, "PYTHONPATH": str(site), "PLUGIN_CALLS": str(calls)}
-    run_script(["--config", str(tmp_path / "run.yaml")], env=env)
+    run_python(TRAIN_TINY, "--config", tmp_path / "run.yaml", env=env)
     assert {"loss", "advantage"} <= set(calls.read_text().split())
     initial = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert max_weight_diff(load_file(tmp_path / "w.safetensors"), initial) > 1e-4

@@ -11,7 +11,8 @@ import pytest
 import torch
 import trl
 import trl.trainer.utils as trl_utils
-from tiny import length_reward, prompt_dataset, tiny_run_kwargs
+from helpers.models import prompt_dataset, tiny_trainer
+from helpers.rewards import length_reward
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
@@ -38,14 +39,9 @@ def fresh_warning_state(monkeypatch):
     monkeypatch.setattr(trl_compat, "_warned_versions", set())
 
 
-def build_trainer(tiny_model_dir, tmp_path):
+def build_trainer(tiny_model_dir, tmp_path, package=grpo_plus):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return grpo_plus.GRPOTrainer(
-        model=model,
-        reward_funcs=length_reward,
-        args=grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path)),
-        train_dataset=prompt_dataset(4),
-    )
+    return tiny_trainer(tmp_path, length_reward, model=model, dataset=prompt_dataset(4), package=package)
 
 
 # ------------------------------------------------------------------------------------------------ the version window
@@ -208,10 +204,16 @@ def test_trainer_construction_fails_on_a_changed_hook_before_any_training(tiny_m
         build_trainer(tiny_model_dir, tmp_path)
 
 
-def test_every_hooked_method_is_one_grpo_plus_overrides_or_calls():
+def test_the_record_of_hooked_methods_is_what_grpo_plus_overrides():
+    """Every private TRL / transformers trainer method grpo_plus.GRPOTrainer redefines is recorded as overridden,
+    and nothing else is: a new override cannot slip past the signature check."""
     overridden = {m.name for m in HOOKED_METHODS if m.overridden}
-    assert overridden <= set(vars(grpo_plus.GRPOTrainer))
-    assert "_get_per_token_logps_and_entropies" in {m.name for m in HOOKED_METHODS}
+    redefined = {
+        name
+        for name in vars(grpo_plus.GRPOTrainer)
+        if name.startswith("_") and not name.startswith("__") and hasattr(trl.GRPOTrainer, name)
+    }
+    assert overridden == redefined
 
 
 # ------------------------------------------------------------------------------------------------ log-prob kernel
@@ -234,13 +236,7 @@ def test_logps_unavailable_reason_follows_trl(monkeypatch):
 def test_logps_unavailable_reason_is_true_of_stock_trl(tiny_model_dir, tmp_path):
     """The reason the matrix skips training tests is a fact, not an assumption: stock TRL's log-prob computation
     fails exactly when a reason is given."""
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    trainer = trl.GRPOTrainer(
-        model=model,
-        reward_funcs=length_reward,
-        args=trl.GRPOConfig(**tiny_run_kwargs(tmp_path)),
-        train_dataset=prompt_dataset(4),
-    )
+    trainer = build_trainer(tiny_model_dir, tmp_path, package=trl)
     input_ids = torch.randint(3, 20, (2, 6))
     call = lambda: trainer._get_per_token_logps_and_entropies(  # noqa: E731
         trainer.model, input_ids, torch.ones_like(input_ids), 3, compute_entropy=True

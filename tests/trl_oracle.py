@@ -3,11 +3,12 @@
 `trl_policy_loss` calls `trl.GRPOTrainer._compute_loss` unbound on a minimal stand-in trainer whose model
 "forward" returns the caller's log-prob tensor, so the loss, gradient and metrics are TRL's, not a re-typing.
 `trl_advantages` runs the advantage block of `GRPOTrainer._generate_and_score_completions` (TRL keeps it
-inline in a 600-line method, so the test extracts that block from TRL's installed source and executes it).
+inline in a 600-line method, so the test takes that block from the syntax tree of TRL's installed source and runs it).
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
 from collections import defaultdict
@@ -107,14 +108,23 @@ def trl_entropy_mask(entropies, mask, top_entropy_quantile):
     return stand_in.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)
 
 
-def _advantage_block_source() -> str:
+def _assigns(statement: ast.stmt, name: str) -> bool:
+    return isinstance(statement, ast.Assign) and any(
+        isinstance(target, ast.Name) and target.id == name for target in statement.targets
+    )
+
+
+def _advantage_block() -> ast.Module:
+    """The statements of `_generate_and_score_completions` from `unscorable_mask = ...` up to (not including)
+    `process_slice = ...`, found in TRL's syntax tree (comments and formatting do not matter)."""
     source = textwrap.dedent(inspect.getsource(GRPOTrainer._generate_and_score_completions))
-    start = source.rindex("\n", 0, source.index("unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)")) + 1
-    end = source.rindex("\n", 0, source.index("# Slice to keep only the local part of the data")) + 1
-    return textwrap.dedent(source[start:end])
+    body = ast.parse(source).body[0].body
+    start = next(i for i, statement in enumerate(body) if _assigns(statement, "unscorable_mask"))
+    end = next(i for i, statement in enumerate(body) if _assigns(statement, "process_slice"))
+    return ast.Module(body=body[start:end], type_ignores=[])
 
 
-_ADVANTAGE_BLOCK = compile(_advantage_block_source(), "<trl advantage block>", "exec")
+_ADVANTAGE_BLOCK = compile(_advantage_block(), "<trl advantage block>", "exec")
 
 
 def trl_advantages(rewards_per_func, num_generations, scale_rewards="group", reward_weights=None):

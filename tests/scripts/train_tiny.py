@@ -16,19 +16,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-from tiny import (  # noqa: E402
-    GroupRecorder,
+from datasets import Dataset  # noqa: E402
+from helpers.models import prompt_dataset  # noqa: E402
+from helpers.probes import GroupRecorder, record_draws, use_row_seeded_sampling  # noqa: E402
+from helpers.rewards import (  # noqa: E402
     constant_reward,
     digit_reward,
     half_dead_reward,
     length_reward,
     odd_prompts_constant_reward,
     odd_prompts_dead_reward,
-    prompt_dataset,
-    use_row_seeded_sampling,
 )
+from peft import LoraConfig  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import TrlParser  # noqa: E402
 
@@ -37,7 +37,7 @@ from grpo_plus import GRPOConfig, GRPOTrainer  # noqa: E402
 
 @dataclass
 class TinyArgs:
-    model_dir: str = field(metadata={"help": "Directory of a tiny model saved by tests/tiny.py."})
+    model_dir: str = field(metadata={"help": "Directory of a tiny model (helpers.models.save_tiny_model)."})
     num_prompts: int = field(default=16)
     row_seeded_sampling: bool = field(default=False, metadata={"help": "Deterministic per-row sampling."})
     dump_weights: str | None = field(default=None, metadata={"help": "Write the final weights here (safetensors)."})
@@ -53,6 +53,45 @@ class TinyArgs:
     record_draws: str | None = field(
         default=None, metadata={"help": "Append every selective-rollout draw here (json lines, per rank)."}
     )
+    prompts: str | None = field(
+        default=None, metadata={"help": "Train on these prompts ('|'-separated) instead of prompt_dataset."}
+    )
+    count_forwards: str | None = field(
+        default=None, metadata={"help": "Write how often this rank called the model outside generation (json)."}
+    )
+
+
+def count_forwards(model) -> dict:
+    """Counts the model's forward calls outside `generate` (there TRL gathers ZeRO-3 parameters once per batch; every
+    other call gathers them layer by layer, collectively, so each rank must make the same number)."""
+    counts = {"forward": 0, "generating": 0}
+    model.register_forward_pre_hook(lambda *_: counts.update(forward=counts["forward"] + (not counts["generating"])))
+    generate = model.generate
+
+    def counted_generate(*args, **kwargs):
+        counts["generating"] += 1
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            counts["generating"] -= 1
+
+    model.generate = counted_generate
+    return counts
+
+
+def gathered_weights(trainer) -> dict:
+    """Every trained parameter, whole: under ZeRO-3 / FSDP each rank holds a shard (gathering is collective)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = dict(model.named_parameters())
+    if getattr(trainer, "is_deepspeed_enabled", False) and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name: p.detach().clone().contiguous() for name, p in params.items()}
+    # FSDP2 holds DTensor shards; full_tensor() gathers them (collectively)
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().contiguous() for name, p in params.items()
+    }
 
 
 class SlowDown(TrainerCallback):
@@ -86,17 +125,13 @@ REWARDS = {
 def record_selective_draws(trainer, path: str) -> None:
     """Append each draw (the step it was made after, drawn and skipped rows) as a line, flushed: a killed run
     leaves every decision it made."""
-    selector = trainer._selective_rollout
-    draw = selector.draw
 
-    def recording_draw(num_prompts):
-        result = draw(num_prompts)
-        line = {"after_step": trainer.state.global_step, "indices": result.indices, "skipped": result.skipped}
+    def write_line(draw):
+        line = {"after_step": trainer.state.global_step, "indices": draw.indices, "skipped": draw.skipped}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
-        return result
 
-    selector.draw = recording_draw
+    record_draws(trainer, on_draw=write_line)
 
 
 def main() -> None:
@@ -113,7 +148,9 @@ def main() -> None:
         model=model,
         reward_funcs=REWARDS[tiny_args.reward],
         args=training_args,
-        train_dataset=prompt_dataset(tiny_args.num_prompts),
+        train_dataset=Dataset.from_list([{"prompt": p} for p in tiny_args.prompts.split("|")])
+        if tiny_args.prompts
+        else prompt_dataset(tiny_args.num_prompts),
         processing_class=tokenizer,
         callbacks=[ReportFirstStep(), *([SlowDown(tiny_args.step_delay)] if tiny_args.step_delay else [])],
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if tiny_args.peft else None,
@@ -121,6 +158,7 @@ def main() -> None:
     if tiny_args.row_seeded_sampling:
         local_rows = training_args.per_device_train_batch_size * training_args.steps_per_generation
         use_row_seeded_sampling(model, training_args.seed, row_offset=trainer.accelerator.process_index * local_rows)
+    forwards = count_forwards(model) if tiny_args.count_forwards else None
     recorder = GroupRecorder(trainer, training_args.num_generations) if tiny_args.record_groups else None
     if tiny_args.record_draws:
         record_selective_draws(trainer, f"{tiny_args.record_draws}.rank{trainer.accelerator.process_index}")
@@ -131,16 +169,16 @@ def main() -> None:
             for ids, adv in recorder.groups()
         ]
         Path(f"{tiny_args.record_groups}.rank{trainer.accelerator.process_index}").write_text(json.dumps(groups))
+    if forwards is not None:
+        Path(f"{tiny_args.count_forwards}.rank{trainer.accelerator.process_index}").write_text(json.dumps(forwards))
+    weights = gathered_weights(trainer) if tiny_args.dump_weights else None
     if trainer.accelerator.is_main_process:
         if tiny_args.dump_weights:
-            weights = {
-                name: p.detach().contiguous()
-                for name, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()
-            }
             save_file(weights, tiny_args.dump_weights)
         if tiny_args.dump_logs:
             Path(tiny_args.dump_logs).write_text(json.dumps(trainer.state.log_history))
-    print(f"FINISHED global_step={trainer.state.global_step} pid={os.getpid()}")
+    engine = type(trainer.model_wrapped).__name__
+    print(f"FINISHED global_step={trainer.state.global_step} pid={os.getpid()} engine={engine}")
     # Tearing gloo down explicitly: left to interpreter exit, its threads were once destroyed mid-flight
     # ("terminate called without an active exception") and the launcher reported a failure.
     if torch.distributed.is_initialized():

@@ -1,6 +1,6 @@
 """Run several named GRPO configurations on the same task, seeds and budget; report curves and a table.
 
-`grpo-plus compare` (grpo_plus/cli.py) and benchmarks/sample_efficiency.py are built on `run_configuration`.
+`grpo-plus compare` (grpo_plus/app/cli.py) and benchmarks/sample_efficiency.py are built on `run_configuration`.
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def run_configuration(
     if stock_trl:
         from trl import GRPOConfig, GRPOTrainer
     else:
-        from .config import GRPOConfig
-        from .trainer import GRPOTrainer
+        from ..config import GRPOConfig
+        from ..trainer import GRPOTrainer
 
     path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -183,8 +183,8 @@ def check_configuration(name: str, overrides: Mapping[str, Any]) -> None:
     """Build the GRPOConfig a run would use, so a bad field or value fails before any configuration trains."""
     import dataclasses
 
-    from .config import GRPOConfig
-    from .registry import did_you_mean
+    from ..config import GRPOConfig
+    from ..registry import did_you_mean
 
     fields = [f.name for f in dataclasses.fields(GRPOConfig)]
     for key in overrides:

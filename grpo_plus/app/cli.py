@@ -1,4 +1,4 @@
-"""`grpo-plus` command line: compare configurations, list what is registered."""
+"""`grpo-plus` command line: compare configurations, list what is registered, push a saved adapter."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .plugins import PluginError
+from ..plugins import PluginError
+from .hub import DEFAULT_COMMIT_MESSAGE, HubAccessError
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -49,22 +50,37 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from . import available_advantage_normalizers, available_importance_sampling_levels, available_loss_types
+    from ..advantages import ADVANTAGE_NORMALIZERS
+    from ..losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+    from ..plugins import load_plugins
+    from ..trl_compat import TRL_NATIVE_LOSS_TYPES
     from .compare import PRESETS
-    from .config import TRL_NATIVE_LOSS_TYPES
-    from .plugins import load_plugins
 
     load_plugins(args.plugins)
-    print(
-        "loss_type:                ",
-        ", ".join(available_loss_types(True)),
-        "| TRL's own:",
-        ", ".join(TRL_NATIVE_LOSS_TYPES),
-    )
-    print("importance_sampling_level:", ", ".join(available_importance_sampling_levels(True)))
-    print("scale_rewards:            ", ", ".join(available_advantage_normalizers(True)))
-    print("compare presets:          ", ", ".join(PRESETS))
+    for registry in (LOSS_TYPES, IMPORTANCE_SAMPLERS, ADVANTAGE_NORMALIZERS):
+        print(f"{registry.field}:")
+        for entry in registry.entries():
+            name = entry.name + (f" ({', '.join(entry.aliases)})" if entry.aliases else "")
+            print(f"  {name:<22} {entry.doc.splitlines()[0] if entry.doc else ''}")
+        if registry is LOSS_TYPES:
+            print(f"  {'TRL computes:':<22} {', '.join(TRL_NATIVE_LOSS_TYPES)}")
+    print("compare presets:", ", ".join(PRESETS))
     return 0
+
+
+def _push(args: argparse.Namespace) -> int:
+    from .hub import PushSettings, check_hub_access
+
+    repo_id = check_hub_access(args.repo_id)  # token (HF_TOKEN or the cached login) and write permission first
+    settings = PushSettings(args.output_dir, repo_id, args.private, args.revision, args.commit_message)
+    print(f"Pushed the LoRA adapter in {args.output_dir} to {settings.push()}")
+    return 0
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,12 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="registered loss types, importance sampling levels, normalizers")
     listing.add_argument("--plugins", nargs="*", default=[], help="modules to import first")
     listing.set_defaults(run=_list, parser=listing)
+
+    push = commands.add_parser(
+        "push",
+        help="push a saved LoRA adapter (adapter files, model card, reward plot) to the Hugging Face Hub",
+        description="Push the adapter a recipe saved in OUTPUT_DIR, in one commit, as the recipe's --push_to_hub "
+        "does (a failed push prints this command with the run's settings). The token comes from HF_TOKEN or "
+        "`hf auth login`.",
+    )
+    push.add_argument("output_dir", metavar="OUTPUT_DIR")
+    push.add_argument("--repo-id", required=True, help="namespace/name (or name, in the token owner's namespace)")
+    push.add_argument("--private", type=_bool, default=None, help="true/false when creating the repo (default: Hub's)")
+    push.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
+    push.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE)
+    push.set_defaults(run=_push, parser=push)
     return parser
 
 
 def reject_unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
     """argparse's 'unrecognized arguments', with the closest flag named, as the recipes do (exits 2)."""
-    from .registry import quoted_with_hint
+    from ..registry import quoted_with_hint
 
     flags = [flag.lstrip("-") for action in parser._actions for flag in action.option_strings]
     described = [
@@ -117,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         reject_unknown_flags(args.parser, unknown)
     try:
         return args.run(args)
-    except (ValueError, PluginError) as error:
+    except (ValueError, PluginError, HubAccessError) as error:
         print(f"grpo-plus {args.command}: error: {error}", file=sys.stderr)
         return 2
 

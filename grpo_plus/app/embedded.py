@@ -221,15 +221,3 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> str:
             f"(e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), or {EMBEDDED_MODEL_NAME!r} for the embedded model."
         )
     return name_or_path
-
-
-def load_model_and_tokenizer(name_or_path: str, **model_kwargs: Any) -> tuple[Any, Any]:
-    """Resolve `name_or_path`, load model + tokenizer, and log how long the load took."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = resolve_model(name_or_path)
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path, **model_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    logger.info("Loaded %s in %.1f s", path, time.perf_counter() - start)
-    return model, tokenizer

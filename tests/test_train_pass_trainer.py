@@ -1,4 +1,5 @@
-"""Zero-waste training pass: the same gradient as TRL's full forward, with fewer positions computed."""
+"""Zero-waste training pass in grpo_plus.GRPOTrainer: the same gradient and log-probs as TRL's full forward, with fewer
+positions computed; the fallbacks to the full forward, each named."""
 
 from __future__ import annotations
 
@@ -7,20 +8,15 @@ import math
 
 import pytest
 import torch
-from tiny import ForwardLog, make_tokenizer, prompt_dataset, tiny_config
+from helpers.models import make_tokenizer, prompt_dataset, tiny_config, tiny_trainer
+from helpers.probes import ForwardLog
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
-from grpo_plus import GRPOConfig, GRPOTrainer
-from grpo_plus.train_pass import (
-    IGNORE_INDEX,
-    block_attention_mask,
-    chunk_rows,
-    pack_shared_prompts,
-    plan_packs,
-    rows_with_gradient,
-)
+from grpo_plus import GRPOTrainer
+from grpo_plus.train_pass import pack_shared_prompts, rows_with_gradient
 from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
+from grpo_plus.zero_waste import ZeroWastePass
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
@@ -48,25 +44,21 @@ def make_trainer(
     torch.manual_seed(0)
     config = model_config or tiny_config(family, len(tokenizer), **(config_overrides or {}))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
-    kwargs = dict(
-        output_dir="unused",
+    settings = dict(
         per_device_train_batch_size=G * GROUPS,
         num_generations=G,
         max_completion_length=COMPLETION_WIDTH,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         epsilon_high=0.28,
         temperature=0.7,
     )
-    kwargs.update(args)
-    trainer = GRPOTrainer(
+    trainer = tiny_trainer(
+        "unused",
+        [lambda completions, **kw: [0.0] * len(completions)],
         model=model,
-        reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
-        args=GRPOConfig(**kwargs),
-        train_dataset=prompt_dataset(4),
-        processing_class=tokenizer,
+        tokenizer=tokenizer,
+        dataset=prompt_dataset(4),
         peft_config=peft_config,
+        **{**settings, **args},
     )
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -122,9 +114,8 @@ def trl_full_pass(trainer, prompt_ids, prompt_mask, completion_ids, completion_m
 
 
 def set_zero_waste(trainer: GRPOTrainer, on: bool, shared_prompt: bool = True) -> None:
-    trainer.args.zero_waste_pass = on
-    trainer.args.zero_waste_shared_prompt = shared_prompt
-    trainer._row_skip_blocker = trainer._find_row_skip_blocker()
+    """As if built with zero_waste_pass=on, zero_waste_shared_prompt=shared_prompt (settings are read once)."""
+    trainer._zero_waste = ZeroWastePass(trainer, enabled=on, shared_prompt=shared_prompt)
 
 
 def loss_and_grads(trainer: GRPOTrainer, inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -158,17 +149,11 @@ def assert_saved_pass_matches_full(trainer: GRPOTrainer, inputs: dict) -> tuple[
 # ---- exactness ----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["llama", "gpt2"])
-def family_trainer(request):
-    return make_trainer(request.param)
-
-
 @pytest.mark.parametrize("importance_sampling_level", ["token", "sequence", "sequence_token"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_gradient_equals_full_pass(family_trainer, loss_type, importance_sampling_level):
-    trainer = family_trainer
-    trainer.loss_type, trainer.importance_sampling_level = loss_type, importance_sampling_level
-    trainer.args.loss_type, trainer.args.importance_sampling_level = loss_type, importance_sampling_level
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_gradient_equals_full_pass(family, loss_type, importance_sampling_level):
+    trainer = make_trainer(family, loss_type=loss_type, importance_sampling_level=importance_sampling_level)
     inputs = micro_batch(trainer)
     set_zero_waste(trainer, on=False)
     log = ForwardLog(trainer.model)
@@ -249,6 +234,104 @@ def test_old_logps_pass_shares_prompts_and_honours_batch_size():
     torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
 
 
+@needs_fused_lm_head
+def test_no_grad_pass_calls_the_model_once_per_trl_chunk_whatever_the_prompts():
+    """Under ZeRO-3 / FSDP every model call gathers parameters collectively: the number of calls may depend on the
+    row count only. Four rows with one prompt (two groups of G = 2 on this rank, as in the case that once hung) in
+    chunks of 2 rows: two calls, as TRL makes, not one merged pack."""
+    trainer = make_trainer(num_generations=2, per_device_train_batch_size=2)
+    inputs = micro_batch(trainer)
+    rows = [0, 1, 2, 3]  # one group of micro_batch: the same prompt on every row
+    ids = torch.cat([inputs["prompt_ids"][rows], inputs["completion_ids"][rows]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"][rows], inputs["completion_mask"][rows]], dim=1)
+    log = ForwardLog(trainer.model)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_WIDTH, 2)
+    assert [call["mask_dims"] for call in log.calls] == [4, 4]
+    reference, _, _ = trl_full_pass(
+        trainer, *(inputs[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+    )
+    torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
+
+
+@needs_fused_lm_head
+def test_rows_that_share_no_prompt_are_not_packed():
+    """One row from each of 4 groups (TRL's row shuffle spreads groups over micro-batches): no pack would share its
+    prompt, so a block mask would only cost (a dense S x S mask, expanded key/value heads): the per-row forward
+    runs, without the padding, and its log-probs are TRL's."""
+    trainer = make_trainer()
+    inputs = micro_batch(trainer)
+    rows = [0, G, 2 * G, 3 * G]
+    parts = [inputs[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
+    log = ForwardLog(trainer.model)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([parts[0], parts[2]], 1), torch.cat([parts[1], parts[3]], 1), COMPLETION_WIDTH
+        )
+    assert [call["mask_dims"] for call in log.calls] == [2]
+    assert log.positions <= len(rows) * (PROMPT_WIDTH + COMPLETION_WIDTH)
+    reference, _, _ = trl_full_pass(trainer, *parts)
+    torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
+
+
+def shuffled_micro_batches(trainer: GRPOTrainer, count: int, **kwargs) -> list[dict]:
+    """`micro_batch` rows shuffled as TRL shuffles a generation batch, cut into `count` micro-batches."""
+    batch = micro_batch(trainer, **kwargs)
+    batch.pop("num_items_in_batch")
+    order = torch.randperm(G * GROUPS, generator=torch.Generator().manual_seed(1))
+    batch = {key: value[order] for key, value in batch.items()}
+    size = G * GROUPS // count
+    return [{key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(count)]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_deferred_logps_equal_the_training_forward_bit_for_bit(beta):
+    """Old / reference log-probs are computed after TRL's shuffle and split, micro-batch by micro-batch, through the
+    training forward's own code: at equal weights they equal the training forward's log-probs to the bit (TRL's
+    ratio of exactly 1 and KL of exactly 0), with one model call per micro-batch and pass, dead or not."""
+    from peft import LoraConfig
+
+    # With beta > 0 the reference is the policy with its LoRA adapter off: at init (B = 0) the same function.
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear") if beta else None
+    trainer = make_trainer(dtype=torch.float32, beta=beta, peft_config=lora)
+    micro_batches = shuffled_micro_batches(trainer, count=4, off_policy=0.0)
+    micro_batches[0]["advantages"] = torch.zeros_like(micro_batches[0]["advantages"])  # an all-dead micro-batch
+    passes = ("old_per_token_logps", "ref_per_token_logps") if beta else ("old_per_token_logps",)
+    for inputs in micro_batches:
+        inputs.update({key: torch.zeros_like(inputs["old_per_token_logps"]) for key in passes})  # placeholders
+    trainer._zero_waste.pending = passes
+    log = ForwardLog(trainer.model)
+    trainer._zero_waste.fill_deferred(micro_batches)
+    assert len(log.calls) == len(passes) * len(micro_batches) and not any(call["grad"] for call in log.calls)
+    assert trainer._zero_waste.pending == ()
+    for inputs in micro_batches:
+        policy = trainer._zero_waste.micro_batch_logps(trainer.model, inputs, compute_entropy=True)
+        live = torch.ones(len(inputs["advantages"]), dtype=torch.bool)
+        if policy.computed_rows is not None:
+            live = policy.computed_rows
+        for key in passes:
+            assert torch.equal(policy.logps[live], inputs[key][live]), key
+        assert (beta > 0) == bool(live.all()), "rows are skipped exactly when the KL term does not read them"
+
+
+def test_dropout_turns_every_saving_off(caplog):
+    """LoRA dropout (TRL's CLI default 0.05) draws masks per position: the full forward runs, in TRL's shape."""
+    from peft import LoraConfig
+
+    trainer = make_trainer(peft_config=LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear"))
+    inputs = micro_batch(trainer)
+    log = ForwardLog(trainer.model)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
+        trainer._compute_loss(trainer.model, inputs)
+    assert log.positions == G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH), "not TRL's full forward"
+    assert "dropout is active in the training forward" in caplog.text and "lora_dropout" in caplog.text
+    assert not trainer._zero_waste.defers_logps(), "the no-grad passes must draw their masks where TRL draws them"
+    trainer.model.eval()  # no dropout in eval mode: the savings apply again
+    log.clear()
+    trainer._compute_loss(trainer.model, inputs)
+    assert log.positions < G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH)
+
+
 def test_all_dead_micro_batch_still_backpropagates_a_zero_gradient():
     trainer = make_trainer()
     inputs = micro_batch(trainer, dead_groups=range(GROUPS))
@@ -312,9 +395,9 @@ def test_row_skipping_falls_back_to_the_full_pass(args, reason, caplog):
         inputs["ref_per_token_logps"] = inputs["old_per_token_logps"].clone()
     log = ForwardLog(trainer.model)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        trainer._row_skip_blocker = trainer._find_row_skip_blocker()
+        trainer._zero_waste.row_skip_blocker = trainer._zero_waste.find_row_skip_blocker()
         trainer._compute_loss(trainer.model, inputs)
-    assert trainer._row_skip_blocker is not None and reason in trainer._row_skip_blocker
+    assert trainer._zero_waste.row_skip_blocker is not None and reason in trainer._zero_waste.row_skip_blocker
     assert any("zero-advantage rows" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
     # Every row went through the model (packed where prompts can still be shared): nothing was skipped.
     parts = [inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
@@ -404,7 +487,7 @@ def test_multimodal_inputs_are_computed_in_full(caplog):
 
 def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
     """TRL 1.14 has no fused LM head: the shared prompt falls back, row skipping and padding trimming do not."""
-    monkeypatch.setattr("grpo_plus.trainer.has_fused_lm_head", lambda: False)
+    monkeypatch.setattr("grpo_plus.zero_waste.has_fused_lm_head", lambda: False)
     trainer = make_trainer()
     inputs = micro_batch(trainer)
     log = ForwardLog(trainer.model)
@@ -421,46 +504,3 @@ def test_config_field_turns_it_off():
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [
         ((G * GROUPS, PROMPT_WIDTH + COMPLETION_WIDTH), 2)
     ]
-
-
-# ---- packing ------------------------------------------------------------------------------------------------------
-
-
-def test_pack_layout_positions_targets_and_mask():
-    prompt_ids = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [8, 9, 10, 11]])
-    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
-    completion_ids = torch.tensor([[20, 21, 22], [30, 0, 0], [40, 41, 0]])
-    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
-    batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, hidden_size=1024)
-    # Pack 0: prompt [5, 6] once, then [7, 20, 21] -> predicts [20, 21, 22] and [7] -> predicts [30].
-    assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 7], [8, 9, 10, 11, 40, 0]]
-    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5, 3], [0, 1, 2, 3, 4, 0]]
-    ignore = IGNORE_INDEX
-    assert batch.targets.tolist() == [[ignore, ignore, 20, 21, 22, 30], [ignore] * 3 + [40, 41, ignore]]
-    # The second completion of the first group sees the prompt (positions 0-1) and itself, not the first completion.
-    assert batch.block_mask[0, 0, 5].tolist() == [True, True, False, False, False, True]
-    assert batch.block_mask[1, 0, 5].tolist() == [False] * 5 + [True]  # padding attends only itself
-    assert sorted(zip(*[t.tolist() for t in batch.destination], strict=True)) == [
-        (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1),
-    ]  # fmt: skip
-
-
-def test_masked_token_inside_a_completion_stays_invisible():
-    segments = torch.tensor([[-1, 0, 0, 0]])
-    valid = torch.tensor([[True, True, False, True]])
-    mask = block_attention_mask(segments, valid)[0, 0]
-    assert mask[3].tolist() == [True, True, False, True]
-
-
-def test_packing_stops_where_attention_would_cost_more_than_a_second_prompt_copy():
-    assert plan_packs(prefix_length=60, completion_lengths=[12] * 8, hidden_size=576) == [list(range(8))]
-    packs = plan_packs(prefix_length=200, completion_lengths=[512] * 8, hidden_size=896)
-    assert [len(p) for p in packs] == [2, 2, 2, 2]
-
-
-def test_rows_with_gradient_and_chunks():
-    advantages = torch.tensor([0.0, 1.0, float("nan"), -2.0])
-    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
-    assert rows_with_gradient(advantages, mask).tolist() == [False, True, True, False]
-    assert chunk_rows([[0, 1], [2, 3], [4]], max_rows=4) == [[0, 1, 2, 3], [4]]
-    assert chunk_rows([[0, 1], [2, 3]], max_rows=None) == [[0, 1, 2, 3]]

@@ -1,0 +1,76 @@
+"""What accelerate was asked to run against what it runs: a launch that would silently train wrong fails at start.
+
+grpo_plus goes beyond one GPU through accelerate (DDP, DeepSpeed, FSDP) exactly as TRL does. Two launches exit 0
+while training something else than asked:
+- DeepSpeed (or DDP without `--use_cpu`) on a machine where accelerate finds no distributed backend (CPU only):
+  every launched process trains alone, on its own data, with its own weights;
+- FSDP with `use_cpu`: accelerate drops the FSDP plugin and runs plain DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """accelerate launched several processes that would not train together."""
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def check_launch(distributed_type: str, num_processes: int) -> None:
+    """Raise LaunchError where the launched processes would each train alone; warn where accelerate runs another
+    engine than the config asks for. `distributed_type` and `num_processes` are the accelerator's."""
+    launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if launched > 1 and num_processes == 1:
+        raise LaunchError(
+            f"accelerate launched {launched} processes, but each of the {launched} launched processes would train "
+            "alone: accelerate found no distributed backend on this machine. On a CPU-only machine set "
+            "--ddp_backend gloo (GRPOConfig.ddp_backend), and for DeepSpeed also DS_ACCELERATOR=cpu; with plain DDP "
+            "pass --use_cpu true."
+        )
+    asked = "FSDP" if _flag("ACCELERATE_USE_FSDP") else "DEEPSPEED" if _flag("ACCELERATE_USE_DEEPSPEED") else None
+    if asked is not None and asked not in distributed_type.upper():
+        logger.warning(
+            "The accelerate config asks for %s, but accelerate runs %s (%d processes): %s",
+            asked,
+            distributed_type,
+            num_processes,
+            "FSDP runs on GPUs only; with use_cpu accelerate drops it and runs plain DDP."
+            if asked == "FSDP"
+            else "DeepSpeed needs use_cpu: false in the accelerate config (on CPU: DS_ACCELERATOR=cpu).",
+        )
+
+
+@contextmanager
+def whole_model_for_generation(model: Any, trainer: Any = None) -> Iterator[Any]:
+    """`model` with whole parameters on this rank, for generation outside TRL's step (held-out evaluation).
+
+    Under DeepSpeed ZeRO-3 each rank holds a shard of every weight: a trained model goes through TRL's
+    `unwrap_model_for_generation` (it gathers the shards once and lifts the engine's per-layer hooks), a model
+    partitioned at load (`zero3_init_flag`) and not yet in an engine is gathered whole. Gathering is collective:
+    every rank must enter. Elsewhere the model is yielded as is.
+    """
+    if trainer is not None:
+        from .trl_compat import unwrap_model_for_generation
+
+        gather = getattr(trainer.args, "ds3_gather_for_generation", True)
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator, gather) as unwrapped:
+            yield unwrapped
+        return
+    partitioned = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield model
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned):
+        yield model

@@ -1,0 +1,269 @@
+"""The zero-waste training pass inside a GRPOTrainer: which savings apply, the training forward, TRL's no-grad
+log-prob passes (deferred to the micro-batch split), and the `zero_waste/*` metrics.
+
+The computation is pure torch in `grpo_plus.train_pass`; this module decides, per call, what may be saved and keeps
+the run's state (fallback notes, placeholders handed to TRL, the positions counter). `trainer.py` wires it in.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trl
+
+from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
+from .train_pass import (
+    PackedBatch,
+    additive_mask,
+    completion_width,
+    dropout_blocker,
+    forward_rows,
+    row_skip_blocker,
+    rows_with_gradient,
+    shared_prompt_blocker,
+    shared_prompt_logps,
+)
+from .trl_compat import (
+    FORWARD_INPUT_KEYS,
+    TRL_NATIVE_LOSS_TYPES,
+    disable_gradient_checkpointing,
+    fused_lm_head_forward,
+    has_fused_lm_head,
+    reference_model,
+)
+
+logger = logging.getLogger(__name__)
+# Generation-batch keys of TRL's no-grad log-prob passes, which grpo_plus computes after the micro-batch split.
+DEFERRED_LOGPS = ("old_per_token_logps", "ref_per_token_logps")
+
+
+@dataclass
+class PolicyForward:
+    """The log-probs of one micro-batch, in TRL's (B, T) layout."""
+
+    logps: torch.Tensor
+    entropies: torch.Tensor | None
+    aux_loss: torch.Tensor | None
+    computed_rows: torch.Tensor | None  # (B,) bool when rows were skipped, else None
+
+
+class ZeroWastePass:
+    """One run's zero-waste pass. `enabled` / `shared_prompt` are GRPOConfig's `zero_waste_pass` /
+    `zero_waste_shared_prompt`."""
+
+    def __init__(self, trainer: trl.GRPOTrainer, enabled: bool, shared_prompt: bool):
+        self.trainer, self.enabled, self.shared_prompt = trainer, enabled, shared_prompt
+        self._notes: set[tuple[str, str]] = set()
+        self.positions = 0  # token positions the model computed since the training forward began
+        self.deferring = False  # inside TRL's generation step: old/ref passes get placeholders
+        self.pending: tuple[str, ...] = ()  # generation-batch keys still holding placeholders
+        self.row_skip_blocker = self.find_row_skip_blocker()
+
+    def note_fallback(self, part: str, reason: str) -> None:
+        """Say once per run which part of the zero-waste pass runs in full, and why."""
+        if (part, reason) not in self._notes:
+            self._notes.add((part, reason))
+            logger.warning("Zero-waste pass: %s computed in full, because %s.", part, reason)
+
+    def find_row_skip_blocker(self) -> str | None:
+        """None when zero-advantage rows may be left out of the training forward, else why not."""
+        trainer = self.trainer
+        if not self.enabled:
+            return "zero_waste_pass=False"
+        if trainer.loss_type in TRL_NATIVE_LOSS_TYPES:
+            reason = f"loss_type={trainer.loss_type!r} is computed by TRL's own _compute_loss"
+        else:
+            loss_type, level = (
+                LOSS_TYPES.entry(trainer.loss_type),
+                IMPORTANCE_SAMPLERS.entry(trainer.importance_sampling_level),
+            )
+            reason = row_skip_blocker(
+                beta=trainer.beta,
+                entropy_bonus=trainer._entropy_bonus_enabled,
+                top_entropy_quantile=trainer.top_entropy_quantile,
+                aux_loss=trainer.aux_loss_enabled,
+                loss_type_declared=loss_type.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
+                importance_sampling_declared=level.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
+                loss_type=trainer.loss_type,
+                importance_sampling_level=trainer.importance_sampling_level,
+            )
+        if reason is not None:
+            self.note_fallback("zero-advantage rows", reason)
+        return reason
+
+    def dropout_blocker(self, model: torch.nn.Module) -> str | None:
+        reason = dropout_blocker(self.trainer.accelerator.unwrap_model(model))
+        if reason is not None:
+            self.note_fallback("the zero-waste pass (rows, padding, shared prompt)", reason)
+        return reason
+
+    # ---- one micro-batch --------------------------------------------------------------------------------------------
+
+    def micro_batch_logps(self, model, inputs: dict[str, Any], compute_entropy: bool) -> PolicyForward:
+        """Log-probs of one micro-batch, computing only rows that can carry gradient (the others get their old
+        log-probs, so their ratio is 1, and entropy 0). The training forward and the deferred no-grad passes both
+        come here, so equal weights give bit-equal log-probs (same rows, same packs, same model calls)."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        live = None
+        multimodal = any(inputs.get(key) is not None for key in FORWARD_INPUT_KEYS)
+        if self.row_skip_blocker is None and not multimodal and self.dropout_blocker(model) is None:
+            advantages = inputs["advantages"]
+            live = rows_with_gradient(advantages.reshape(advantages.shape[0], -1), mask)
+        old = inputs.get("old_per_token_logps")
+        fill = old.detach() if old is not None else torch.zeros(mask.shape, device=mask.device)
+        forward = functools.partial(
+            self.trainer._get_per_token_logps_and_entropies,
+            model,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=self.trainer.aux_loss_enabled,
+            **{key: inputs.get(key) for key in FORWARD_INPUT_KEYS},
+        )
+        bridge = slice(prompt_ids.size(1) - 1, prompt_ids.size(1) + 1)
+        logps, entropies, aux_loss = forward_rows(
+            forward, input_ids, attention_mask, completion_ids.size(1), live, fill, bridge
+        )
+        return PolicyForward(logps, entropies, aux_loss, None if live is None or bool(live.all()) else live)
+
+    def policy_forward(self, model, inputs: dict[str, Any], metrics: dict[str, list]) -> PolicyForward:
+        """The micro-batch's training forward; logs the share of rows and token positions it computed."""
+        self.positions = 0
+        policy = self.micro_batch_logps(model, inputs, compute_entropy=True)
+        rows = 1.0 if policy.computed_rows is None else policy.computed_rows.float().mean().item()
+        metrics["zero_waste/rows_computed_frac"].append(rows)
+        full_positions = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+        metrics["zero_waste/positions_frac"].append(self.positions / full_positions)
+        return policy
+
+    # ---- TRL's no-grad passes -------------------------------------------------------------------------------------
+    # TRL computes old / reference log-probs inside `_generate_and_score_completions`, before the rewards and before it
+    # shuffles the generation batch into micro-batches. grpo_plus hands TRL placeholders there and computes both right
+    # after the split, micro-batch by micro-batch, through `micro_batch_logps`: the same weights then give bit-equal
+    # log-probs (TRL's ratio of exactly 1 and KL of exactly 0 at the reference), dead rows are skipped there too, and
+    # every process makes one model call per micro-batch and pass (ZeRO-3 / FSDP gather weights on every call).
+
+    def defers_logps(self) -> bool:
+        """Not with vLLM (its importance-sampling correction reads the old log-probs during generation) nor with
+        active dropout (masks must be drawn where TRL draws them)."""
+        trainer = self.trainer
+        return self.enabled and not trainer.use_vllm and self.dropout_blocker(trainer.model) is None
+
+    @contextmanager
+    def generation_step(self) -> Iterator[Callable[[dict[str, Any]], None]]:
+        """Around TRL's `_generate_and_score_completions`: yields `record(output)`, which notes the placeholders."""
+        self.deferring = self.defers_logps()
+        deferring = self.deferring
+
+        def record(output: dict[str, Any]) -> None:
+            if deferring:
+                self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
+
+        try:
+            yield record
+        finally:
+            self.deferring = False
+
+    def placeholder(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, None, None]:
+        return torch.zeros((input_ids.shape[0], logits_to_keep), device=input_ids.device), None, None
+
+    def fill_deferred(self, micro_batches: list[dict[str, Any]]) -> None:
+        """Compute the old / reference log-probs of a generation batch just split into `micro_batches`."""
+        pending, self.pending = self.pending, ()
+        trainer = self.trainer
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
+        ):
+            for inputs in micro_batches:
+                if "old_per_token_logps" in pending:
+                    inputs["old_per_token_logps"] = self.micro_batch_logps(trainer.model, inputs, False).logps
+                if "ref_per_token_logps" in pending:
+                    with reference_model(trainer) as ref_model:
+                        inputs["ref_per_token_logps"] = self.micro_batch_logps(ref_model, inputs, False).logps
+
+    # ---- TRL's `_get_per_token_logps_and_entropies` --------------------------------------------------------------
+
+    def logps_and_entropies(
+        self,
+        full: Callable[[torch.Tensor, torch.Tensor, int], tuple],
+        model,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        model_inputs: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's log-probs (entropies, aux loss) without the padding after the completions and, where the model allows
+        it, with each shared prompt computed once. `full(input_ids, attention_mask, logits_to_keep)` is TRL's method.
+        """
+        if self.deferring and not torch.is_grad_enabled():
+            return self.placeholder(input_ids, logits_to_keep)
+        if not self.enabled or self.dropout_blocker(model) is not None:
+            self.positions += input_ids.numel()
+            return full(input_ids, attention_mask, logits_to_keep)
+        if any(value is not None for value in model_inputs.values()):
+            self.note_fallback("the padding and the shared prompt", "the batch has multimodal inputs")
+            self.positions += input_ids.numel()
+            return full(input_ids, attention_mask, logits_to_keep)
+
+        prompt_width = input_ids.shape[1] - logits_to_keep
+        if self.shared_prompt:
+            reason = self.shared_prompt_blocker(model, input_ids, attention_mask, prompt_width, compute_aux_loss)
+            if reason is None:
+                packed = self.shared_prompt_logps(model, input_ids, attention_mask, logits_to_keep, batch_size)
+                if packed is not None:
+                    logps, entropies = packed
+                    return logps, entropies if compute_entropy else None, None
+            else:
+                self.note_fallback("the shared prompt", reason)
+        width = completion_width(attention_mask[:, prompt_width:])
+        end = prompt_width + width
+        self.positions += input_ids.shape[0] * end
+        logps, entropies, aux_loss = full(input_ids[:, :end], attention_mask[:, :end], width)
+        pad = functools.partial(torch.nn.functional.pad, pad=(0, logits_to_keep - width))
+        return pad(logps), None if entropies is None else pad(entropies), aux_loss
+
+    def shared_prompt_blocker(self, model, input_ids, attention_mask, prompt_width, compute_aux_loss) -> str | None:
+        if not has_fused_lm_head():
+            return f"TRL {trl.__version__} has no fused LM head to score packed rows (TRL >= 1.15 has)"
+        if compute_aux_loss:
+            return "the router aux loss is taken over every row's tokens"
+        if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):
+            return "some prompt does not end in its last column (prompts are not left-padded)"
+        config = self.trainer.accelerator.unwrap_model(model).config
+        return shared_prompt_blocker(config, getattr(config, "_attn_implementation", None), input_ids.shape[1])
+
+    def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
+        """Log-probs and entropies with one prompt copy per pack; None where packing does not pay."""
+        prompt_width = input_ids.shape[1] - logits_to_keep
+        accelerator = self.trainer.accelerator
+        unwrapped = accelerator.unwrap_model(model)
+        eager = unwrapped.config._attn_implementation == "eager"
+
+        def model_forward(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+            self.positions += batch.positions
+            block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
+            with accelerator.autocast():
+                return fused_lm_head_forward(model, batch.input_ids, block_mask, batch.position_ids, batch.targets)
+
+        return shared_prompt_logps(
+            model_forward,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size,
+            hidden_size=unwrapped.config.get_text_config().hidden_size,
+            pad_token_id=self.trainer._tokenizer.pad_token_id or 0,
+            unshared_positions=input_ids.shape[0]
+            * (prompt_width + completion_width(attention_mask[:, prompt_width:])),
+        )

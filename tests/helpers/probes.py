@@ -1,0 +1,224 @@
+"""What the tests observe a run with: forward calls, trained groups, draws, logs and weights, and how they start
+training processes (tests/scripts/train_tiny.py, accelerate launch) and kill them."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from grpo_plus.checkpoints import is_complete_checkpoint
+
+from . import models
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+TRAIN_TINY = str(SCRIPTS / "train_tiny.py")
+
+
+# ---- in-process probes ---------------------------------------------------------------------------------------------
+
+
+class ForwardLog:
+    """Records what every call of a model's backbone received (generation, no-grad passes and training forwards)."""
+
+    def __init__(self, model):
+        self.calls: list[dict] = []
+        backbone = model.get_base_model() if hasattr(model, "get_base_model") else model
+        backbone.base_model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        self.calls.append(
+            {
+                "shape": tuple(input_ids.shape),
+                "mask_dims": None if mask is None else mask.dim(),
+                "grad": torch.is_grad_enabled(),
+            }
+        )
+
+    @property
+    def positions(self) -> int:
+        """Token positions computed over all recorded calls."""
+        return sum(math.prod(call["shape"]) for call in self.calls)
+
+    @property
+    def training_positions(self) -> int:
+        """Token positions of the forwards that carried gradient (the training pass)."""
+        return sum(math.prod(call["shape"]) for call in self.calls if call["grad"])
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+class GroupRecorder:
+    """Wraps a trainer's `_compute_loss` to record what every micro-batch trained on."""
+
+    def __init__(self, trainer, num_generations: int):
+        self.batches, self.num_generations = [], num_generations
+        original = trainer._compute_loss
+
+        def recording_compute_loss(model, inputs):
+            self.batches.append({k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            return original(model, inputs)
+
+        trainer._compute_loss = recording_compute_loss
+
+    def groups(self):
+        """(prompt_ids, advantages) per group of consecutive rows in every recorded micro-batch."""
+        g = self.num_generations
+        for batch in self.batches:
+            for start in range(0, batch["prompt_ids"].shape[0], g):
+                yield batch["prompt_ids"][start : start + g], batch["advantages"][start : start + g]
+
+
+def record_score_rounds(trainer) -> list[list[dict]]:
+    """Wraps the trainer's `_score_round`: the returned list receives the rows of every generation round it scores."""
+    rounds = []
+    score_round = trainer._score_round
+
+    def recording_score_round(inputs):
+        rounds.append(inputs)
+        return score_round(inputs)
+
+    trainer._score_round = recording_score_round
+    return rounds
+
+
+def record_draws(trainer, on_draw=None) -> list:
+    """Wraps the trainer's selective-rollout selector: the returned list receives every draw, as it is made (then
+    `on_draw(draw)` is called)."""
+    draws, selector = [], trainer._selective_rollout
+    draw = selector.draw
+
+    def recording_draw(num_prompts):
+        result = draw(num_prompts)
+        draws.append(result)
+        if on_draw is not None:
+            on_draw(result)
+        return result
+
+    selector.draw = recording_draw
+    return draws
+
+
+def logged(trainer, key: str) -> list:
+    """The values of `key` in the trainer's log history, in order."""
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+@contextmanager
+def kept_unchanged(folder: str | Path, what: str):
+    """Asserts that no file under `folder` was added, removed or changed in the block: for what fixtures share
+    between tests (a test that wrote there would make the others depend on test order)."""
+
+    def digests() -> dict[str, str]:
+        files = sorted(p for p in Path(folder).rglob("*") if p.is_file())
+        return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+    before = digests()
+    yield
+    assert digests() == before, f"a test changed {what} in {folder}, which other tests share"
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    """Largest |a - b| over the tensors of `a` (state dicts or weight files)."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class RowSeededSampler:
+    """Logits processor: Gumbel-max sampling whose noise depends only on (seed, call, global row, position).
+
+    Two runs that split the same generation batch differently across processes (or micro-batches) then draw
+    identical completions, so their training can be compared weight for weight.
+    """
+
+    def __init__(self, seed: int, row_offset: int = 0):
+        self.seed, self.row_offset, self.calls = seed, row_offset, 0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        chosen = []
+        for row in range(scores.shape[0]):
+            generator = torch.Generator().manual_seed(
+                hash((self.seed, self.calls, self.row_offset + row, input_ids.shape[1])) % (2**31)
+            )
+            uniform = torch.rand(scores.shape[1], generator=generator).clamp(1e-10, 1 - 1e-10)
+            chosen.append(torch.argmax(scores[row].float() - torch.log(-torch.log(uniform))))
+        one_hot = torch.full_like(scores, float("-inf"))
+        one_hot[torch.arange(scores.shape[0]), torch.stack(chosen)] = 0.0
+        return one_hot
+
+
+def use_row_seeded_sampling(model, seed: int, row_offset: int = 0) -> RowSeededSampler:
+    """Make `model.generate` sample with a RowSeededSampler (after TRL's temperature/top-k processors)."""
+    sampler = RowSeededSampler(seed, row_offset)
+    original_generate = model.generate
+
+    def generate(*args, **kwargs):
+        kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), sampler]
+        try:
+            return original_generate(*args, **kwargs)
+        finally:
+            sampler.calls += 1
+
+    model.generate = generate
+    return sampler
+
+
+# ---- training processes --------------------------------------------------------------------------------------------
+
+
+def accelerate_launch(num_processes: int = 2, config_file: str | Path | None = None) -> list[str]:
+    """`accelerate launch` for several CPU processes: with `config_file` (e.g. a shipped DeepSpeed config) as it says;
+    without, over gloo: --multi_gpu starts torchrun's launcher, which falls back to CPU (--cpu would run a single
+    process)."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    if config_file is not None:
+        return [accelerate, "launch", "--config_file", str(config_file), "--num_processes", str(num_processes),
+                "--mixed_precision", "no"]  # fmt: skip
+    return [accelerate, "launch", "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+
+
+def run_python(*args, launcher=None, env=None, cwd=None, timeout: float = 300, check: bool = True):
+    """Run `python *args` (or `*launcher, *args`, e.g. accelerate_launch(2)) to its end and return the completed
+    process; with `check`, it must have exited 0."""
+    command = [*(launcher or [sys.executable]), *map(str, args)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    if check:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    return result
+
+
+def train_tiny_flags(model_dir, output_dir, *, omit=(), **overrides) -> list[str]:
+    """tests/scripts/train_tiny.py's command line for the model saved in `model_dir`, trained with
+    tiny_run_kwargs(output_dir, **overrides) less the fields in `omit`."""
+    settings = models.tiny_run_kwargs(output_dir, **overrides)
+    for key in ("disable_tqdm", *omit):
+        settings.pop(key)
+    flags = ["--model_dir", str(model_dir)]
+    for key, value in settings.items():
+        flags += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags
+
+
+def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float = 240) -> str:
+    """Run `command`, SIGKILL it as soon as `checkpoint` is complete (kill -9: no cleanup, no crash handler); returns
+    what it printed."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while not is_complete_checkpoint(checkpoint):
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, f"no {checkpoint.name} in time"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    output, _ = process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    return output

@@ -1,0 +1,59 @@
+"""Reward functions for the tiny runs, and which prompts they make dead (every completion scored alike).
+
+Recipes load them by name (`--reward_funcs helpers.rewards:length_reward`) with tests/ on the Python path."""
+
+from __future__ import annotations
+
+
+def text_of(message) -> str:
+    """A prompt or completion as text (standard: the string; conversational: the last message's content)."""
+    return message if isinstance(message, str) else message[-1]["content"]
+
+
+def starts_odd(prompt) -> bool:
+    """The prompts the dead-group rewards below make constant: those starting with an odd digit."""
+    return int(text_of(prompt)[0]) % 2 == 1
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Longer completions score higher, with ties: some groups have zero variance, others do not."""
+    return [float(min(len(text_of(c)), 8) // 4) for c in completions]
+
+
+def digit_reward(completions, **kwargs) -> list[float]:
+    """Fraction of characters that are digits."""
+    texts = [text_of(c) for c in completions]
+    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
+
+
+def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
+    """Constant reward for prompts starting with an odd digit (dead groups), length reward otherwise."""
+    return [1.0 if starts_odd(p) else float(len(text_of(c))) for p, c in zip(prompts, completions, strict=True)]
+
+
+def half_dead_reward(completions, prompts, **kwargs) -> list[float]:
+    """1 for prompts starting with an odd digit (dead groups), the digit fraction otherwise (rarely tied)."""
+    return [1.0 if starts_odd(p) else d for p, d in zip(prompts, digit_reward(completions), strict=True)]
+
+
+def constant_reward(completions, **kwargs) -> list[float]:
+    """Every group is dead."""
+    return [1.0] * len(completions)
+
+
+def odd_prompts_dead_reward(completions, prompts, **kwargs) -> list[float]:
+    """1.0 for every completion of a prompt starting with an odd digit (always dead, "solved"); 0/1 alternating by
+    row otherwise, so those groups (consecutive rows) are always informative whatever the model writes."""
+    return [1.0 if starts_odd(p) else float(row % 2) for row, p in enumerate(prompts)]
+
+
+def dead_rows(dataset) -> set[int]:
+    """Rows of `prompt_dataset` that `odd_prompts_dead_reward` makes dead."""
+    return {i for i, row in enumerate(dataset) if starts_odd(row["prompt"])}
+
+
+def explode_at_step_3(completions, trainer_state=None, **kwargs) -> list[float]:
+    """Scores like `length_reward` for two optimizer steps, then raises: a crash in the middle of training."""
+    if trainer_state is not None and trainer_state.global_step >= 2:
+        return [1 / 0 for _ in completions]
+    return length_reward(completions)

@@ -1,0 +1,56 @@
+"""Zero-waste training pass, pure torch: shared-prompt packing (layout, positions, targets, block mask), when packing
+pays, which rows carry gradient, TRL's row chunks."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_plus.train_pass import (
+    IGNORE_INDEX,
+    block_attention_mask,
+    pack_shared_prompts,
+    plan_packs,
+    row_chunks,
+    rows_with_gradient,
+)
+
+
+def test_pack_layout_positions_targets_and_mask():
+    prompt_ids = torch.tensor([[0, 5, 6, 7], [0, 5, 6, 7], [8, 9, 10, 11]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    completion_ids = torch.tensor([[20, 21, 22], [30, 0, 0], [40, 41, 0]])
+    completion_mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, hidden_size=1024)
+    # Pack 0: prompt [5, 6] once, then [7, 20, 21] -> predicts [20, 21, 22] and [7] -> predicts [30].
+    assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 7], [8, 9, 10, 11, 40, 0]]
+    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5, 3], [0, 1, 2, 3, 4, 0]]
+    ignore = IGNORE_INDEX
+    assert batch.targets.tolist() == [[ignore, ignore, 20, 21, 22, 30], [ignore] * 3 + [40, 41, ignore]]
+    # The second completion of the first group sees the prompt (positions 0-1) and itself, not the first completion.
+    assert batch.block_mask[0, 0, 5].tolist() == [True, True, False, False, False, True]
+    assert batch.block_mask[1, 0, 5].tolist() == [False] * 5 + [True]  # padding attends only itself
+    assert sorted(zip(*[t.tolist() for t in batch.destination], strict=True)) == [
+        (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1),
+    ]  # fmt: skip
+
+
+def test_masked_token_inside_a_completion_stays_invisible():
+    segments = torch.tensor([[-1, 0, 0, 0]])
+    valid = torch.tensor([[True, True, False, True]])
+    mask = block_attention_mask(segments, valid)[0, 0]
+    assert mask[3].tolist() == [True, True, False, True]
+
+
+def test_packing_stops_where_attention_would_cost_more_than_a_second_prompt_copy():
+    assert plan_packs(prefix_length=60, completion_lengths=[12] * 8, hidden_size=576) == [list(range(8))]
+    packs = plan_packs(prefix_length=200, completion_lengths=[512] * 8, hidden_size=896)
+    assert [len(p) for p in packs] == [2, 2, 2, 2]
+
+
+def test_rows_with_gradient_and_chunks():
+    advantages = torch.tensor([0.0, 1.0, float("nan"), -2.0])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [0, 0]])
+    assert rows_with_gradient(advantages, mask).tolist() == [False, True, True, False]
+    # TRL's chunks of consecutive rows: how many depends on the row count only, never on which prompts repeat.
+    assert row_chunks(5, max_rows=4) == [range(0, 4), range(4, 5)]
+    assert row_chunks(4, max_rows=None) == [range(0, 4)]
