@@ -230,6 +230,8 @@ def test_distinct_rows_keep_the_order_of_first_appearance():
         pytest.param("token_type_ids", "model inputs token_type_ids", marks=needs_loop),
         pytest.param("scores", "return_dict_in_generate", marks=needs_loop),
         pytest.param("lockstep", "DeepSpeed ZeRO-3 / FSDP", marks=needs_loop),
+        # TRL generates with the model in training mode: LoRA dropout (TRL's CLI: 0.05) is active then
+        pytest.param("dropout", "dropout is active", marks=needs_loop),
         ("old_transformers", "decodes with another loop"),
     ],
 )
@@ -246,11 +248,14 @@ def test_fallbacks_run_model_generate_unchanged(case, reason, monkeypatch):
         kwargs["token_type_ids"] = torch.zeros_like(ids)
     elif case == "scores":
         config.return_dict_in_generate, config.output_scores = True, True
+    elif case == "dropout":
+        model.transformer.drop.p = 0.1
+        model.train()
     elif case == "lockstep":
         monkeypatch.setattr(generation, "processes_in_lockstep", lambda model: True)
     elif case == "old_transformers":  # transformers 4.x decodes with another loop (the matrix's oldest env has one)
         monkeypatch.setattr(generation, "transformers_blocker", lambda: "transformers 4.56 decodes with another loop")
-    if case in ("lockstep", "old_transformers"):  # decided before generate runs: the loop is never entered
+    if case in ("dropout", "lockstep", "old_transformers"):  # decided before generate runs: the loop is never entered
         monkeypatch.setattr(generation, "_decode", lambda *args: pytest.fail("grpo_plus's loop ran"))
     reference, ours, stats = both(model, **kwargs)
     if case == "scores":

@@ -72,10 +72,14 @@ def assert_same_run(
     diff = max_weight_diff(trl_weights, our_weights)
     assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
     assert len(trl_logs) == len(our_logs)
-    if transformers_blocker() is None:  # else (transformers 4.x) grpo_plus generates with TRL's loop, and logs why
-        key = "zero_waste/generation_positions_frac"
-        generated = [entry[key] for entry in our_logs if key in entry]
+    # transformers 4.x, or dropout in the forward: grpo_plus generates with TRL's loop, and logs why.
+    dropout = peft_config is not None and peft_config.lora_dropout > 0
+    key = "zero_waste/generation_positions_frac"
+    generated = [entry[key] for entry in our_logs if key in entry]
+    if transformers_blocker() is None and not dropout:
         assert generated and max(generated) < 1.0, "grpo_plus's zero-waste generation did not run"
+    elif dropout:
+        assert generated and min(generated) == 1.0, "zero-waste generation ran with dropout on"
     rows_skipped = any(entry.get("zero_waste/rows_computed_frac", 1.0) < 1.0 for entry in our_logs)
     for trl_entry, our_entry in zip(trl_logs, our_logs, strict=True):
         for key, value in trl_entry.items():
@@ -185,7 +189,8 @@ def assert_zero_waste_run_unchanged(tiny_model_dir, tmp_path, **overrides):
 def test_lora_dropout_matches_stock_trl(tiny_model_dir, tmp_path):
     """TRL's CLI trains LoRA with dropout 0.05. Dropout draws its masks from the global RNG per position, so a
     forward over fewer rows or one prompt copy per group would draw other masks: the zero-waste pass steps aside
-    (logged) and the run stays TRL's, masks, gradients and sampled completions included."""
+    (logged), so does zero-waste generation (TRL generates in training mode, dropout on), and the run stays TRL's,
+    masks, gradients and sampled completions included."""
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules="all-linear")
     _, our_logs, _, _ = assert_same_run(
         tiny_model_dir,
