@@ -1,4 +1,4 @@
-"""GRPO + QLoRA: a 4-bit (nf4, double-quantized) frozen base with a LoRA adapter, on one GPU (or CPU, slowly).
+"""GRPO + QLoRA: a 4-bit (nf4) frozen base with a LoRA adapter, on one GPU (or CPU, slowly).
 
     # a 7B model on one 24 GB GPU, pushing the adapter to the Hub
     accelerate launch --config_file recipes/accelerate_configs/single_gpu.yaml recipes/grpo_qlora.py \
@@ -41,7 +41,8 @@ def main(argv=None):
     # 1. Fail fast: a missing token or a repo we cannot write to costs seconds here, not after hours of training.
     hub_repo_id = prepare_hub_push(training_args)
 
-    # 2. Policy: the base quantized to 4-bit nf4 or fp4 (double quantization, bf16 compute on GPU), frozen; LoRA on top.
+    # 2. Policy: the base quantized to 4-bit nf4 or fp4 (bf16 compute on GPU), frozen; LoRA on top. TRL's ModelConfig
+    #    flags mean what they mean in TRL's scripts: double quantization only with --use_bnb_nested_quant.
     model_path, tokenizer = load_tokenizer(model_args)
     on_gpu = torch.cuda.is_available() and not training_args.use_cpu
     compute_dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -51,7 +52,7 @@ def main(argv=None):
     quantization_config = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,  # nf4 unless --bnb_4bit_quant_type fp4
-        bnb_4bit_use_double_quant=True,
+        bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,  # the 7B config sets it
         bnb_4bit_compute_dtype=compute_dtype,
         bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or (compute_dtype if sharded else "uint8"),
     )

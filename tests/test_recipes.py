@@ -310,6 +310,7 @@ def test_a_value_of_the_wrong_type_names_the_flag_without_the_usage_dump(tmp_pat
         ("grpo_lora", "--load_in_4bit", "error: --load_in_4bit: recipes/grpo_lora.py trains on an unquantized base"),
         ("grpo_lora", "--load_in_8bit", "error: --load_in_8bit: recipes/grpo_lora.py trains on an unquantized base"),
         ("grpo_qlora", "--load_in_8bit", "error: --load_in_8bit: recipes/grpo_qlora.py quantizes the base to 4 bits"),
+        ("grpo_lora", "--use_bnb_nested_quant", "error: --use_bnb_nested_quant: recipes/grpo_lora.py trains on an"),
     ],
 )
 def test_a_quantization_flag_the_recipe_cannot_honour_fails_at_start(
@@ -321,6 +322,29 @@ def test_a_quantization_flag_the_recipe_cannot_honour_fails_at_start(
     assert line.startswith(expected)
     if recipe == "grpo_lora" and flag == "--load_in_4bit":
         assert "use recipes/grpo_qlora.py" in line
+
+
+class ModelLoaded(Exception):
+    """Raised in place of loading a model, once the recipe has built everything it passes to from_pretrained."""
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_qlora_recipe_quantizes_as_its_flags_say(tiny_model_dir, tmp_path, monkeypatch, nested, quant_type):
+    """TRL's ModelConfig flags mean in the QLoRA recipe what they mean in TRL's scripts: no flag is dropped."""
+    loaded = {}
+
+    def capture(*args, **kwargs):
+        loaded.update(kwargs)
+        raise ModelLoaded
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", capture)
+    flags = ["--use_bnb_nested_quant", str(nested).lower(), "--bnb_4bit_quant_type", quant_type]
+    with pytest.raises(ModelLoaded):
+        load_recipe("grpo_qlora").main(tiny_flags(tiny_model_dir, tmp_path, *flags))
+    config = loaded["quantization_config"]
+    assert config.load_in_4bit and config.bnb_4bit_use_double_quant is nested
+    assert config.bnb_4bit_quant_type == quant_type
 
 
 def test_an_empty_jsonl_dataset_is_one_line(tiny_model_dir, tmp_path, capsys):

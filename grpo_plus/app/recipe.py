@@ -138,6 +138,11 @@ def _check_quantization_flags(model_args: ModelConfig, four_bit: bool) -> None:
             f"{flag}: recipes/grpo_lora.py trains on an unquantized base and cannot honour it. For a 4-bit base use "
             "recipes/grpo_qlora.py (same flags and configs); 8-bit bases are not supported."
         )
+    if not four_bit and model_args.use_bnb_nested_quant:
+        fail(
+            "--use_bnb_nested_quant: recipes/grpo_lora.py trains on an unquantized base, so there is nothing to "
+            "double-quantize. For a 4-bit base use recipes/grpo_qlora.py (same flags and configs)."
+        )
     if four_bit and model_args.load_in_8bit:
         fail("--load_in_8bit: recipes/grpo_qlora.py quantizes the base to 4 bits (nf4 or fp4, --bnb_4bit_quant_type).")
 
