@@ -45,7 +45,6 @@ def main(argv=None):
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=training_args.trust_remote_code,
     )
-    model_args.use_peft = True  # this recipe trains LoRA adapters; set lora_* in the config
 
     # 3. Data and verifiable rewards.
     train_dataset, test_dataset, reward_funcs = load_data_and_rewards(script_args)

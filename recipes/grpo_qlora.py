@@ -72,7 +72,6 @@ def main(argv=None):
         gradient_checkpointing_kwargs={"use_reentrant": False},
     )
     keep_4bit_trainable_on_cpu(model)  # CPU only: stops bitsandbytes repacking 4-bit weights into a no-grad layout
-    model_args.use_peft = True
 
     # 3. Data and verifiable rewards.
     train_dataset, test_dataset, reward_funcs = load_data_and_rewards(script_args)

@@ -311,13 +311,16 @@ def test_a_value_of_the_wrong_type_names_the_flag_without_the_usage_dump(tmp_pat
         ("grpo_lora", "--load_in_8bit", "error: --load_in_8bit: recipes/grpo_lora.py trains on an unquantized base"),
         ("grpo_qlora", "--load_in_8bit", "error: --load_in_8bit: recipes/grpo_qlora.py quantizes the base to 4 bits"),
         ("grpo_lora", "--use_bnb_nested_quant", "error: --use_bnb_nested_quant: recipes/grpo_lora.py trains on an"),
+        ("grpo_lora", "--use_peft", "error: --use_peft false: recipes/grpo_lora.py trains a LoRA adapter"),
+        ("grpo_qlora", "--use_peft", "error: --use_peft false: recipes/grpo_qlora.py trains a LoRA adapter"),
     ],
 )
 def test_a_quantization_flag_the_recipe_cannot_honour_fails_at_start(
     tmp_path, capsys, no_model_loading, recipe, flag, expected
 ):
+    value = "false" if flag == "--use_peft" else "true"
     line = error_line(
-        capsys, "--output_dir", tmp_path, "--use_cpu", "true", "--bf16", "false", flag, "true", recipe=recipe
+        capsys, "--output_dir", tmp_path, "--use_cpu", "true", "--bf16", "false", flag, value, recipe=recipe
     )
     assert line.startswith(expected)
     if recipe == "grpo_lora" and flag == "--load_in_4bit":

@@ -72,11 +72,19 @@ def parse_recipe_args(
     argv = list(sys.argv[1:] if argv is None else argv)
     config_file = _check_config_file(argv)
     parser = _RecipeParser((ScriptArguments, GRPOConfig, ModelConfig), config_file)
+    parser.set_defaults(use_peft=True)  # the recipes train LoRA adapters; an explicit `use_peft: false` is refused
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(argv)
     except (ValueError, PluginError) as error:
         fail(str(error))
     _check_quantization_flags(model_args, four_bit)
+    if not model_args.use_peft:
+        recipe = "grpo_qlora.py" if four_bit else "grpo_lora.py"
+        fail(
+            f"--use_peft false: recipes/{recipe} trains a LoRA adapter (lora_* fields) and cannot honour it. For full "
+            "fine-tuning, use grpo_plus.GRPOTrainer from your own script (or TRL's `trl grpo` script with the import "
+            "changed)."
+        )
     return script_args, training_args, model_args
 
 
