@@ -228,8 +228,11 @@ def test_raising_reward_names_the_function_and_leaves_a_resumable_checkpoint(tin
 def test_shipped_configs_parse(config, tmp_path):
     # GPU configs ask for bf16; this CPU machine cannot construct them without the override.
     flags = ["--config", str(config), "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
-    script_args, training_args, model_args = parse_recipe_args(flags)
+    four_bit = "qlora" in config.name  # the QLoRA config's 4-bit settings are for recipes/grpo_qlora.py only
+    script_args, training_args, model_args = parse_recipe_args(flags, four_bit=four_bit)
     assert model_args.use_peft and model_args.model_name_or_path
+    if four_bit:
+        assert model_args.use_bnb_nested_quant and model_args.bnb_4bit_quant_type == "nf4"
     assert training_args.loss_type in ("dapo", "grpo", "dr_grpo", "bnpo")
 
 
