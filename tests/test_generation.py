@@ -9,7 +9,7 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from helpers.models import make_tokenizer, tiny_config, tiny_run_kwargs
+from helpers.models import make_tokenizer, tiny_config, tiny_trainer
 from helpers.probes import ForwardLog
 from peft import LoraConfig, get_peft_model
 from transformers import (
@@ -300,11 +300,10 @@ class LengthReward:
         return [float(len(c)) for c in completions]
 
 
-def tiny_trainer(tmp_path, package=grpo_plus, peft_config=None, reward=None, **overrides):
-    tokenizer = make_tokenizer()
-    model, _ = tiny_model("llama")
-    settings = tiny_run_kwargs(
-        tmp_path,
+def generation_trainer(tmp_path, package=grpo_plus, peft_config=None, reward=None, **overrides):
+    """`package`'s trainer on prompts of different lengths, with TRL's sampling settings and a generation_kwargs entry."""
+    model, tokenizer = tiny_model("llama")
+    settings = dict(
         per_device_train_batch_size=8,
         num_generations=G,
         max_completion_length=NEW_TOKENS,
@@ -314,15 +313,16 @@ def tiny_trainer(tmp_path, package=grpo_plus, peft_config=None, reward=None, **o
         top_k=30,
         generation_kwargs={"sequence_bias": [[[tokenizer.eos_token_id], 1.5]]},
     )
-    settings.update(overrides)
     rows = [{"prompt": "1+2=" + "9" * (i % 3)} for i in range(8)]  # prompts of different lengths in one batch
-    return package.GRPOTrainer(
+    return tiny_trainer(
+        tmp_path,
+        [reward or LengthReward()],
         model=model,
-        reward_funcs=[reward or LengthReward()],
-        args=package.GRPOConfig(**settings),
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
+        tokenizer=tokenizer,
+        dataset=Dataset.from_list(rows),
         peft_config=peft_config,
+        package=package,
+        **{**settings, **overrides},
     )
 
 
@@ -335,7 +335,9 @@ def test_trainer_generates_stock_trls_completions_with_lora(tmp_path):
     runs = {}
     for package in (trl, grpo_plus):
         reward = LengthReward()
-        trainer = tiny_trainer(tmp_path / package.__name__, package, LoraConfig(r=4, lora_alpha=8), reward=reward)
+        trainer = generation_trainer(
+            tmp_path / package.__name__, package, LoraConfig(r=4, lora_alpha=8), reward=reward
+        )
         forwards = ForwardLog(trainer.model)
         trainer.train()
         weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if "lora" in k}
@@ -372,7 +374,7 @@ def test_trainer_falls_back_to_trls_generation(tmp_path, monkeypatch, caplog, se
     and the reason is logged once."""
     # Nothing here trains, so TRL 1.15's missing CPU log-prob kernel does not matter.
     monkeypatch.setattr("grpo_plus.trainer.logps_unavailable_reason", lambda device_type: None)
-    trainer = tiny_trainer(tmp_path, zero_waste_generation=setting != "zero_waste_generation=False")
+    trainer = generation_trainer(tmp_path, zero_waste_generation=setting != "zero_waste_generation=False")
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     patched_during_trl_call = []
 
