@@ -63,8 +63,10 @@ __all__ = [
 # which grpo_plus supports, has no activation_checkpointing field), nor grpo_plus's: only these messages, only from
 # the transformers modules that raise them, are silenced.
 RENAMES_TRL_STILL_USES = (
-    (r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
-     r"transformers\.modeling_utils"),
+    (
+        r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
+        r"transformers\.modeling_utils",
+    ),
     (r"`gradient_checkpointing(_kwargs)?` is deprecated", r"transformers\.training_args"),
 )
 

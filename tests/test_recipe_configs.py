@@ -40,11 +40,11 @@ def run_one_step(config: Path, model_dir: str, output_dir: Path, monkeypatch):
     monkeypatch.setattr(recipe, "GRPOTrainer", RecordingTrainer)
     recipe.main(
         [
-            *("--config", str(config), "--model_name_or_path", model_dir, "--output_dir", str(output_dir)),
-            *("--use_cpu", "true", "--bf16", "false", "--max_steps", "1", "--max_completion_length", "8"),
-            *("--eval_before_after", "false", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"),
+            "--config", str(config), "--model_name_or_path", model_dir, "--output_dir", str(output_dir),
+            "--use_cpu", "true", "--bf16", "false", "--max_steps", "1", "--max_completion_length", "8",
+            "--eval_before_after", "false", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
         ]
-    )
+    )  # fmt: skip
     (trainer,) = built
     return trainer
 
