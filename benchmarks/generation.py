@@ -137,7 +137,7 @@ def run_steps(steps: int, warmup: int) -> dict:
 def generation_inputs(tokenizer, questions, prompt_length: int, num_generations: int):
     """Left-padded chat prompts for `questions`, about `prompt_length` tokens each (worked examples in the system
     prompt lengthen them), each repeated `num_generations` times."""
-    from grpo_plus import tasks
+    from grpo_plus.app import tasks
 
     def encode(examples: int):
         system = "".join(

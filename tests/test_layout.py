@@ -1,5 +1,5 @@
-"""The package layout: the library (grpo_plus.*) never imports the app kit (grpo_plus.app), and the app modules' old
-paths still import, as the very same module objects."""
+"""The package layout: the library (grpo_plus.*) never imports the app kit (grpo_plus.app), and each app module has one
+path (the aliases kept for the old paths grpo_plus.tasks / recipe / hub are gone: no released user had them)."""
 
 import ast
 import importlib
@@ -16,14 +16,8 @@ import pytest
 import grpo_plus
 
 PACKAGE = Path(grpo_plus.__file__).parent
-# Old path -> new path of the app modules users import (the README's grpo_plus.tasks, the recipes' grpo_plus.recipe,
-# grpo_plus.hub's public push / merge / card helpers).
-OLD_PATHS = {
-    "grpo_plus.tasks": "grpo_plus.app.tasks",
-    "grpo_plus.recipe": "grpo_plus.app.recipe",
-    "grpo_plus.hub": "grpo_plus.app.hub",
-}
-ALIAS_FILES = {f"{old.rsplit('.', 1)[1]}.py" for old in OLD_PATHS}
+# The app modules' paths before they moved into grpo_plus.app; nothing may answer to them now.
+OLD_PATHS = ("grpo_plus.tasks", "grpo_plus.recipe", "grpo_plus.hub")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -46,7 +40,6 @@ def test_the_library_never_imports_the_app():
     offenders = {
         path.name: sorted(name for name in imported_modules(path) if name.startswith("grpo_plus.app"))
         for path in sorted(PACKAGE.glob("*.py"))
-        if path.name not in ALIAS_FILES
     }
     assert {name: found for name, found in offenders.items() if found} == {}
 
@@ -57,23 +50,12 @@ def test_import_grpo_plus_loads_no_app_module():
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(("old", "new"), OLD_PATHS.items())
-def test_an_old_app_path_is_the_moved_module(old, new):
-    moved = importlib.import_module(new)
-    assert importlib.import_module(old) is moved
-    parent, name = old.rsplit(".", 1)
-    assert getattr(importlib.import_module(parent), name) is moved  # `from grpo_plus import tasks` too
-
-
-def test_old_paths_import_first_in_a_fresh_process():
-    """Before anything imported grpo_plus.app (a user's script on the old path): the old path alone loads it."""
-    code = (
-        "from grpo_plus.hub import push_adapter\n"
-        "from grpo_plus import tasks\n"
-        "import grpo_plus.app.hub, grpo_plus.app.tasks\n"
-        "assert tasks is grpo_plus.app.tasks and push_adapter is grpo_plus.app.hub.push_adapter\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_an_app_module_has_one_path(old):
+    """A newcomer should not wonder which of two modules is the real one."""
+    name = old.rsplit(".", 1)[1]
+    assert not (PACKAGE / f"{name}.py").exists() and not (PACKAGE / name).exists()
+    assert not hasattr(grpo_plus, name)
 
 
 @pytest.mark.skipif(
