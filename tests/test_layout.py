@@ -64,13 +64,15 @@ def test_an_app_module_has_one_path(old):
 )
 def test_the_wheel_ships_the_model_card_template(tmp_path):
     """A wheel built from pyproject.toml holds templates/model_card.md (setuptools leaves non-Python files out unless
-    they are declared package data), and the installed package reads it through importlib.resources."""
+    they are declared package data), and the installed package reads it through importlib.resources; the build warns
+    about nothing in pyproject.toml."""
     source = tmp_path / "source"
     shutil.copytree(PACKAGE, source / "grpo_plus", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(PACKAGE.parent / name, source / name)
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
-    subprocess.run([*build, str(source)], check=True, capture_output=True)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path)]
+    result = subprocess.run([*build, str(source)], check=True, capture_output=True, text=True)
+    assert "deprecated" not in result.stdout + result.stderr  # e.g. setuptools on `project.license` as a table
     (wheel,) = tmp_path.glob("grpo_plus-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         shipped = archive.read("grpo_plus/app/templates/model_card.md")
