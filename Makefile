@@ -106,9 +106,9 @@ BENCH_GPU_ARGS ?=
 bench-gpu:
 	@HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu.py $(BENCH_GPU_ARGS)
 
-# The drop-in parity tests, trained on the GPU (benchmarks/gpu_parity.py): with TRL 1.15, whose log-probs need CUDA.
+# The drop-in parity tests, trained on the GPU (tests/gpu_parity.py): with TRL 1.15, whose log-probs need CUDA.
 test-gpu-parity:
-	HF_HUB_OFFLINE=1 PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PYTHON) -m pytest -p gpu_parity \
+	HF_HUB_OFFLINE=1 PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PYTHON) -m pytest -p gpu_parity \
 		-p no:cacheprovider -rs tests/test_trainer_parity.py $(PYTEST_ARGS)
 
 # Wheels a bare GPU machine needs beside its torch/transformers/peft/accelerate, at the versions .venv tests: TRL,

@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 SIDES = ("trl", "ours")
 PROMPT_LENGTHS = (56, 256, 1024)

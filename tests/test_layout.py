@@ -5,6 +5,7 @@ import ast
 import importlib
 import importlib.resources
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -78,3 +79,16 @@ def test_the_wheel_ships_the_model_card_template(tmp_path):
         shipped = archive.read("grpo_plus/app/templates/model_card.md")
     template = importlib.resources.files("grpo_plus.app") / "templates" / "model_card.md"
     assert shipped == template.read_bytes()
+
+
+def test_benchmarks_reach_shared_code_without_editing_sys_path():
+    """What the benchmarks share with the tests (tiny models, rewards, the forward-position counter, TRL's loss on a
+    stand-in) lives in grpo_plus.app.testing; a script that edited sys.path to reach tests/ would break when run from
+    anywhere else."""
+    scripts = sorted((PACKAGE.parent / "benchmarks").glob("*.py"))
+    assert scripts
+    edits = [path.name for path in scripts if "sys.path" in path.read_text()]
+    reaching_into_tests = [
+        path.name for path in scripts if re.search(r"^\s*from (helpers|trl_oracle)\b", path.read_text(), re.M)
+    ]
+    assert (edits, reaching_into_tests) == ([], [])
