@@ -31,6 +31,7 @@ __all__ = [
     "save_tiny_model",
     "text_of",
     "tiny_run_kwargs",
+    "word_level_tokenizer",
 ]
 
 # ---- tiny models, tokenizer, data and run settings -----------------------------------------------------------------
@@ -43,13 +44,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with pad/eos/bos and a minimal chat template."""
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARS)))}
+def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None) -> PreTrainedTokenizerFast:
+    """A tokenizer mapping each piece `pre_tokenizer` cuts to its id in `vocab` (which holds <pad>, <eos>, <bos>;
+    anything else becomes <pad>)."""
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    backend.pre_tokenizer = pre_tokenizer
+    if decoder is not None:
+        backend.decoder = decoder
+    return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
         eos_token="<eos>",
@@ -58,6 +60,13 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
         # What causal-LM tokenizers declare; transformers 4.x would otherwise add token_type_ids, which generate rejects.
         model_input_names=["input_ids", "attention_mask"],
     )
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with pad/eos/bos and a minimal chat template."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARS)))}
+    split = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tokenizer = word_level_tokenizer(vocab, split, decoders.Fuse())
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
