@@ -159,7 +159,9 @@ class DynamicSampling:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the refill stream where a checkpointed run stood."""
         if state.get("version") != self.version:
-            raise ValueError(f"unknown dynamic-sampling state version {state.get('version')!r} (this grpo_plus reads 1)")
+            raise ValueError(
+                f"unknown dynamic-sampling state version {state.get('version')!r} (this grpo_plus reads 1)"
+            )
         refill_draws = state.get("refill_draws")
         if not isinstance(refill_draws, int) or isinstance(refill_draws, bool) or refill_draws < 0:
             raise ValueError(f"refill_draws must be an integer >= 0, found {refill_draws!r}")

@@ -25,6 +25,7 @@ transformers writes trainer_state.json (which marks the checkpoint complete), re
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -38,6 +39,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import CheckpointError
+from .trl_compat import check_state_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,8 @@ FORMAT_VERSION = 1
 SHARED_FILE = "grpo_plus_state.pt"
 PROCESS_FILE = "grpo_plus_state_{}.pt"  # .format(process index)
 SHARED, PROCESS = "shared", "process"
-# Files of grpo_plus < 0.2 (one part each, JSON), still read when a checkpoint has no grpo_plus_state files.
+# Files of checkpoints written before grpo_plus_state*.pt (one part each, JSON), still read when a checkpoint has no
+# grpo_plus_state files.
 LEGACY_SELECTIVE_ROLLOUT_FILE = "selective_rollout_state.json"
 LEGACY_DYNAMIC_SAMPLING_FILE = "dynamic_sampling_state.json"
 LEGACY_ADAPTIVE_ENTROPY_FILE = "entropy_ctrl_state.json"  # TRL writes it for use_adaptive_entropy
@@ -87,11 +90,18 @@ def load_state_dicts(parts: Iterable[StatefulPart], states: dict[str, dict[str, 
 def stateful_parts(trainer: Any) -> list[StatefulPart]:
     """The trainer's stateful parts: adapters for TRL's and transformers' state, then every attribute, reward function
     and callback implementing the protocol. Raises ValueError when two parts claim the same checkpoint name."""
+    check_state_attributes(trainer)
     parts: list[StatefulPart] = [GenerationBuffer(trainer), LoggingWindow(trainer), RandomState()]
     if getattr(trainer, "use_adaptive_entropy", False):
         parts.append(AdaptiveEntropy(trainer))
     if getattr(trainer.args, "sync_ref_model", False) and getattr(trainer, "ref_model", None) is not None:
-        parts.append(ReferenceModel(trainer.ref_model))
+        if _zero3_partitioned(trainer.ref_model):  # each rank holds a shard; gathering it is collective
+            _warn_once(
+                "sync_ref_model under DeepSpeed ZeRO-3: the reference model's weights are partitioned across "
+                "processes and are not checkpointed, so a resumed run restarts from the initial reference model."
+            )
+        else:
+            parts.append(ReferenceModel(trainer.ref_model))
     rewards = [getattr(reward, "func", reward) for reward in trainer.reward_funcs]  # GuardedReward wraps the function
     candidates = [*vars(trainer).values(), *rewards, *trainer.callback_handler.callbacks]
     seen = {id(part) for part in parts}
@@ -102,7 +112,9 @@ def stateful_parts(trainer: Any) -> list[StatefulPart]:
     names = [part.checkpoint_name for part in parts]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ValueError(f"Two stateful parts of the trainer share the checkpoint_name {duplicates}: names must be unique.")
+        raise ValueError(
+            f"Two stateful parts of the trainer share the checkpoint_name {duplicates}: names must be unique."
+        )
     return parts
 
 
@@ -110,7 +122,8 @@ class GenerationBuffer:
     """TRL's buffered generation batch (`_buffered_inputs`: the micro-batches of the last generation batch with their
     completions, masks, log-probs and advantages) and its micro-step counter (`_step`), which says which micro-batch
     comes next and when the next batch is generated. TRL starts a resumed trainer with neither, so inside a
-    generation batch it generates anew; restored, the resumed run trains on the rest of the very same batch."""
+    generation batch it generates anew; restored, the resumed run trains on the rest of the very same batch. A
+    batch that is used up (the next micro-step generates) is not saved."""
 
     checkpoint_name = "generation_buffer"
     checkpoint_scope = PROCESS
@@ -123,6 +136,8 @@ class GenerationBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         buffered = self.trainer._buffered_inputs
+        if self.trainer._step % self.generate_every == 0:  # used up: the next micro-step generates a new batch
+            buffered = None
         return {
             "version": self.version,
             "step": self.trainer._step,
@@ -310,6 +325,7 @@ class TrainingState(TrainerCallback):
     def __init__(self, parts: Callable[[], list[StatefulPart]], process_index: int, num_processes: int):
         self.parts, self.process_index, self.num_processes = parts, process_index, num_processes
         self._pending: tuple[dict[str, dict[str, Any]], Path] | None = None
+        parts()  # a part this TRL cannot provide, or two parts with one name, fail when the trainer is built
 
     def save(self, folder: str | Path, writes_shared: bool, wait_for_everyone: Callable[[], None]) -> None:
         """Write this process's parts (and, if `writes_shared`, the shared ones) into checkpoint `folder`; every
@@ -392,7 +408,9 @@ class TrainingState(TrainerCallback):
                     ", ".join(sorted(saved["parts"])),
                 )
         else:
-            logger.warning("%s holds no %s for this process: its own state is not restored.", checkpoint, process_file.name)
+            logger.warning(
+                "%s holds no %s for this process: its own state is not restored.", checkpoint, process_file.name
+            )
         return states, False
 
 
@@ -430,9 +448,7 @@ def _read(path: Path, scope: str) -> dict[str, Any]:
 
 
 def _read_legacy(checkpoint: Path) -> dict[str, dict[str, Any]]:
-    """The one-file-per-part JSON states of grpo_plus < 0.2, as the parts' states."""
-    import json
-
+    """The one-file-per-part JSON states of checkpoints written before grpo_plus_state*.pt, as the parts' states."""
     states: dict[str, dict[str, Any]] = {}
     selective = checkpoint / LEGACY_SELECTIVE_ROLLOUT_FILE
     if selective.is_file():
@@ -544,6 +560,19 @@ def _as_tuples(value: Any) -> Any:
     """random.setstate wants the nested tuples getstate gave (a torch.load of lists and tuples keeps tuples, but a
     state that went through JSON would not)."""
     return tuple(_as_tuples(item) for item in value) if isinstance(value, (list, tuple)) else value
+
+
+def _zero3_partitioned(model: torch.nn.Module) -> bool:
+    return any(hasattr(param, "ds_numel") for param in model.parameters())
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def _initialized(module: Any) -> bool:

@@ -315,10 +315,11 @@ def truncate(path: Path, keep: float = 0.5) -> None:
     [
         (lambda c: truncate(c / "adapter_model.safetensors"), "adapter_model.safetensors is cut short"),
         (lambda c: truncate(c / "optimizer.pt"), "optimizer.pt is cut short or damaged"),
+        (lambda c: truncate(c / "grpo_plus_state_0.pt"), "grpo_plus_state_0.pt is cut short or damaged"),
         (lambda c: (c / "selective_rollout_state.json").write_text(""), "selective_rollout_state.json is not valid"),
         (lambda c: (c / "trainer_state.json").unlink(), "trainer_state.json is missing or cut short"),
     ],
-    ids=["adapter", "optimizer", "selective_rollout_state", "trainer_state"],
+    ids=["adapter", "optimizer", "training_state", "legacy_selective_rollout_state", "trainer_state"],
 )
 def test_a_damaged_checkpoint_is_named_and_resume_falls_back(
     tiny_model_dir, tmp_path, lora_run, damage, problem, caplog

@@ -18,7 +18,9 @@ from grpo_plus.training_state import PROCESS_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
-SETTINGS = dict(steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4, save_strategy="steps", save_steps=1)
+SETTINGS = dict(
+    steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4, save_strategy="steps", save_steps=1
+)
 
 
 def launch(model_dir, output_dir: Path, resume: bool = False) -> dict:
