@@ -93,19 +93,11 @@ class CrashCheckpoint(TrainerCallback):
 
 
 def prepare_resume(trainer: Any, resume_from_checkpoint: str | bool | None) -> str | None:
-    """The checkpoint to resume from (checked: undamaged, same adapter shape), or None; says when the resumed run
-    cannot continue the saved trajectory whatever the checkpoint holds."""
+    """The checkpoint to resume from (checked: undamaged, same adapter shape), or None."""
     checkpoint = resolve_checkpoint(resume_from_checkpoint, trainer.args.output_dir)
     if checkpoint is None:
         return None
     check_adapter_matches(checkpoint, trainer.model)
-    if getattr(trainer, "use_vllm", False):
-        logger.warning(
-            "Resuming from %s with vLLM generation: the rest of the saved generation batch trains exactly, but the "
-            "batches generated after it differ from the uninterrupted run's, because vLLM's sampling random state "
-            "lives inside its engine (seeded once when it starts) and cannot be saved or restored.",
-            checkpoint,
-        )
     return checkpoint
 
 

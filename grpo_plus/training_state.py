@@ -133,6 +133,7 @@ class GenerationBuffer:
         self.trainer = trainer
         self.steps_per_generation = trainer.args.steps_per_generation
         self.generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+        self.uses_vllm = bool(getattr(trainer, "use_vllm", False))
 
     def state_dict(self) -> dict[str, Any]:
         buffered = self.trainer._buffered_inputs
@@ -216,7 +217,8 @@ class LoggingWindow:
         metrics.clear()
         metrics.update({key: list(values) for key, values in state["metrics"].items()})
         for key, saved in state["completions"].items():
-            _refill(trainer._logs[key], saved)
+            if key in trainer._logs:  # a column another TRL version keeps is left out
+                _refill(trainer._logs[key], saved)
         trainer.state.num_input_tokens_seen = state["tokens_seen"]
 
 
@@ -349,8 +351,15 @@ class TrainingState(TrainerCallback):
         for name in sorted(set(states) - set(wanted)):
             logger.warning("%s holds state for '%s', which this run does not use: ignored.", checkpoint, name)
         missing = [part for part in parts if part.checkpoint_name not in states]
+        buffer = next((p for p in parts if isinstance(p, GenerationBuffer)), None)
+        if buffer is not None and buffer.uses_vllm:
+            logger.warning(
+                "Resuming from %s with vLLM generation: the rest of the saved generation batch trains exactly, but "
+                "the batches generated after it differ from the uninterrupted run's, because vLLM's sampling random "
+                "state lives inside its engine (seeded once when it starts) and cannot be saved or restored.",
+                checkpoint,
+            )
         if legacy:
-            buffer = next((p for p in parts if isinstance(p, GenerationBuffer)), None)
             if buffer is not None and buffer.inside_generation_batch(global_step, gradient_accumulation_steps):
                 logger.warning(
                     "Resuming from %s, which falls inside a generation batch (steps_per_generation=%d, %d micro-steps "

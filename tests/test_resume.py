@@ -22,10 +22,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import trl
-from helpers.models import prompt_dataset, tiny_trainer
+from helpers.crashes import Crash, crash_in, same
+from helpers.models import prompt_dataset, saved_model_trainer
 from helpers.probes import max_weight_diff, record_trained_batches
 from helpers.rewards import digit_reward, half_dead_reward, length_reward, odd_prompts_dead_reward, text_of
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import grpo_plus
 from grpo_plus.checkpoints import CheckpointError
@@ -78,14 +79,7 @@ class CompletionsLog(TrainerCallback):
 
 
 def build(model_dir, output_dir, package=grpo_plus, rewards=(length_reward, digit_reward), **settings):
-    return tiny_trainer(
-        output_dir,
-        list(rewards),
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        package=package,
-        **settings,
-    )
+    return saved_model_trainer(model_dir, output_dir, rewards, package, **settings)
 
 
 def train(model_dir, output_dir, resume_from=None, package=grpo_plus, **settings) -> Run:
@@ -169,16 +163,12 @@ def test_stock_trl_diverges_inside_a_generation_batch_and_grpo_plus_does_not(tin
 # ---- crash checkpoints --------------------------------------------------------------------------------------------
 
 
-class Crash(RuntimeError):
-    pass
-
-
 @pytest.mark.parametrize(
     ("phase", "case", "at_step"),
     [
         ("second_micro_batch", "num_iterations", 3),
         ("generation", "buffered", 2),
-        ("first_micro_batch", "buffered", 2),
+        ("training_pass", "buffered", 2),
         ("refill_round", "dynamic_sampling", 2),
     ],
     ids=["training_pass_inside_a_batch", "generation_of_a_batch", "training_pass_of_a_new_batch", "refill_round"],
@@ -195,39 +185,7 @@ def test_a_crash_checkpoint_resumes_to_the_uninterrupted_trajectory(
     settings = {**CASES[case], "save_strategy": "steps", "save_steps": 100}
     trainer = build(tiny_model_dir, tmp_path / "run", **settings)
 
-    def now() -> bool:
-        return trainer.state.global_step == at_step
-
-    if phase.endswith("micro_batch"):
-        compute_loss, micro_batch = trainer._compute_loss, 0 if phase == "first_micro_batch" else 1
-
-        def crashing_compute_loss(model, inputs):
-            loss = compute_loss(model, inputs)
-            if now() and trainer._step % 2 == micro_batch:
-                loss.register_hook(lambda grad: (_ for _ in ()).throw(Crash("in backward")))
-            return loss
-
-        trainer._compute_loss = crashing_compute_loss
-    elif phase == "generation":
-        generate = trainer.model.generate
-
-        def crashing_generate(*args, **kwargs):
-            out = generate(*args, **kwargs)
-            if now():
-                raise Crash("in generation")
-            return out
-
-        trainer.model.generate = crashing_generate
-    else:
-        draw_refill = trainer._draw_refill_inputs
-
-        def crashing_refill(num_rows):
-            rows = draw_refill(num_rows)
-            if now():
-                raise Crash("in a refill round")
-            return rows
-
-        trainer._draw_refill_inputs = crashing_refill
+    crash_in(phase, trainer, at_step)
     with pytest.raises(Crash):
         trainer.train()
     crash_checkpoint, scheduled = tmp_path / "run" / f"checkpoint-{at_step}", scheduled / f"checkpoint-{at_step}"
@@ -248,17 +206,6 @@ def without_timings(saved: dict) -> dict:
     if window is not None:
         window["metrics"] = {k: v for k, v in window["metrics"].items() if k not in TIMINGS}
     return saved
-
-
-def same(a, b) -> bool:
-    """Equal to the bit, through nested dicts, lists and tuples of tensors and plain values."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    return a == b
 
 
 # ---- the protocol: parts a feature or a user adds, what cannot be saved, old and foreign checkpoints ----------------
