@@ -103,7 +103,9 @@ def measure(case: str, model_path: str | None) -> dict:
                 result["parts"] = {
                     part.checkpoint_name: state_bytes(part.state_dict()) for part in stateful_parts(trainer)
                 }
-                buffered = trainer._buffered_inputs or []
+                # the buffer as saved: none when the generation batch is used up (the next step generates)
+                saved = [p for p in stateful_parts(trainer) if p.checkpoint_name == "generation_buffer"]
+                buffered = saved[0].state_dict()["micro_batches"] or []
                 result["buffered_rows"] = sum(b["completion_ids"].shape[0] for b in buffered)
                 result["buffered_tensor_bytes"] = sum(
                     v.numel() * v.element_size() for b in buffered for v in b.values() if isinstance(v, torch.Tensor)
@@ -144,7 +146,7 @@ def main() -> None:
             f"{100 * r['added_fraction_of_trl_checkpoint']:.2f}%; written in {1000 * r['write_seconds']:.1f} ms"
         )
         print(
-            f"{'':12} buffer: {r['buffered_rows']} rows, {r['buffered_tensor_bytes']:,} tensor bytes; parts: {parts}"
+            f"{'':12} buffer saved: {r['buffered_rows']} rows, {r['buffered_tensor_bytes']:,} tensor bytes; parts: {parts}"
         )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -125,10 +125,10 @@ def uninterrupted(tiny_model_dir, tmp_path_factory):
     return get
 
 
-def resume_every_step(model_dir, tmp_path, case, uninterrupted, package=grpo_plus) -> dict[int, Run]:
+def resume_every_step(model_dir, tmp_path, case, uninterrupted, package=grpo_plus, steps=None) -> dict[int, Run]:
     whole, out = uninterrupted(case, package)
     resumed = {}
-    for step in range(1, CASES[case]["max_steps"]):
+    for step in steps or range(1, CASES[case]["max_steps"]):
         resumed[step] = train(model_dir, tmp_path / f"from-{step}", out / f"checkpoint-{step}", package, **CASES[case])
     return resumed
 
@@ -150,14 +150,13 @@ def test_resume_at_every_step_continues_the_uninterrupted_run(tiny_model_dir, tm
 
 def test_stock_trl_diverges_inside_a_generation_batch_and_grpo_plus_does_not(tiny_model_dir, tmp_path, uninterrupted):
     """The same comparison on stock TRL: exact from a checkpoint between generation batches (step 2), not from one
-    inside (steps 1 and 3), where TRL starts with an empty buffer and generates a new batch."""
+    inside (step 1: 0.13 away; from step 3, 0.019), where TRL starts with an empty buffer and generates a new batch."""
     whole, _ = uninterrupted("buffered", trl)
-    resumed = resume_every_step(tiny_model_dir, tmp_path, "buffered", uninterrupted, package=trl)
+    resumed = resume_every_step(tiny_model_dir, tmp_path, "buffered", uninterrupted, package=trl, steps=(1, 2))
     assert_same_trajectory(resumed[2], whole, from_step=2)
-    for step in (1, 3):
-        assert max_weight_diff(whole.weights, resumed[step].weights) > 1e-3, step
-        with pytest.raises(AssertionError):
-            assert_same_trajectory(resumed[step], whole, from_step=step)
+    assert max_weight_diff(whole.weights, resumed[1].weights) > 1e-2
+    with pytest.raises(AssertionError):
+        assert_same_trajectory(resumed[1], whole, from_step=1)
 
 
 # ---- crash checkpoints --------------------------------------------------------------------------------------------
