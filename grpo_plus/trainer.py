@@ -2,7 +2,7 @@
 
 Each override is a few lines that call the module holding the capability: the objective (`losses`, `advantages`),
 the zero-waste pass (`zero_waste`, `train_pass`), zero-waste generation (`generation`), dynamic sampling
-(`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`), input checks
+(`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`, `training_state`), input checks
 (`validation`, `distributed`). Everything else (TRL's generation around `model.generate`, vLLM, reward functions,
 PEFT, logging, checkpoints) is TRL's own code. Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo,
 vespo) run through TRL's `_compute_loss`.
@@ -21,7 +21,7 @@ from datasets import IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .advantages import combine_rewards, compute_advantages
-from .checkpoints import checkpoint_step, hide_local_base_model_path, without_hub_token
+from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
@@ -99,8 +99,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if resume_from_checkpoint:
             if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
                 return finished
-            step = checkpoint_step(resume_from_checkpoint)
-            self._training_state.restore_from(resume_from_checkpoint, step, self.args.gradient_accumulation_steps)
+            self._training_state.restore_from(resume_from_checkpoint)  # what transformers does not restore
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from .checkpoints import CheckpointError
+from .checkpoints import CheckpointError, checkpoint_step
 from .trl_compat import check_state_attributes
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def stateful_parts(trainer: Any) -> list[StatefulPart]:
     candidates = [*vars(trainer).values(), *rewards, *trainer.callback_handler.callbacks]
     seen = {id(part) for part in parts}
     for candidate in candidates:
-        if isinstance(candidate, StatefulPart) and not isinstance(candidate, type) and id(candidate) not in seen:
+        if _is_part(candidate) and id(candidate) not in seen:
             seen.add(id(candidate))
             parts.append(candidate)
     names = [part.checkpoint_name for part in parts]
@@ -116,6 +116,11 @@ def stateful_parts(trainer: Any) -> list[StatefulPart]:
             f"Two stateful parts of the trainer share the checkpoint_name {duplicates}: names must be unique."
         )
     return parts
+
+
+def _is_part(value: Any) -> bool:
+    """An object (not a class) with the protocol; `checkpoint_name = None` opts a subclass out."""
+    return isinstance(value, StatefulPart) and not isinstance(value, type) and isinstance(value.checkpoint_name, str)
 
 
 class GenerationBuffer:
@@ -133,6 +138,7 @@ class GenerationBuffer:
         self.trainer = trainer
         self.steps_per_generation = trainer.args.steps_per_generation
         self.generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+        self.gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
         self.uses_vllm = bool(getattr(trainer, "use_vllm", False))
 
     def state_dict(self) -> dict[str, Any]:
@@ -151,13 +157,11 @@ class GenerationBuffer:
         _check_version(self, state)
         saved = (state["steps_per_generation"], state["generate_every"])
         if saved != (self.steps_per_generation, self.generate_every):
-            logger.warning(
-                "The checkpoint's generation batch was made with steps_per_generation=%d and %d micro-steps per "
-                "batch (steps_per_generation x num_iterations); this run has %d and %d, so it cannot continue it: "
-                "TRL generates a new batch, and the run is not the one that was saved.",
-                *saved,
-                self.steps_per_generation,
-                self.generate_every,
+            _warn_once(  # once: a resume loads the parts twice (see TrainingState)
+                f"The checkpoint's generation batch was made with steps_per_generation={saved[0]} and {saved[1]} "
+                "micro-steps per batch (steps_per_generation x num_iterations); this run has "
+                f"{self.steps_per_generation} and {self.generate_every}, so it cannot continue it: TRL generates a "
+                "new batch, and the run is not the one that was saved."
             )
             self.trainer._step, self.trainer._buffered_inputs = 0, None
             return
@@ -166,10 +170,10 @@ class GenerationBuffer:
         self.trainer._step = state["step"]
         self.trainer._buffered_inputs = None if batches is None else [_to_device(b, device) for b in batches]
 
-    def inside_generation_batch(self, global_step: int, gradient_accumulation_steps: int) -> bool:
+    def inside_generation_batch(self, global_step: int) -> bool:
         """Whether a checkpoint of optimizer step `global_step` lies inside a generation batch (TRL regenerates there
         when the buffer is not restored)."""
-        return (global_step * gradient_accumulation_steps) % self.generate_every != 0
+        return (global_step * self.gradient_accumulation_steps) % self.generate_every != 0
 
 
 class LoggingWindow:
@@ -343,7 +347,7 @@ class TrainingState(TrainerCallback):
             _write(folder / SHARED_FILE, SHARED, by_scope[SHARED], self.num_processes)
         wait_for_everyone()
 
-    def restore_from(self, checkpoint: str | Path, global_step: int, gradient_accumulation_steps: int) -> None:
+    def restore_from(self, checkpoint: str | Path) -> None:
         """Read what `checkpoint` holds for this run's parts, saying what cannot be restored; loaded at train begin."""
         checkpoint, parts = Path(checkpoint), self.parts()
         states, legacy = self._read(checkpoint)
@@ -360,7 +364,7 @@ class TrainingState(TrainerCallback):
                 checkpoint,
             )
         if legacy:
-            if buffer is not None and buffer.inside_generation_batch(global_step, gradient_accumulation_steps):
+            if buffer is not None and buffer.inside_generation_batch(checkpoint_step(checkpoint)):
                 logger.warning(
                     "Resuming from %s, which falls inside a generation batch (steps_per_generation=%d, %d micro-steps "
                     "per batch, gradient_accumulation_steps=%d) and was written without grpo_plus's training state "
@@ -369,7 +373,7 @@ class TrainingState(TrainerCallback):
                     checkpoint,
                     buffer.steps_per_generation,
                     buffer.generate_every,
-                    gradient_accumulation_steps,
+                    buffer.gradient_accumulation_steps,
                 )
             missing = [p for p in missing if not isinstance(p, (GenerationBuffer, LoggingWindow, RandomState))]
         for part in missing:

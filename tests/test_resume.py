@@ -281,7 +281,7 @@ def save_parts(folder, parts, num_processes=1):
 
 
 def restore_parts(folder, parts, num_processes=1):
-    TrainingState(lambda: parts, 0, num_processes).restore_from(folder, global_step=1, gradient_accumulation_steps=1)
+    TrainingState(lambda: parts, 0, num_processes).restore_from(folder)
 
 
 def test_a_state_that_cannot_be_saved_is_left_out_saying_so(tmp_path, caplog):
@@ -327,10 +327,20 @@ def test_a_checkpoint_without_training_state_resumes_as_before_and_says_where_it
         (old / "dynamic_sampling_state.json").write_text('{"refill_draws": 5}')
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
-            trainer._training_state.restore_from(old, step, gradient_accumulation_steps=2)
+            trainer._training_state.restore_from(old)
         assert trainer._dynamic_sampling.refill_draws_made == 5
         assert ("falls inside a generation batch" in caplog.text) == (step == 1), step
         assert "starts afresh" not in caplog.text
+
+
+def test_a_buffer_of_another_split_is_not_restored_saying_so(tiny_model_dir, tmp_path, uninterrupted, caplog):
+    _, out = uninterrupted("buffered")
+    trainer = build(tiny_model_dir, tmp_path, steps_per_generation=2, gradient_accumulation_steps=2)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+        trainer._training_state.restore_from(out / "checkpoint-1")
+    assert "made with steps_per_generation=4 and 4 micro-steps per batch" in caplog.text
+    assert "this run has 2 and 2, so it cannot continue it" in caplog.text
+    assert trainer._step == 0 and trainer._buffered_inputs is None
 
 
 def test_the_buffer_is_saved_bit_for_bit_and_compactly(tiny_model_dir, tmp_path):

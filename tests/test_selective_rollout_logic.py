@@ -223,7 +223,7 @@ def test_a_corrupt_state_file_is_named(tmp_path):
 
 def restore(selector: SelectiveRollout, checkpoint) -> None:
     """Load `selector`'s state from a checkpoint folder as a resumed trainer does."""
-    TrainingState(lambda: [selector], 0, 1).restore_from(checkpoint, global_step=1, gradient_accumulation_steps=1)
+    TrainingState(lambda: [selector], 0, 1).restore_from(checkpoint)
 
 
 def test_record_rejects_rewards_of_another_batch():
