@@ -2,7 +2,7 @@
 
 Each override is a few lines that call the module holding the capability: the objective (`losses`, `advantages`),
 the zero-waste pass (`zero_waste`, `train_pass`), zero-waste generation (`generation`), dynamic sampling
-(`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`), input checks
+(`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`, `training_state`), input checks
 (`validation`, `distributed`). Everything else (TRL's generation around `model.generate`, vLLM, reward functions,
 PEFT, logging, checkpoints) is TRL's own code. Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo,
 vespo) run through TRL's `_compute_loss`.
@@ -24,13 +24,14 @@ from .advantages import combine_rewards, compute_advantages
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
-from .faults import CrashCheckpoint, finish_without_training, load_sampling_state, prepare_resume, save_sampling_state
+from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .generation import GenerationStats, generate_patched, generation_blocker
 from .loss_metrics import log_loss_metrics
 from .losses import compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
+from .training_state import TrainingState, stateful_parts
 from .trl_compat import (
     TRL_NATIVE_LOSS_TYPES,
     TRL_SCALE_REWARDS,
@@ -75,7 +76,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
             self._add_reward(punishment, weight=self.plus.overlong_penalty)
         self._zero_waste = ZeroWastePass(self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt)
-        self._crash_checkpoint = CrashCheckpoint(self)
+        parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
+        self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
+        self._crash_checkpoint = CrashCheckpoint(self, parts)
+        self.add_callback(self._training_state)
         self.add_callback(self._crash_checkpoint)
 
     def _add_reward(self, reward_func, weight: float) -> None:
@@ -93,12 +97,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         error or Ctrl-C writes the last completed step as a checkpoint (grpo_plus.faults)."""
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint)
         if resume_from_checkpoint:
-            if self._selective_rollout is not None and not self._selective_rollout.load(resume_from_checkpoint):
-                logger.warning("%s holds no selective-rollout history: it starts afresh.", resume_from_checkpoint)
-            if self._dynamic_sampling is not None:
-                self._dynamic_sampling.restart_at(load_sampling_state(resume_from_checkpoint))
             if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
                 return finished
+            self._training_state.restore_from(resume_from_checkpoint)  # what transformers does not restore
         try:
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):
@@ -118,12 +119,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
-        # complete: a complete checkpoint always holds the sampling state its step left behind.
+        # complete: a complete checkpoint always holds the training state its step left behind.
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self._selective_rollout is not None and self.args.should_save:
-            self._selective_rollout.save(folder)
-        if self._dynamic_sampling is not None and self.args.should_save:
-            save_sampling_state(folder, refill_draws=self._dynamic_sampling.refill_draws_made)
+        self._training_state.save(folder, self.args.should_save, self.accelerator.wait_for_everyone)
         super()._save_checkpoint(model, trial)
 
     # ---- generation, rewards, advantages ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ __all__ = [
     "TRLCompatibilityError",
     "UntestedTRLVersionWarning",
     "check_hooked_methods",
+    "check_state_attributes",
     "check_trl_compatibility",
     "TRL_IMPORTANCE_SAMPLING_LEVELS",
     "TRL_NATIVE_LOSS_TYPES",
@@ -153,6 +154,25 @@ HOOKED_METHODS = (
     HookedMethod("_save", ("output_dir", "state_dict")),  # transformers': no Hub token, no local base-model path
     HookedMethod("_maybe_log_save_evaluate", check="exists"),  # transformers': a step is complete after it
 )
+
+
+# TRL trainer attributes holding training state that grpo_plus checkpoints (grpo_plus.training_state); TRL 1.14-1.16
+# all set them in GRPOTrainer.__init__ (the adaptive-entropy ones with use_adaptive_entropy).
+TRL_STATE_ATTRIBUTES = ("_step", "_buffered_inputs", "_metrics", "_logs")
+TRL_ADAPTIVE_ENTROPY_ATTRIBUTES = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
+
+
+def check_state_attributes(trainer: trl.GRPOTrainer) -> None:
+    """Raise TRLCompatibilityError if TRL no longer keeps the training state grpo_plus checkpoints where it looks."""
+    names = TRL_STATE_ATTRIBUTES + (
+        TRL_ADAPTIVE_ENTROPY_ATTRIBUTES if getattr(trainer, "use_adaptive_entropy", False) else ()
+    )
+    missing = [name for name in names if not hasattr(trainer, name)]
+    if missing:
+        raise TRLCompatibilityError(
+            f"grpo_plus cannot checkpoint this TRL {trl.__version__}'s training state: GRPOTrainer has no "
+            f"{', '.join(missing)}. grpo_plus works with TRL {tested_trl_versions_text()}."
+        )
 
 
 def tested_trl_versions_text() -> str:

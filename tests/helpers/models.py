@@ -64,3 +64,12 @@ def tiny_trainer(
         train_dataset=prompt_dataset(8) if dataset is None else dataset,
         peft_config=peft_config,
     )
+
+
+def saved_model_trainer(model_dir, output_dir, reward_funcs, package=grpo_plus, **kwargs):
+    """`tiny_trainer` on a fresh float32 load of the model (and tokenizer) saved in `model_dir`."""
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tiny_trainer(output_dir, list(reward_funcs), model=model, tokenizer=tokenizer, package=package, **kwargs)

@@ -46,6 +46,21 @@ class GroupRecorder:
                 yield batch["prompt_ids"][start : start + g], batch["advantages"][start : start + g]
 
 
+def record_trained_batches(trainer) -> list[tuple[int, dict]]:
+    """Wraps the trainer's `_compute_loss`: the returned list receives (optimizer step being trained, the micro-batch's
+    tensors, on CPU) for every micro-batch of the training pass."""
+    trained = []
+    compute_loss = trainer._compute_loss
+
+    def recording_compute_loss(model, inputs):
+        batch = {k: v.detach().cpu().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        trained.append((trainer.state.global_step + 1, batch))
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = recording_compute_loss
+    return trained
+
+
 def record_score_rounds(trainer) -> list[list[dict]]:
     """Wraps the trainer's `_score_round`: the returned list receives the rows of every generation round it scores."""
     rounds = []
