@@ -20,19 +20,15 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+import torch
+import trl
 
-import torch  # noqa: E402
-import trl  # noqa: E402
-
-import grpo_plus  # noqa: E402
-from grpo_plus.training_state import PROCESS_FILE, SHARED_FILE, stateful_parts  # noqa: E402
+import grpo_plus
+from grpo_plus.training_state import PROCESS_FILE, SHARED_FILE, stateful_parts
 
 DEMO = dict(
     per_device_train_batch_size=16,
@@ -61,8 +57,14 @@ def state_bytes(state) -> int:
 
 
 def make_trainer(package, case: str, output_dir: Path, model_path: str | None):
-    from helpers.models import make_model, make_tokenizer, prompt_dataset, tiny_run_kwargs
-    from helpers.rewards import digit_reward, length_reward
+    from grpo_plus.app.testing import (
+        digit_reward,
+        length_reward,
+        make_model,
+        make_tokenizer,
+        prompt_dataset,
+        tiny_run_kwargs,
+    )
 
     settings = dict(CASES[case], max_steps=1, save_strategy="steps", save_steps=1)
     if case == "tiny":

@@ -5,8 +5,17 @@ benchmarks share; this module adds the other model families and the trainer the 
 
 from __future__ import annotations
 
+import torch
 from datasets import Dataset
-from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 import grpo_plus
 from grpo_plus.app.testing import (  # noqa: F401  (re-exported: the tests import them from here)
