@@ -26,6 +26,8 @@ from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
 from .faults import CrashCheckpoint, finish_without_training, load_sampling_state, prepare_resume, save_sampling_state
 from .generation import GenerationStats, generate_patched, generation_blocker
+from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
+from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
 from .losses import compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
@@ -74,9 +76,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.plus.overlong_buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
             self._add_reward(punishment, weight=self.plus.overlong_penalty)
-        self._zero_waste = ZeroWastePass(self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt)
+        self._zero_waste = ZeroWastePass(
+            self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt, self.plus.zero_waste_exact_entropy
+        )
         self._crash_checkpoint = CrashCheckpoint(self)
         self.add_callback(self._crash_checkpoint)
+        self._health = TrainingHealthGuard(self.plus.health)  # reads each log; with "stop", ends train() (below)
+        self.add_callback(self._health)
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""
@@ -100,10 +106,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
                 return finished
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):
             self._crash_checkpoint.save()
             raise
+        self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
+        return output
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         super()._maybe_log_save_evaluate(*args, **kwargs)
@@ -377,5 +385,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss / accumulation_steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss).mean().item())
-        log_loss_metrics(self._metrics[mode], self.accelerator, out, entropies, policy.computed_rows)
+        log_loss_metrics(
+            self._metrics[mode], self.accelerator, out, entropies, policy.trained_rows, policy.entropies_of_every_row
+        )
         return loss
