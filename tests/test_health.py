@@ -19,7 +19,7 @@ import grpo_plus
 from grpo_plus.checkpoints import is_complete_checkpoint
 from grpo_plus.config import ConfigError, PlusSettings
 from grpo_plus.health import HealthSettings, TrainingHealthError, TrainingHealthGuard
-from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
+from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY, append_for_whole_window
 
 HEALTHY = {
     "loss": 0.1,
@@ -338,3 +338,26 @@ def test_unscorable_rewards_and_a_nan_gradient_are_reported_at_once(tmp_path):
         "nonfinite_gradient": 1,
         "nonfinite_loss": 1,
     }
+
+
+# ---- the entropy metric's logging window ---------------------------------------------------------------------------
+
+
+def trl_window_mean(values: list[float]) -> float | None:
+    """What TRL's `log` writes for a window's values: the mean of those that are not NaN, None if none is left."""
+    valid = [v for v in values if not math.isnan(v)]
+    return sum(valid) / len(valid) if valid else None
+
+
+@pytest.mark.parametrize("unknown_at", [0, 1, 2])
+def test_one_unknown_micro_batch_leaves_the_whole_window_unknown(unknown_at):
+    """A window whose micro-batches are partly unknown (rows skipped) logs None, not the mean of the known ones,
+    which is not TRL's number; a window of known values logs their mean, as TRL does."""
+    values: list[float] = []
+    for index, value in enumerate([0.5, 0.7, 0.9]):
+        append_for_whole_window(values, NAN if index == unknown_at else value)
+    assert trl_window_mean(values) is None and len(values) == 3
+    known: list[float] = []
+    for value in [0.5, 0.7, 0.9]:
+        append_for_whole_window(known, value)
+    assert trl_window_mean(known) == pytest.approx(0.7)

@@ -390,6 +390,8 @@ def test_exact_entropy_makes_one_more_no_grad_call_whatever_the_rows(dead_groups
     inputs = micro_batch(trainer, dead_groups=dead_groups)
     if len(dead_groups) == GROUPS:
         inputs["advantages"].zero_()
+    if not dead_groups:  # micro_batch leaves one unscorable row: score it, so that every row is live
+        inputs["advantages"][G + 1] = 0.5
     trainer._metrics["train"].clear()
     set_zero_waste(trainer, on=False)
     full = loss_and_grads(trainer, inputs)
@@ -539,3 +541,18 @@ def test_config_field_turns_it_off():
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [
         ((G * GROUPS, PROMPT_WIDTH + COMPLETION_WIDTH), 2)
     ]
+
+
+def test_exact_entropy_benchmark_smoke(tmp_path):
+    """benchmarks/exact_entropy.py --smoke, in process: every case runs, the three sides' losses are equal, exact
+    entropy is TRL's, and without it `entropy` is not logged where groups were dead."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import exact_entropy
+
+    rows = exact_entropy.run_cases(exact_entropy.build_trainers(smoke=True, output_dir=str(tmp_path)), repeats=1)
+    assert [row["dead_share"] for row in rows] == list(exact_entropy.DEAD_SHARES)
+    assert all(row["max_loss_difference"] <= 1e-6 and row["exact_entropy_difference"] <= 1e-5 for row in rows), rows
+    assert [row["default_entropy_logged"] for row in rows] == [share == 0 for share in exact_entropy.DEAD_SHARES]
