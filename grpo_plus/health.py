@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .settings import not_allowed
 
@@ -177,7 +179,7 @@ class TrainingHealthGuard(TrainerCallback):
             control.should_training_stop = True
             if args.save_strategy != "no":  # the trainer saves this step's checkpoint right after logging it
                 control.should_save = True
-                self.saved = f"{args.output_dir}/checkpoint-{state.global_step}"
+                self.saved = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
     def raise_if_stopped(self) -> None:
         """After `train()` returned: raise TrainingHealthError if the guard ended the run."""
@@ -223,7 +225,7 @@ class TrainingHealthGuard(TrainerCallback):
         for key in ENTROPY_KEYS:
             entropy = _value(logs, key)
             if _finite(entropy):
-                span = f"{first_step}-{first_step + steps - 1}" if steps > 1 else str(first_step)
+                span = f"steps {first_step}-{first_step + steps - 1}" if steps > 1 else f"step {first_step}"
                 start, _ = self._entropy_start.setdefault(key, (entropy, span))
                 return _Reading(start > 0 and entropy < self.settings.entropy_collapse_frac * start, entropy, key)
         return _Reading(None)
@@ -297,7 +299,7 @@ class TrainingHealthGuard(TrainerCallback):
         key = streak.last.key
         start, start_steps = self._entropy_start[key]
         return (
-            f"the mean token entropy ({key}) fell from {start:.3g} (step {start_steps}) to {streak.last.value:.3g}, "
+            f"the mean token entropy ({key}) fell from {start:.3g} ({start_steps}) to {streak.last.value:.3g}, "
             f"below {self.settings.entropy_collapse_frac:.0%} of where it started, and stayed there "
             f"{streak.span()}. The policy now samples nearly the same tokens every time: a group's completions "
             "become alike, their rewards equal, their advantages 0, and exploration and learning stop (entropy "
