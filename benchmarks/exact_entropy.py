@@ -1,10 +1,10 @@
 """What `zero_waste_exact_entropy=True` costs: the training pass with TRL's `entropy` logged exactly, against stock TRL
 and the default zero-waste pass (which logs `entropy` only where no row was skipped).
 
-    .venv/bin/python benchmarks/exact_entropy.py [--repeats 5] [--threads 1] [--smoke] [--json out.json]
+    .venv/bin/python benchmarks/exact_entropy.py [--repeats 5] [--threads 1] [--group-size 8] [--smoke] [--json out.json]
 
 The training pass alone (`_compute_loss`, forward + backward) on synthetic micro-batches of 4 groups x 8 completions
-(demo lengths: 56-token prompts, ragged completions of <= 20 tokens) with 0/25/50/75% of the groups dead, on the
+(`--group-size`; demo lengths: 56-token prompts, ragged completions of <= 20 tokens) with 0/25/50/75% of the groups dead, on the
 embedded SmolLM2-135M-Instruct + LoRA r=16 all-linear (`--smoke`: the tiny test model, 1 repeat). Stock TRL's
 trainer, grpo_plus's and grpo_plus's with exact entropy run on the same weights, alternated, median of `--repeats`.
 Checked on every case: the three losses equal, exact entropy equal to TRL's `entropy`.
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 SIDES = ("trl", "ours", "exact")
 DEAD_SHARES = (0.0, 0.25, 0.5, 0.75)
@@ -37,7 +35,7 @@ def build_trainers(smoke: bool, output_dir: str) -> dict:
     import grpo_plus
 
     if smoke:
-        from helpers.models import save_tiny_model
+        from grpo_plus.app.testing import save_tiny_model
 
         path = save_tiny_model(Path(output_dir) / "tiny")
     else:
@@ -76,14 +74,17 @@ def with_exact_entropy(trainer, exact: bool) -> None:
     trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True, exact_entropy=exact)
 
 
-def run_cases(trainers: dict, repeats: int) -> list[dict]:
+def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
     from shapes import synthetic_micro_batch
 
     vocab = len(trainers["trl"].processing_class)
     sides = {"trl": trainers["trl"], "ours": trainers["ours"], "exact": trainers["ours"]}
     rows = []
     for case, dead_share in enumerate(DEAD_SHARES):
-        inputs = synthetic_micro_batch(32, 8, 56, 20, vocab, dead_share, seed=case, ragged=True, first_token=10)
+        rows_per_batch = 4 * group_size
+        inputs = synthetic_micro_batch(
+            rows_per_batch, group_size, 56, 20, vocab, dead_share, seed=case, ragged=True, first_token=10
+        )
         seconds = {name: [] for name in SIDES}
         losses, entropy = {}, {}
         for repeat in range(repeats):
@@ -124,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group-size", type=int, default=8, help="completions per group (4 groups per micro-batch)")
     parser.add_argument("--smoke", action="store_true", help="the tiny test model, 1 repeat: checks the script runs")
     parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-exact-entropy" / "exact_entropy.json"))
     args = parser.parse_args()
@@ -132,7 +134,7 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output_dir:
         trainers = build_trainers(args.smoke, output_dir)
-        rows = run_cases(trainers, 1 if args.smoke else args.repeats)
+        rows = run_cases(trainers, 1 if args.smoke else args.repeats, args.group_size)
     print(
         "\n| dead groups | TRL (s) | grpo_plus (s) | ratio | with exact entropy (s) | ratio |\n|---|---|---|---|---|---|"
     )
@@ -141,7 +143,13 @@ def main() -> None:
             f"| {row['dead_share']:.0%} | {row['trl_seconds']:.3f} | {row['ours_seconds']:.3f} | {row['ours_ratio']:.2f} "
             f"| {row['exact_seconds']:.3f} | {row['exact_ratio']:.2f} |"
         )
-    report = {"threads": args.threads, "smoke": args.smoke, "torch": torch.__version__, "cases": rows}
+    report = {
+        "threads": args.threads,
+        "smoke": args.smoke,
+        "group_size": args.group_size,
+        "torch": torch.__version__,
+        "cases": rows,
+    }
     report["wall_minutes"] = (time.perf_counter() - started) / 60
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
