@@ -77,8 +77,11 @@ def with_exact_entropy(trainer, exact: bool) -> None:
 def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
     from shapes import synthetic_micro_batch
 
+    from grpo_plus.app.testing import ForwardLog
+
     vocab = len(trainers["trl"].processing_class)
     sides = {"trl": trainers["trl"], "ours": trainers["ours"], "exact": trainers["ours"]}
+    forwards = {name: ForwardLog(trainer.model) for name, trainer in trainers.items()}
     rows = []
     for case, dead_share in enumerate(DEAD_SHARES):
         rows_per_batch = 4 * group_size
@@ -86,7 +89,7 @@ def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
             rows_per_batch, group_size, 56, 20, vocab, dead_share, seed=case, ragged=True, first_token=10
         )
         seconds = {name: [] for name in SIDES}
-        losses, entropy = {}, {}
+        losses, entropy, positions = {}, {}, {}
         for repeat in range(repeats):
             for name in SIDES if repeat % 2 == 0 else SIDES[::-1]:
                 trainer = sides[name]
@@ -94,12 +97,17 @@ def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
                     with_exact_entropy(trainer, exact=name == "exact")
                 trainer._metrics["train"].clear()
                 trainer.model.zero_grad(set_to_none=True)
+                log = forwards["trl" if name == "trl" else "ours"]
+                log.clear()
                 start = time.perf_counter()
                 loss = trainer._compute_loss(trainer.model, dict(inputs))
                 loss.backward()
                 seconds[name].append(time.perf_counter() - start)
                 losses[name], entropy[name] = loss.item(), trainer._metrics["train"]["entropy"][-1]
+                positions[name] = (log.training_positions, log.positions - log.training_positions)
         row = {"dead_share": dead_share, **{f"{name}_seconds": statistics.median(seconds[name]) for name in SIDES}}
+        for name in SIDES:  # token positions the model computed with gradient, and without (exact entropy's)
+            row[f"{name}_positions"], row[f"{name}_no_grad_positions"] = positions[name]
         row["max_loss_difference"] = max(abs(losses[name] - losses["trl"]) for name in SIDES)
         row["exact_entropy_difference"] = abs(entropy["exact"] - entropy["trl"])
         row["default_entropy_logged"] = not math.isnan(entropy["ours"])
@@ -108,7 +116,8 @@ def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
         rows.append(row)
         print(
             f"  dead {dead_share:4.0%}: TRL {row['trl_seconds']:.3f} s, grpo_plus {row['ours_ratio']:.2f}x, "
-            f"exact entropy {row['exact_ratio']:.2f}x; |loss diff| {row['max_loss_difference']:.1e}, "
+            f"exact entropy {row['exact_ratio']:.2f}x; positions with gradient TRL {row['trl_positions']}, "
+            f"grpo_plus {row['ours_positions']}, + no-grad for exact entropy {row['exact_no_grad_positions']}; |loss diff| {row['max_loss_difference']:.1e}, "
             f"|entropy - TRL's| {row['exact_entropy_difference']:.1e}",
             flush=True,
         )
@@ -136,12 +145,14 @@ def main() -> None:
         trainers = build_trainers(args.smoke, output_dir)
         rows = run_cases(trainers, 1 if args.smoke else args.repeats, args.group_size)
     print(
-        "\n| dead groups | TRL (s) | grpo_plus (s) | ratio | with exact entropy (s) | ratio |\n|---|---|---|---|---|---|"
+        "\n| dead groups | TRL (s) | grpo_plus (s) | ratio | with exact entropy (s) | ratio | positions: TRL | "
+        "grpo_plus | exact entropy's no-grad forward |\n|---|---|---|---|---|---|---|---|---|"
     )
     for row in rows:
         print(
             f"| {row['dead_share']:.0%} | {row['trl_seconds']:.3f} | {row['ours_seconds']:.3f} | {row['ours_ratio']:.2f} "
-            f"| {row['exact_seconds']:.3f} | {row['exact_ratio']:.2f} |"
+            f"| {row['exact_seconds']:.3f} | {row['exact_ratio']:.2f} | {row['trl_positions']} | "
+            f"{row['ours_positions']} | {row['exact_no_grad_positions']} |"
         )
     report = {
         "threads": args.threads,
