@@ -363,6 +363,30 @@ def forward_rows(
     return scatter_rows(logps, rows, fill), entropies, None
 
 
+def fill_skipped_entropies(
+    forward: Forward,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    width: int,
+    live: torch.Tensor,
+    entropies: torch.Tensor,
+    bridge: slice,
+) -> torch.Tensor:
+    """`entropies` (B, `width`) with the rows `forward_rows` skipped (not `live`) filled in by a no-grad `forward` of
+    just those rows, so they hold every row's entropy as TRL's full forward computes it.
+
+    Exactly one `forward` call whatever `live` holds (when no row was skipped, one position at the `bridge` columns),
+    so every process calls the model equally often.
+    """
+    skipped = (~live).nonzero().squeeze(1)
+    with torch.no_grad():
+        if skipped.numel() == 0:
+            forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+            return entropies
+        _, skipped_entropies, _ = forward(input_ids[skipped], attention_mask[skipped], width)
+    return scatter_rows(skipped_entropies, skipped, entropies)
+
+
 def shared_prompt_logps(
     model_forward: Callable[[PackedBatch], tuple[torch.Tensor, torch.Tensor | None]],
     input_ids: torch.Tensor,

@@ -26,6 +26,8 @@ from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .generation import GenerationStats, generate_patched, generation_blocker
+from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
+from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
 from .losses import compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
@@ -75,12 +77,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.plus.overlong_buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
             self._add_reward(punishment, weight=self.plus.overlong_penalty)
-        self._zero_waste = ZeroWastePass(self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt)
+        self._zero_waste = ZeroWastePass(
+            self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt, self.plus.zero_waste_exact_entropy
+        )
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
         self._crash_checkpoint = CrashCheckpoint(self, parts)
         self.add_callback(self._training_state)
         self.add_callback(self._crash_checkpoint)
+        self._health = TrainingHealthGuard(self.plus.health)  # reads each log; with "stop", ends train() (below)
+        self.add_callback(self._health)
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""
@@ -101,10 +107,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                 return finished
             self._training_state.restore_from(resume_from_checkpoint)  # what transformers does not restore
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):
             self._crash_checkpoint.save()
             raise
+        self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
+        return output
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         super()._maybe_log_save_evaluate(*args, **kwargs)
@@ -375,5 +383,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss / accumulation_steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss).mean().item())
-        log_loss_metrics(self._metrics[mode], self.accelerator, out, entropies, policy.computed_rows)
+        log_loss_metrics(
+            self._metrics[mode], self.accelerator, out, entropies, policy.trained_rows, policy.entropies_of_every_row
+        )
         return loss

@@ -13,7 +13,8 @@ left lives in the trainer's stateful parts. A stateful part is any object with
     load_state_dict(state: dict) -> None put the part back exactly there; ValueError for a state it cannot take
 
 and, optionally, `checkpoint_scope = "process"` when its state differs between processes (the default, "shared",
-is the same state on every process, saved once). `stateful_parts` finds the trainer's parts: its own attributes,
+is the same state on every process, saved once), and `checkpoint_missing_ok = True` when starting afresh from a
+checkpoint that holds no state for it changes nothing a user would miss (no warning then). `stateful_parts` finds the trainer's parts: its own attributes,
 reward functions and callbacks that implement the protocol (selective rollout, dynamic sampling, a user's stateful
 reward), plus the adapters below for the state TRL and transformers keep in trainer attributes. So a new stateful
 feature is saved, restored and kept right in crash checkpoints by implementing the protocol, with no other wiring.
@@ -377,7 +378,8 @@ class TrainingState(TrainerCallback):
                 )
             missing = [p for p in missing if not isinstance(p, (GenerationBuffer, LoggingWindow, RandomState))]
         for part in missing:
-            logger.warning("%s holds no state for '%s': it starts afresh.", checkpoint, part.checkpoint_name)
+            if not getattr(part, "checkpoint_missing_ok", False):
+                logger.warning("%s holds no state for '%s': it starts afresh.", checkpoint, part.checkpoint_name)
         self._load(parts, states, checkpoint)  # now, so that a state this run cannot take fails before training
         self._pending = (states, checkpoint)
 

@@ -140,7 +140,8 @@ def test_all_infinite_rewards_warn_once_naming_the_function(tiny_model_dir, tmp_
     trainer = build(tiny_model_dir, tmp_path, rewards=[infinite_reward], save_strategy="no", max_steps=2)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.validation"):
         trainer.train()
-    warnings = [r.getMessage() for r in caplog.records if "infinite_reward" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_plus.validation"]
+    warnings = [message for message in warnings if "infinite_reward" in message]
     assert len(warnings) == 1 and "+-inf for 4 of 4 completions" in warnings[0] and "trains nothing" in warnings[0]
     assert logged(trainer, "loss") == [0.0, 0.0]
 

@@ -371,6 +371,7 @@ COVERED = {
     "adaptive_entropy": {"entropy_coef", "_last_world_entropy", "_entropy_window_stats"},
     "dynamic_sampling": {"_dynamic_sampling"},
     "selective_rollout": {"_selective_rollout"},
+    "health_guard": {"_health"},
 }
 # Attributes that change between steps without shaping what comes next, and why.
 TRANSIENT = {
@@ -434,6 +435,6 @@ def test_the_size_benchmark_smoke_run_reports_what_a_checkpoint_gains(tmp_path, 
     benchmark.main()
     (tiny,) = json.loads((tmp_path / "sizes.json").read_text())
     assert tiny["added_bytes"] == sum(tiny["files"].values()) > sum(tiny["parts"].values())
-    assert set(tiny["parts"]) == {"generation_buffer", "logging_window", "rng"}
+    assert set(tiny["parts"]) == {"generation_buffer", "logging_window", "rng", "health_guard"}
     assert tiny["buffered_rows"] == 16 and tiny["parts"]["generation_buffer"] > tiny["buffered_tensor_bytes"]
     assert 0 < tiny["added_fraction_of_trl_checkpoint"] < 0.2

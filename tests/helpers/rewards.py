@@ -22,6 +22,14 @@ def half_dead_reward(completions, prompts, **kwargs) -> list[float]:
     return [1.0 if starts_odd(p) else d for p, d in zip(prompts, digit_reward(completions), strict=True)]
 
 
+def half_dead_or_none_reward(completions, prompts, answer, **kwargs) -> list[float | None]:
+    """`half_dead_reward`, but None (unscorable: advantage 0, the row skipped) for the last completion of each group
+    of a live prompt whose answer is even."""
+    rewards = half_dead_reward(completions, prompts)
+    rows = enumerate(zip(prompts, answer, rewards, strict=True))
+    return [None if row % 4 == 3 and a % 2 == 0 and not starts_odd(p) else r for row, (p, a, r) in rows]
+
+
 def constant_reward(completions, **kwargs) -> list[float]:
     """Every group is dead."""
     return [1.0] * len(completions)
