@@ -235,7 +235,9 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     prompt_kwargs = select_rows(model_kwargs, prompts)
     reused = 0
     if turns is not None and _restorable(prompt_kwargs, generation_config, prompt_width):
-        reused = turns.restore(prompt_kwargs["past_key_values"], input_ids[prompts], prompt_kwargs.get("attention_mask"))
+        reused = turns.restore(
+            prompt_kwargs["past_key_values"], input_ids[prompts], prompt_kwargs.get("attention_mask")
+        )
     outputs = model._prefill(input_ids[prompts], generation_config, prompt_kwargs)
     prompt_kwargs = model._update_model_kwargs_for_generation(outputs, prompt_kwargs)
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)

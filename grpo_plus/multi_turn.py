@@ -66,7 +66,8 @@ class TurnCache:
         real = torch.ones(sequences.shape[0], width, dtype=torch.bool) if mask is None else mask[:, :width].bool()
         real, tokens = real.cpu(), sequences[:, :width].cpu()
         layers = [
-            (layer.keys.index_select(0, cache_rows), layer.values.index_select(0, cache_rows)) for layer in cache.layers
+            (layer.keys.index_select(0, cache_rows), layer.values.index_select(0, cache_rows))
+            for layer in cache.layers
         ]
         for i in range(len(cache_rows)):
             columns = real[i].nonzero().squeeze(1).to(layers[0][0].device)

@@ -28,8 +28,8 @@ from .distributed import check_launch
 from .faults import CrashCheckpoint, finish_without_training, load_sampling_state, prepare_resume, save_sampling_state
 from .generation import GenerationStats, generate_patched, generation_blocker
 from .loss_metrics import log_loss_metrics
-from .multi_turn import TurnCache
 from .losses import compute_policy_loss
+from .multi_turn import TurnCache
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout

@@ -118,7 +118,9 @@ class GuardedReward:
         returned = rewards
         if isinstance(rewards, torch.Tensor):
             rewards = rewards.tolist() if rewards.dim() == 1 else rewards
-        elif isinstance(rewards, Iterable) and not isinstance(rewards, (str, bytes, Mapping, Sequence, _ndarray_type())):
+        elif isinstance(rewards, Iterable) and not isinstance(
+            rewards, (str, bytes, Mapping, Sequence, _ndarray_type())
+        ):
             returned = rewards = list(rewards)  # a generator, a pandas Series, ...: TRL iterates it into a list
         if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, (Sequence, _ndarray_type())):
             raise RewardOutputError(f"{what}completion); it returned {_describe(rewards)}.")

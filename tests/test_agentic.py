@@ -30,7 +30,9 @@ def generator_reward(completions, **kwargs):
 
 def echo_reward(completions, environments, **kwargs):
     """Scores EchoEnv rollouts by their number of messages; None for the others (CounterEnv scores its own)."""
-    return [float(len(c)) if isinstance(env, EchoEnv) else None for c, env in zip(completions, environments)]
+    return [
+        float(len(c)) if isinstance(env, EchoEnv) else None for c, env in zip(completions, environments, strict=True)
+    ]
 
 
 def environments():
@@ -39,8 +41,8 @@ def environments():
 
 
 def both(tool_model_dir, tmp_path, **setup):
-    """Stock TRL's and grpo_plus's trainers on the tool model, each trained 2 steps from the same seed: (TRL's,
-    grpo_plus's), each with the completions it trained on."""
+    """Stock TRL's and grpo_plus's trainers on the tool model, each trained (2 steps unless `max_steps` says
+    otherwise) from the same seed: (TRL's, grpo_plus's), each with the completions it trained on."""
     trained = []
     for package in (trl, grpo_plus):
         kwargs = {key: value() if callable(value) and key == "environment_factory" else value
@@ -61,7 +63,7 @@ def both(tool_model_dir, tmp_path, **setup):
 
 def assert_trained_alike(trained, *keys: str):
     (theirs, their_batches), (ours, our_batches) = trained
-    assert len(our_batches) == len(their_batches) == 2
+    assert len(our_batches) == len(their_batches) == theirs.args.max_steps
     for a, b in zip(their_batches, our_batches, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("loss", "reward", *keys):
@@ -88,8 +90,9 @@ def test_a_dataset_of_environment_names_with_environment_owned_rewards_trains_li
 
 def test_one_environment_owning_data_and_reward_trains_without_dataset_or_reward_funcs(tool_model_dir, tmp_path):
     trained = both(
-        tool_model_dir, tmp_path, train_dataset=None, reward_funcs=None, environment_factory=counter_factory, **SHORT
-    )
+        tool_model_dir, tmp_path, train_dataset=None, reward_funcs=None, environment_factory=counter_factory,
+        max_steps=1, **SHORT,
+    )  # fmt: skip
     ours = assert_trained_alike(trained, "rewards/CounterEnv/mean")
     assert any(fraction < 1 for fraction in logged(ours, "zero_waste/generation_prefill_positions_frac"))
 
@@ -100,7 +103,7 @@ def test_one_environment_completing_dataset_prompts_trains_like_trl(tool_model_d
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "Count from "}]}] * 8)
     trained = both(
         tool_model_dir, tmp_path, environment_factory=counter_factory, train_dataset=dataset,
-        reward_funcs=[generator_reward], **SHORT,
+        reward_funcs=[generator_reward], max_steps=1, **SHORT,
     )  # fmt: skip
     assert_trained_alike(trained, "rewards/CounterEnv/mean", "rewards/generator_reward/mean")
 
@@ -110,7 +113,7 @@ def test_an_iterable_dataset_of_environment_names_trains_like_trl(tool_model_dir
     dataset = Dataset.from_dict({"environment": ["counter", "echo"] * 4}).to_iterable_dataset()
     trained = both(
         tool_model_dir, tmp_path, train_dataset=dataset, reward_funcs=[echo_reward],
-        environment_factory=environments, num_generations=2, **SHORT,
+        environment_factory=environments, num_generations=2, max_steps=1, **SHORT,
     )  # fmt: skip
     assert_trained_alike(trained, "rewards/CounterEnv/mean")
 
@@ -145,7 +148,7 @@ def test_a_rollout_function_with_an_environment_mask_trains_like_trl(tool_model_
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     trained = both(
         tool_model_dir, tmp_path, train_dataset=Dataset.from_list(number_prompts(8)),
-        reward_funcs=[observed_reward], rollout_func=random_rollout, **SHORT,
+        reward_funcs=[observed_reward], rollout_func=random_rollout, max_steps=1, **SHORT,
     )  # fmt: skip
     (_, batches), _ = trained
     assert all((batch["tool_mask"] == 0).any() for batch in batches)  # the env mask reached the loss mask
@@ -190,7 +193,12 @@ def test_each_check_fails_exactly_where_trl_fails(tool_model_dir, tmp_path, case
                                                   at_construction):  # fmt: skip
     """TRL's failure (at its first step) against grpo_plus's (when the trainer is built, or at the same step with a
     clearer message). Where TRL trains, grpo_plus trains: the tests above."""
-    setup = {"train_dataset": Dataset.from_list(number_prompts(8)), **setup, "max_steps": 1, "max_completion_length": 8}
+    setup = {
+        "train_dataset": Dataset.from_list(number_prompts(8)),
+        **setup,
+        "max_steps": 1,
+        "max_completion_length": 8,
+    }
 
     def build(package):
         kwargs = {k: v() if k == "environment_factory" else v for k, v in setup.items()}

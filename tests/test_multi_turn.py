@@ -3,9 +3,12 @@ tool turn to the next, the same tokens as stock TRL's loop."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import trl
+from datasets import Dataset
 from helpers.models import make_tokenizer, tiny_config
 from helpers.probes import logged, max_weight_diff
 from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
@@ -13,7 +16,6 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import grpo_plus
-from datasets import Dataset
 from grpo_plus.generation import generate, transformers_blocker
 from grpo_plus.multi_turn import KeptRow, TurnCache
 from grpo_plus.trl_compat import logps_unavailable_reason
@@ -240,7 +242,8 @@ def test_tool_turns_give_stock_trls_tokens_prefilling_only_what_is_new(tool_mode
     turn, grpo_plus each distinct prompt once and then only the new tokens of each turn."""
     # greedy: 4 prompts x 2 (identical) rows, so that the rows differ across prompts; a group's rows are identical,
     # so its advantages are 0 and the weights do not move: the greedy case checks the generation
-    settings = {} if sampling == "sampled" else dict(generation_kwargs={"do_sample": False}, num_generations=2)
+    greedy = dict(generation_kwargs={"do_sample": False}, num_generations=2, max_steps=1)
+    settings = {} if sampling == "sampled" else greedy
     runs = {}
     for package in (trl, grpo_plus):
         trainer, recorder, batches = train_with_tools(package, tool_model_dir, tmp_path / package.__name__, **settings)
@@ -258,12 +261,13 @@ def test_tool_turns_give_stock_trls_tokens_prefilling_only_what_is_new(tool_mode
     # real tool use: calls that were answered, and rows that went on for a second tool turn
     assert all(0 < frequency for frequency in logged(ours, "tools/call_frequency"))
     assert any(
-        ((batch["tool_mask"][:, 1:] - batch["tool_mask"][:, :-1]) == -1).sum(dim=1).max() >= 2
-        for batch in our_batches
+        ((batch["tool_mask"][:, 1:] - batch["tool_mask"][:, :-1]) == -1).sum(dim=1).max() >= 2 for batch in our_batches
     ), "no row made two tool calls"
     assert max(len(calls) for calls in our_turns.rounds) >= 3  # a round of three generation calls (turns)
     # TRL: every turn prefills every row's prompt + history (its padded width); grpo_plus: what is new
-    assert trl_turns.prefill_positions == sum(len(c["prompt_ids"]) * max(map(len, c["prompt_ids"])) for c in trl_turns.calls)
+    assert trl_turns.prefill_positions == sum(
+        len(c["prompt_ids"]) * max(map(len, c["prompt_ids"])) for c in trl_turns.calls
+    )
     assert our_turns.prefill_positions == sum(expected_prefill_positions(calls) for calls in our_turns.rounds)
     print(f"prefill positions: TRL {trl_turns.prefill_positions}, grpo_plus {our_turns.prefill_positions}")
     assert our_turns.prefill_positions < 0.25 * trl_turns.prefill_positions
@@ -290,3 +294,30 @@ def test_a_sliding_window_cache_is_not_kept_and_says_why():
     reference = model.generate(input_ids=ids, generation_config=generation)
     ours, stats = generate(model, turns=turns, input_ids=ids, generation_config=generation)
     assert torch.equal(ours, reference) and stats.prefill_positions == stats.full_prefill_positions
+
+
+# ------------------------------------------------------------------------------------------------ the benchmark
+
+
+@needs_loop
+@needs_training
+def test_multi_turn_benchmark_smoke_matches_stock_trl_and_counts_the_saving(tool_model_dir, tmp_path):
+    """benchmarks/multi_turn.py --smoke on the session's tool model, in this process: both trainers sample the same
+    completions and log the same losses, and grpo_plus's prefills are a fraction of TRL's."""
+    import json
+    import sys
+
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import multi_turn
+
+    verbosity = transformers.logging.get_verbosity()
+    try:
+        multi_turn.main(["--smoke", "--model-dir", tool_model_dir, "--json", str(tmp_path / "out.json")])
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    result = json.loads((tmp_path / "out.json").read_text())["multi_turn"]
+    assert result["same_completions"] and result["max_loss_difference"] == 0.0
+    assert result["trl"]["turns"] >= 2 and result["trl"]["tool_calls_per_row"] > 0
+    assert result["prefill_positions_ratio"] < 0.5 and result["positions_ratio"] < 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import string
+import time
 from pathlib import Path
 
 import torch
@@ -46,8 +47,10 @@ PIECES = [
 CHARS = [c for c in string.printable if c not in "\x0b\x0c\r"]
 
 
-def make_tool_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer with Qwen3's special tokens and TRL's Qwen3 chat template (tool calling)."""
+def make_tool_tokenizer(compact: bool = True) -> PreTrainedTokenizerFast:
+    """Character-level tokenizer with Qwen3's special tokens and TRL's Qwen3 chat template (tool calling);
+    `compact`: the template's markup, tool boilerplate and `increment`'s schema are one token each (a 33-token
+    prompt instead of 650)."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
@@ -61,6 +64,9 @@ def make_tool_tokenizer() -> PreTrainedTokenizerFast:
         model_input_names=["input_ids", "attention_mask"],
     )
     tokenizer.chat_template = qwen3_chat_template  # TRL recognizes it: response parsing, prefix-preserving template
+    if not compact:
+        tokenizer.add_tokens([AddedToken(piece, normalized=False, special=False) for piece in PIECES[:6]])
+        return tokenizer
     # the rendered schema of `increment` is one token too (a BPE vocabulary would merge such a frequent string)
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "0"}], tools=[increment], tokenize=False)
     schema = rendered.split("<tools>\n")[-1].split("\n</tools>")[0]
@@ -132,9 +138,11 @@ class EchoEnv:
         return text
 
 
-def conversation(number: int) -> list[dict]:
-    """What the model is taught for `number`: one increment call for an odd number, two for an even one."""
-    messages = [{"role": "user", "content": str(number)}]
+def conversation(number: int, system: str | None = None) -> list[dict]:
+    """What the model is taught for `number`: one increment call for an odd number, two for an even one (after a
+    system prompt, if given)."""
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": str(number)})
     value = number
     for _ in range(1 if number % 2 else 2):
         call = {"type": "function", "function": {"name": "increment", "arguments": {"n": value}}}
@@ -162,14 +170,19 @@ def tool_model_config(tokenizer, **overrides) -> Qwen3Config:
     return Qwen3Config(**{**settings, **overrides})
 
 
-def train_tool_model(tokenizer, steps: int = 100, learning_rate: float = 6e-3, seed: int = 0):
-    """A tiny Qwen3 taught `conversation(n)` for n in 0..9 by `steps` full-batch Adam steps (5-10 s on one thread).
-    At 100 steps, sampled at temperature 1, most rows call the tool once or twice and some write malformed calls."""
+def train_tool_model(
+    tokenizer, steps: int = 100, learning_rate: float = 6e-3, seed: int = 0, system: str | None = None, **config
+):
+    """A tiny Qwen3 (`config` overrides `tool_model_config`) taught `conversation(n, system)` for n in 0..9 by
+    `steps` full-batch Adam steps (5-10 s on one thread without a system prompt). At 100 steps, sampled at
+    temperature 1, most rows call the tool once or twice and some write malformed calls."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tool_model_config(tokenizer), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tool_model_config(tokenizer, **config), dtype=torch.float32)
     template = get_training_chat_template(tokenizer)
     texts = [
-        tokenizer.apply_chat_template(conversation(n), tools=[increment], tokenize=False, chat_template=template)
+        tokenizer.apply_chat_template(
+            conversation(n, system), tools=[increment], tokenize=False, chat_template=template
+        )
         for n in range(10)
     ]
     batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
@@ -187,11 +200,12 @@ def train_tool_model(tokenizer, steps: int = 100, learning_rate: float = 6e-3, s
     return model
 
 
-def save_tool_model(path: str | Path, steps: int = 100) -> Path:
-    """Build, train and save the tool-calling model and its tokenizer to `path` (loadable by from_pretrained)."""
+def save_tool_model(path: str | Path, steps: int = 100, compact: bool = True, **training) -> Path:
+    """Build, train (`training`: `train_tool_model`'s settings) and save the tool-calling model and its tokenizer
+    to `path` (loadable by from_pretrained)."""
     path = Path(path)
-    tokenizer = make_tool_tokenizer()
-    train_tool_model(tokenizer, steps).save_pretrained(path)
+    tokenizer = make_tool_tokenizer(compact)
+    train_tool_model(tokenizer, steps, **training).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -238,7 +252,9 @@ def tool_run_settings(output_dir, **overrides) -> dict:
     return {**settings, **overrides}
 
 
-def tool_trainer(package, model_dir, output_dir, *, reward_funcs=(completion_length_reward,), train_dataset=None, **kwargs):
+def tool_trainer(
+    package, model_dir, output_dir, *, reward_funcs=(completion_length_reward,), train_dataset=None, **kwargs
+):
     """`package`'s GRPOTrainer (trl or grpo_plus) on the tool model loaded from `model_dir`. Keyword arguments that
     are GRPOConfig fields go to the config; the others (tools, environment_factory, rollout_func) to the trainer."""
     fields = set(package.GRPOConfig.__dataclass_fields__)
@@ -269,13 +285,16 @@ class TurnRecorder:
 
         def recording(prompt_ids, *args, **kwargs):
             self._shapes = []
+            start = time.perf_counter()
             completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
+            seconds = time.perf_counter() - start
             self.rounds[-1].append(
                 # copies: TRL's tool loop edits the lists it was handed and returned
                 dict(
                     prompt_ids=[list(ids) for ids in prompt_ids],
                     completion_ids=[list(ids) for ids in completion_ids],
                     forwards=self._shapes,
+                    seconds=seconds,
                 )
             )
             self._shapes = None

@@ -1,0 +1,190 @@
+"""Multi-turn tool calling against stock TRL: generation time, prefill and generation positions, whole step, one run.
+
+    .venv/bin/python benchmarks/multi_turn.py [--steps 6] [--warmup 1] [--threads 1] [--json out.json]
+    .venv/bin/python benchmarks/multi_turn.py --smoke [--model-dir DIR]     # seconds: the test suite runs this
+
+Model: a Qwen3 (hidden 128, 2 layers, 0.5M parameters; `--smoke`: hidden 64) with TRL's Qwen3 chat template and a
+character tokenizer, trained here to answer a number with `increment` tool calls (tests/helpers/tool_model.py;
+built once into outputs/bench-multi-turn/, ~1-2 min on a loaded 2-core machine). The full run puts a ~290-token
+prompt before each question: a system prompt (agents carry long instructions) plus the tool schema TRL renders.
+TRL's tool loop runs `tools=[increment]`: a row that calls the tool gets the tool's answer and generates again, up to
+three turns per row here (one or two calls, then the answer).
+
+Stock trl.GRPOTrainer and grpo_plus.GRPOTrainer train in lock-step in one process (benchmarks/lockstep.py: TRL's step
+1, ours, TRL's step 2, ...), each with its own random state, so they sample the same completions and log the same
+losses (both checked). Per optimizer step after the warm-up steps, medians:
+  generation          wall time of all `_generate_single_turn` calls of the step (TRL's first turn + tool turns)
+  prefill positions   token positions of the prefills (the first forward of every call: rows x padded width)
+  positions           token positions of every forward inside those calls (prefills + decode steps)
+  step                on_step_begin -> on_step_end: generation, tools, scoring, training pass, optimizer
+Full run: 2 prompts x 8 completions per step, at most 128 completion tokens, temperature 1, float32, SGD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+SIDES = ("trl", "ours")
+SYSTEM_PROMPT = ("You are a careful assistant. Use the tools when they help. " * 5).strip()
+FULL_MODEL = dict(
+    steps=120,
+    learning_rate=3e-3,
+    system=SYSTEM_PROMPT,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+)
+
+
+def model_dir(smoke: bool, given: str | None) -> Path:
+    """The tool model to use: `given`, or the benchmark's own (built and cached on first use)."""
+    from helpers.tool_model import save_tool_model
+
+    if given is not None:
+        return Path(given)
+    name = "tiny" if smoke else "h128-system"
+    path = ROOT / "outputs" / "bench-multi-turn" / name
+    if not (path / "config.json").exists():
+        print(f"building the tool model in {path} ...", flush=True)
+        with tempfile.TemporaryDirectory(dir=path.parent if path.parent.exists() else None) as tmp:
+            built = save_tool_model(Path(tmp) / name, **({} if smoke else FULL_MODEL))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            built.rename(path)
+    return path
+
+
+def build_trainers(path: Path, smoke: bool, steps: int, baton, rng) -> dict:
+    """Stock TRL's and grpo_plus's trainers with tools on the tool model, each timing its steps and passing the
+    baton after each; each records its generation calls (tests/helpers/tool_model.py's TurnRecorder)."""
+    import trl
+    from datasets import Dataset
+    from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
+    from transformers import TrainerCallback, set_seed
+
+    import grpo_plus
+
+    class StepTimer(TrainerCallback):
+        def __init__(self, name):
+            self.name, self.step, self.start = name, [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step.append(time.perf_counter() - self.start)
+            rng.save(self.name)
+            baton.pass_on(self.name)
+            baton.wait(self.name)
+            rng.restore(self.name)
+
+    rows = number_prompts(10)
+    if not smoke:
+        for row in rows:
+            row["prompt"] = [{"role": "system", "content": SYSTEM_PROMPT}, *row["prompt"]]
+    settings = dict(max_steps=steps, learning_rate=0.01)
+    if not smoke:
+        settings.update(per_device_train_batch_size=16, num_generations=8)
+    built = {}
+    for name, package in zip(SIDES, (trl, grpo_plus), strict=True):
+        set_seed(0)
+        timer = StepTimer(name)
+        trainer = tool_trainer(
+            package, path, ROOT / "outputs" / "bench-multi-turn" / "run", train_dataset=Dataset.from_list(rows),
+            tools=[increment], callbacks=[timer], **settings,
+        )  # fmt: skip
+        built[name] = dict(trainer=trainer, timer=timer, turns=TurnRecorder(trainer))
+    return built
+
+
+def summarize(side: dict, warmup: int) -> dict:
+    """Per-step medians over the steps after `warmup` (one generation round per step here)."""
+    trainer, rounds = side["trainer"], side["turns"].rounds
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    measured = slice(warmup, None)
+
+    def per_step(value) -> float:
+        return statistics.median([sum(value(call) for call in calls) for calls in rounds][measured])
+
+    return dict(
+        step=statistics.median(side["timer"].step[measured]),
+        generation=per_step(lambda call: call["seconds"]),
+        prefill_positions=per_step(lambda call: call["forwards"][0][0] * call["forwards"][0][1]),
+        positions=per_step(lambda call: sum(rows * columns for rows, columns in call["forwards"])),
+        turns=statistics.fmean(len(calls) for calls in rounds),
+        tool_calls_per_row=statistics.fmean(entry["tools/call_frequency"] for entry in logs),
+        losses=[entry["loss"] for entry in logs],
+        completions=[[call["completion_ids"] for call in calls] for calls in rounds],
+    )
+
+
+def run(path: Path, smoke: bool, steps: int, warmup: int) -> dict:
+    from lockstep import Baton, RngStates, train_in_lockstep
+
+    baton, rng = Baton(list(SIDES)), RngStates()
+    built = build_trainers(path, smoke, steps, baton, rng)
+    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
+    result = {name: summarize(built[name], warmup) for name in SIDES}
+    theirs, ours = result["trl"], result["ours"]
+    result["same_completions"] = theirs.pop("completions") == ours.pop("completions")
+    result["max_loss_difference"] = max(abs(a - b) for a, b in zip(theirs["losses"], ours["losses"], strict=True))
+    for key in ("generation", "prefill_positions", "positions", "step"):
+        result[f"{key}_ratio"] = ours[key] / theirs[key]
+    return result
+
+
+def print_result(result: dict) -> None:
+    theirs, ours = result["trl"], result["ours"]
+    rows = [
+        ("generation, all turns (s)", "generation", ".3f"),
+        ("prefill positions", "prefill_positions", ".0f"),
+        ("positions in generation", "positions", ".0f"),
+        ("whole step (s)", "step", ".3f"),
+    ]
+    print("\n| multi-turn tools (median per step) | stock TRL | grpo_plus | ratio |\n|---|---|---|---|")
+    for label, key, spec in rows:
+        print(f"| {label} | {theirs[key]:{spec}} | {ours[key]:{spec}} | **{result[key + '_ratio']:.2f}** |")
+    print(
+        f"\nsame completions: {result['same_completions']}; max |loss difference| over {len(ours['losses'])} steps: "
+        f"{result['max_loss_difference']:.2e}; generation calls (turns) per step {ours['turns']:.1f}; tool calls "
+        f"per row {ours['tool_calls_per_row']:.2f}",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from lockstep import start_report, write_report
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="the tiny model, 1 step, no warm-up (seconds)")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each trainer")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
+    parser.add_argument("--model-dir", default=None, help="a tool model saved by tests/helpers/tool_model.py")
+    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-multi-turn" / "multi_turn.json"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup = 1, 0
+
+    report, started = start_report(args)
+    path = model_dir(args.smoke, args.model_dir)
+    print(f"{args.steps} lock-step optimizer steps per trainer, tools on {path.name} ...", flush=True)
+    report["multi_turn"] = run(path, args.smoke, args.steps, args.warmup)
+    print_result(report["multi_turn"])
+    write_report(report, started, args.json)
+    return report
+
+
+if __name__ == "__main__":
+    main()
