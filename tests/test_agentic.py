@@ -212,3 +212,18 @@ def test_each_check_fails_exactly_where_trl_fails(tool_model_dir, tmp_path, case
     if at_construction:
         with pytest.raises(error_type):
             build(grpo_plus)
+
+
+def test_environment_routing_reads_trls_attributes():
+    """What TRL 1.14-1.16 keep of `environment_factory`: none, one (every row's prompt may come from `reset()`), or
+    a dict (rows routed by their 'environment' column)."""
+    from types import SimpleNamespace
+
+    from grpo_plus.trl_compat import environment_routing
+
+    assert environment_routing(SimpleNamespace()) == (True, None)
+    assert environment_routing(SimpleNamespace(environment_factories=None)) == (True, None)
+    single = SimpleNamespace(environment_factories={None: object}, _multi_environment=False)
+    assert environment_routing(single) == (False, None)
+    routed = SimpleNamespace(environment_factories={"a": object, "b": object}, _multi_environment=True)
+    assert environment_routing(routed) == (False, ("a", "b"))
