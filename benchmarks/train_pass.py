@@ -21,12 +21,10 @@ Targets (issue 9): training pass <= 0.5x TRL's time on the demo config, whole st
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 SIDES = ("trl", "ours")
 DEMO_CONFIG = ROOT / "recipes" / "configs" / "demo_cpu.yaml"
@@ -50,13 +48,13 @@ def build_trainers(steps: int, baton, rng):
     """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
     import torch
     import trl
-    from helpers.probes import ForwardLog
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
     from grpo_plus.app import tasks
     from grpo_plus.app.embedded import resolve_model
+    from grpo_plus.app.testing import ForwardLog
 
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -144,8 +142,9 @@ def run_steps(steps: int, warmup: int) -> dict:
 
 def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     """Part 2: `_compute_loss` forward + backward, TRL vs ours on the same weights, alternated; medians."""
-    from helpers.probes import ForwardLog
     from shapes import synthetic_micro_batch
+
+    from grpo_plus.app.testing import ForwardLog
 
     trl_trainer, our_trainer = trainers["trl"], trainers["ours"]
     our_trainer.model.load_state_dict(trl_trainer.model.state_dict())

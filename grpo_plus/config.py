@@ -22,9 +22,17 @@ from .registry import did_you_mean
 from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
 from .settings import ConfigError, not_allowed
-from .trl_compat import TRL_IMPORTANCE_SAMPLING_LEVELS, TRL_NATIVE_LOSS_TYPES, TRL_SCALE_REWARDS
+from .trl_compat import (
+    TRL_IMPORTANCE_SAMPLING_LEVELS,
+    TRL_NATIVE_LOSS_TYPES,
+    TRL_SCALE_REWARDS,
+    ignore_renames_trl_still_uses,
+)
 
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
+
+# Before any GRPOConfig is built: TRL's own defaults and calls set off transformers' renaming warnings (see trl_compat).
+ignore_renames_trl_still_uses()
 
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()

@@ -42,6 +42,7 @@ __all__ = [
     "fused_lm_head_forward",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
+    "ignore_renames_trl_still_uses",
     "is_async_callable",
     "is_tested_trl_version",
     "logps_unavailable_reason",
@@ -53,6 +54,29 @@ __all__ = [
     "tested_trl_versions_text",
     "unwrap_model_for_generation",
 ]
+
+# transformers 5.2x renamed gradient checkpointing to activation checkpointing and warns (FutureWarning) on the old
+# names, which TRL 1.14-1.16 and PEFT still use: TRL's GRPOConfig defaults `gradient_checkpointing=True` (so every
+# GRPOConfig warns), `model.is_gradient_checkpointing` is read by TRL at every generation step
+# (`unwrap_model_for_generation`, `disable_gradient_checkpointing`) and by PEFT's `get_peft_model`, and TRL turns
+# checkpointing off and on around generation with `gradient_checkpointing_disable` / `_enable`; a checkpoint save
+# re-arms the warnings, so `make demo` printed one after every save. Neither is the user's to fix (transformers 4.x,
+# which grpo_plus supports, has no activation_checkpointing field), nor grpo_plus's: only these messages, only from
+# the transformers modules that raise them, are silenced.
+RENAMES_TRL_STILL_USES = (
+    (
+        r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
+        r"transformers\.modeling_utils",
+    ),
+    (r"`gradient_checkpointing(_kwargs)?` is deprecated", r"transformers\.training_args"),
+)
+
+
+def ignore_renames_trl_still_uses() -> None:
+    """Silence transformers' FutureWarnings about the old gradient-checkpointing names that TRL and PEFT read."""
+    for message, module in RENAMES_TRL_STILL_USES:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+
 
 # The TRL minors `make test-matrix` runs the parity tests against (every patch release of each). pyproject.toml caps
 # TRL below the next minor; tests/test_trl_compat.py checks that the cap, this list and the Makefile agree.

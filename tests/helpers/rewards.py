@@ -4,26 +4,12 @@ Recipes load them by name (`--reward_funcs helpers.rewards:length_reward`) with 
 
 from __future__ import annotations
 
-
-def text_of(message) -> str:
-    """A prompt or completion as text (standard: the string; conversational: the last message's content)."""
-    return message if isinstance(message, str) else message[-1]["content"]
+from grpo_plus.app.testing import digit_reward, length_reward, text_of  # noqa: F401  (shared with the benchmarks)
 
 
 def starts_odd(prompt) -> bool:
     """The prompts the dead-group rewards below make constant: those starting with an odd digit."""
     return int(text_of(prompt)[0]) % 2 == 1
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    """Longer completions score higher, with ties: some groups have zero variance, others do not."""
-    return [float(min(len(text_of(c)), 8) // 4) for c in completions]
-
-
-def digit_reward(completions, **kwargs) -> list[float]:
-    """Fraction of characters that are digits."""
-    texts = [text_of(c) for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
 def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
