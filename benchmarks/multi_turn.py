@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/multi_turn.py [--steps 6] [--warmup 1] [--threads 1] [--json out.json]
     .venv/bin/python benchmarks/multi_turn.py --smoke [--model-dir DIR]     # seconds: the test suite runs this
+    .venv/bin/python benchmarks/multi_turn.py --exactness                   # part 3 only
 
 Model: a Qwen3 (hidden 128, 2 layers, 0.5M parameters; `--smoke`: hidden 64) with TRL's Qwen3 chat template and a
 character tokenizer, trained here to answer a number with `increment` tool calls (tests/helpers/tool_model.py;
@@ -26,6 +27,11 @@ calls), a first turn of up to 24 sampled tokens, then each row's prompt + comple
 (~25 tokens), left-padded. The second turn (up to 16 new tokens, TRL's sampling) is timed: TRL's `model.generate`
 (the whole history prefilled) against grpo_plus's `generate` continuing the first turn's kept caches, same seed (same
 ids, checked), alternated, median of `--repeats`.
+
+Part 3 (`--exactness`), how far a continued cache is from a fresh prefill: tests/test_multi_turn.py's two-turn setup
+(3 prompts x 4 rows of a tiny random model; the second turn continues 6 rows with 2-4 'tool' tokens each) for several
+model families: the largest logit difference over every step of the second turn, teacher-forced on model.generate's
+tokens (10 seeds), and how many of 40 sampled second turns differ in any token.
 """
 
 from __future__ import annotations
@@ -288,6 +294,60 @@ def print_sweep(rows: list[dict]) -> None:
         print("| " + " | ".join(str(cell) for cell in (*cells, row["same_ids"])) + " |")
 
 
+class ForcedTokens:
+    """A logits processor that records every step's logits and forces `tokens[:, step]` (teacher forcing)."""
+
+    def __init__(self, tokens):
+        self.tokens, self.logits = tokens, []
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        self.logits.append(scores.clone())
+        step = len(self.logits) - 1
+        return torch.full_like(scores, float("-inf")).scatter(1, self.tokens[:, step : step + 1], 0.0)
+
+
+def exactness(seeds: int = 40, forced_seeds: int = 10) -> list[dict]:
+    """Part 3: continued caches against model.generate's fresh prefill of the whole history."""
+    import torch
+    from test_multi_turn import two_turns
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    from grpo_plus.generation import generate
+
+    rows = []
+    for family, lora in (("llama", False), ("qwen3", True), ("qwen2", True), ("mistral", False), ("gpt2", False)):
+        model, config, turns, (ids, mask) = two_turns(family, lora)
+        kept, worst, differing = list(turns._current), 0.0, 0
+        eos = config.eos_token_id[0]
+        for seed in range(seeds):
+            turns._current = list(kept)
+            torch.manual_seed(seed)
+            reference = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            torch.manual_seed(seed)
+            ours, _ = generate(model, turns=turns, input_ids=ids, attention_mask=mask, generation_config=config)
+            differing += int(not torch.equal(reference, ours))
+            if seed >= forced_seeds:
+                continue
+            tokens = reference[:, ids.shape[1] :]
+            greedy = GenerationConfig(**{**config.to_dict(), "do_sample": False, "temperature": None})
+            greedy.sequence_bias = None
+            recorders = ForcedTokens(tokens), ForcedTokens(tokens)
+            kwargs = dict(input_ids=ids, attention_mask=mask, generation_config=greedy)
+            model.generate(**kwargs, logits_processor=LogitsProcessorList([recorders[0]]))
+            turns._current = list(kept)
+            generate(model, turns=turns, **kwargs, logits_processor=LogitsProcessorList([recorders[1]]))
+            for step, (theirs, mine) in enumerate(zip(*(r.logits for r in recorders), strict=True)):
+                unfinished = ~(tokens[:, :step] == eos).any(dim=1)  # rows still generating at this step
+                if unfinished.any():
+                    worst = max(worst, (theirs[unfinished] - mine[unfinished]).abs().max().item())
+        rows.append(dict(model=family + (" + LoRA" if lora else ""), max_logit_diff=worst, differing=differing))
+        print(f"  {rows[-1]['model']}: max |logit diff| {worst:.1e}, sampled runs with another token: "
+              f"{differing}/{seeds}", flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     from lockstep import start_report, write_report
 
@@ -300,12 +360,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-sweep", action="store_true", help="no part 2 (always skipped with --smoke)")
     parser.add_argument("--sweep-prompt", type=int, nargs="+", default=[256, 1024], help="part 2 prompt lengths")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per part 2 case")
+    parser.add_argument("--exactness", action="store_true", help="part 3 only: continued caches against fresh ones")
     parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-multi-turn" / "multi_turn.json"))
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = 1, 0
 
     report, started = start_report(args)
+    if args.exactness:
+        print("Part 3: a continued cache against a fresh prefill of the whole history", flush=True)
+        report["exactness"] = exactness()
+        write_report(report, started, args.json)
+        return report
     path = model_dir(args.smoke, args.model_dir)
     print("Part 1: training with tools, stock TRL against grpo_plus", flush=True)
     print(f"{args.steps} lock-step optimizer steps per trainer, tools on {path.name} ...", flush=True)

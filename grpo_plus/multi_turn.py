@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 
 @dataclass
@@ -114,14 +114,21 @@ class TurnCache:
 
 
 def keep_blocker(cache: Cache) -> str | None:
-    """Why `cache`'s rows cannot be kept for the next turn, or None. Only full-attention layers hold every position
-    (a sliding window drops the oldest, a quantized or linear-attention layer holds something else)."""
-    others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
-    if others:
-        return f"the model's cache has {', '.join(others)} layers, which do not hold every position's keys/values"
+    """Why `cache`'s rows cannot be kept for the next turn, or None. Every layer must hold every position's
+    keys/values: full-attention layers do, a sliding-window layer until the sequence outgrows its window; a quantized
+    or linear-attention layer holds something else."""
     if not cache.layers or not all(_has_keys(layer) for layer in cache.layers):
         return "some cache layer holds no keys/values of its own (shared across layers)"
+    others = sorted({type(layer).__name__ for layer in cache.layers if not _holds_every_position(layer)})
+    if others:
+        return f"the model's cache has {', '.join(others)} layers, which do not hold every position's keys/values"
     return None
+
+
+def _holds_every_position(layer) -> bool:
+    if type(layer) is DynamicSlidingWindowLayer:  # it drops the oldest positions once the window is full
+        return layer.keys.shape[-2] == layer.cumulative_length
+    return type(layer) is DynamicLayer
 
 
 def _has_keys(layer) -> bool:

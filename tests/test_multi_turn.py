@@ -86,7 +86,10 @@ def two_turns(family: str, lora: bool):
 
 
 @needs_loop
-@pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen3", True), ("gpt2", False)])
+@pytest.mark.parametrize(
+    ("family", "lora"),
+    [("llama", False), ("qwen3", True), ("gpt2", False), ("mistral", False)],  # mistral: a 4096-token sliding window
+)
 def test_a_tool_turn_continues_the_kept_cache_like_a_fresh_prefill(family, lora):
     """The second turn from the first turn's kept cache: the same sampled ids and random draws as model.generate's
     fresh prefill of the whole history, greedy logits within float noise, and only the new columns prefilled."""
@@ -281,7 +284,8 @@ def test_tool_turns_give_stock_trls_tokens_prefilling_only_what_is_new(tool_mode
 
 @needs_loop
 def test_a_sliding_window_cache_is_not_kept_and_says_why():
-    """A sliding-window layer drops the oldest keys/values: the next turn prefills the whole history, as TRL does."""
+    """A sliding-window layer drops the oldest keys/values once the sequence outgrows its window (here 4 tokens):
+    the next turn prefills the whole history, as TRL does."""
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     config = tiny_config("mistral", len(tokenizer), sliding_window=4)
