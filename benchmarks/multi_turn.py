@@ -89,23 +89,10 @@ def build_trainers(path: Path, smoke: bool, steps: int, baton, rng) -> dict:
     import trl
     from datasets import Dataset
     from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
-    from transformers import TrainerCallback, set_seed
+    from lockstep import StepTimer
+    from transformers import set_seed
 
     import grpo_plus
-
-    class StepTimer(TrainerCallback):
-        def __init__(self, name):
-            self.name, self.step, self.start = name, [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step.append(time.perf_counter() - self.start)
-            rng.save(self.name)
-            baton.pass_on(self.name)
-            baton.wait(self.name)
-            rng.restore(self.name)
 
     rows = number_prompts(10)
     if not smoke:
@@ -117,7 +104,7 @@ def build_trainers(path: Path, smoke: bool, steps: int, baton, rng) -> dict:
     built = {}
     for name, package in zip(SIDES, (trl, grpo_plus, grpo_plus), strict=True):
         set_seed(0)
-        timer = StepTimer(name)
+        timer = StepTimer(name, baton, rng)
         trainer = tool_trainer(
             package, path, ROOT / "outputs" / "bench-multi-turn" / "run", train_dataset=Dataset.from_list(rows),
             tools=[increment], callbacks=[timer], **settings,
