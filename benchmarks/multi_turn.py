@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/multi_turn.py --exactness                   # part 3 only
 
 Model: a Qwen3 (hidden 128, 2 layers, 0.5M parameters; `--smoke`: hidden 64) with TRL's Qwen3 chat template and a
-character tokenizer, trained here to answer a number with `increment` tool calls (tests/helpers/tool_model.py;
+character tokenizer, trained here to answer a number with `increment` tool calls (grpo_plus.app.tool_model;
 built once into outputs/bench-multi-turn/, ~1-2 min on a loaded 2-core machine). The full run puts a ~290-token
 prompt before each question: a system prompt (agents carry long instructions) plus the tool schema TRL renders.
 TRL's tool loop runs `tools=[increment]`: a row that calls the tool gets the tool's answer and generates again, up to
@@ -28,7 +28,7 @@ calls), a first turn of up to 24 sampled tokens, then each row's prompt + comple
 (the whole history prefilled) against grpo_plus's `generate` continuing the first turn's kept caches, same seed (same
 ids, checked), alternated, median of `--repeats`.
 
-Part 3 (`--exactness`), how far a continued cache is from a fresh prefill: tests/test_multi_turn.py's two-turn setup
+Part 3 (`--exactness`), how far a continued cache is from a fresh prefill: grpo_plus.app.tool_model's two-turn setup
 (3 prompts x 4 rows of a tiny random model; the second turn continues 6 rows with 2-4 'tool' tokens each) for several
 model families: the largest logit difference over every step of the second turn, teacher-forced on model.generate's
 tokens (10 seeds), and how many of 40 sampled second turns differ in any token.
@@ -38,13 +38,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 # "ours_reprefill": grpo_plus with its tool turns prefilling whole histories as TRL does (everything else on): the
 # difference to "ours" is what keeping the caches across turns saves.
@@ -66,7 +64,7 @@ FULL_MODEL = dict(
 
 def model_dir(smoke: bool, given: str | None) -> Path:
     """The tool model to use: `given`, or the benchmark's own (built and cached on first use)."""
-    from helpers.tool_model import save_tool_model
+    from grpo_plus.app.tool_model import save_tool_model
 
     if given is not None:
         return Path(given)
@@ -83,16 +81,16 @@ def model_dir(smoke: bool, given: str | None) -> Path:
 
 def build_trainers(path: Path, smoke: bool, steps: int, baton, rng) -> dict:
     """Stock TRL's and grpo_plus's trainers with tools on the tool model, each timing its steps and passing the
-    baton after each; each records its generation calls (tests/helpers/tool_model.py's TurnRecorder)."""
+    baton after each; each records its generation calls (grpo_plus.app.tool_model's TurnRecorder)."""
     import contextlib
 
     import trl
     from datasets import Dataset
-    from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
     from lockstep import StepTimer
     from transformers import set_seed
 
     import grpo_plus
+    from grpo_plus.app.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
 
     rows = number_prompts(10)
     if not smoke:
@@ -298,9 +296,9 @@ class ForcedTokens:
 def exactness(seeds: int = 40, forced_seeds: int = 10) -> list[dict]:
     """Part 3: continued caches against model.generate's fresh prefill of the whole history."""
     import torch
-    from test_multi_turn import two_turns
     from transformers import GenerationConfig, LogitsProcessorList
 
+    from grpo_plus.app.tool_model import two_turns
     from grpo_plus.generation import generate
 
     rows = []
@@ -343,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each trainer")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
-    parser.add_argument("--model-dir", default=None, help="a tool model saved by tests/helpers/tool_model.py")
+    parser.add_argument("--model-dir", default=None, help="a tool model saved by grpo_plus.app.tool_model")
     parser.add_argument("--skip-sweep", action="store_true", help="no part 2 (always skipped with --smoke)")
     parser.add_argument("--sweep-prompt", type=int, nargs="+", default=[256, 1024], help="part 2 prompt lengths")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per part 2 case")

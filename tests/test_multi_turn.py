@@ -11,8 +11,7 @@ import trl
 from datasets import Dataset
 from helpers.models import make_tokenizer, tiny_config
 from helpers.probes import logged, max_weight_diff
-from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
-from peft import LoraConfig, get_peft_model
+from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer, two_turns
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import grpo_plus
@@ -29,16 +28,6 @@ needs_training = pytest.mark.skipif(
 # ------------------------------------------------------------------------------------------------ the cache, alone
 
 
-def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
 class Recorder(LogitsProcessor):
     """Records the logits of every step (greedy decoding: they decide the tokens)."""
 
@@ -48,41 +37,6 @@ class Recorder(LogitsProcessor):
     def __call__(self, input_ids, scores):
         self.logits.append(scores.clone())
         return scores
-
-
-def two_turns(family: str, lora: bool):
-    """A tiny model, the first turn of 3 prompts x 4 rows generated through a TurnCache, and the second turn's
-    inputs built as TRL's tool loop builds them: a subset of rows, each its prompt + completion (cut after EOS) +
-    a 'tool output' of its own length, left-padded."""
-    tokenizer = make_tokenizer()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config(family, len(tokenizer)), dtype=torch.float32)
-    if lora:
-        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
-    model.eval()
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    config = GenerationConfig(
-        max_new_tokens=10,
-        do_sample=True,
-        temperature=0.9,
-        pad_token_id=pad,
-        eos_token_id=[eos],
-        sequence_bias=[[[eos], 2.0]],  # rows end at different steps
-        disable_compile=True,
-    )
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, len(tokenizer), (n,), generator=generator).tolist() for n in (9, 5, 7)]
-    rows = [prompt for prompt in prompts for _ in range(4)]
-    ids, mask = left_pad(rows, pad)
-    turns = TurnCache()
-    torch.manual_seed(0)
-    first, _ = generate(model, turns=turns, input_ids=ids, attention_mask=mask, generation_config=config)
-    histories = []
-    for row, sequence in zip(rows, first[:, ids.shape[1] :].tolist(), strict=True):
-        histories.append(row + (sequence[: sequence.index(eos) + 1] if eos in sequence else sequence))
-    continued = [0, 2, 3, 5, 8, 11]
-    second = [histories[i] + torch.randint(3, 60, (2 + i % 3,), generator=generator).tolist() for i in continued]
-    return model, config, turns, left_pad(second, pad)
 
 
 @needs_loop
