@@ -270,7 +270,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _tool_turns(self):
         """A round of TRL's generation; with tools, its tool turns continue each row's cache instead of prefilling
         the history again (grpo_plus.multi_turn): TRL's tool loop calls `_generate_single_turn` once per turn."""
-        self._turn_cache = TurnCache() if self.tools and self.plus.zero_waste_generation else None
+        self._turn_cache = TurnCache() if getattr(self, "tools", None) and self.plus.zero_waste_generation else None
         try:
             yield
         finally:
