@@ -48,8 +48,9 @@ def build_trainers(steps: int, baton, rng):
     """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
     import torch
     import trl
+    from lockstep import StepTimer
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     import grpo_plus
     from grpo_plus.app import tasks
@@ -61,26 +62,12 @@ def build_trainers(steps: int, baton, rng):
     dataset = tasks.make_dataset("train", "add-1d", seed=0)
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
 
-    class StepTimer(TrainerCallback):
-        def __init__(self, name):
-            self.name, self.step, self.start = name, [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step.append(time.perf_counter() - self.start)
-            rng.save(self.name)
-            baton.pass_on(self.name)
-            baton.wait(self.name)
-            rng.restore(self.name)
-
     built = {}
     for name in SIDES:
         set_seed(0)  # the LoRA init draws random numbers: the same for both
         config_cls, trainer_cls = classes[name]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        timer = StepTimer(name)
+        timer = StepTimer(name, baton, rng)
         trainer = trainer_cls(
             model=model,
             reward_funcs=[tasks.correctness_reward, tasks.format_reward],

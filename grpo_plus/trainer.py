@@ -10,6 +10,7 @@ vespo) run through TRL's `_compute_loss`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -30,6 +31,7 @@ from .health import TrainingHealthError as TrainingHealthError  # re-exported: w
 from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
 from .losses import compute_policy_loss
+from .multi_turn import TurnCache
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
@@ -40,6 +42,7 @@ from .trl_compat import (
     TRLCompatibilityError,
     check_trl_compatibility,
     entropy_bonus,
+    environment_routing,
     get_soft_overlong_punishment,
     is_async_callable,
     logps_unavailable_reason,
@@ -65,7 +68,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
-        check_dataset(self.train_dataset)  # no 'prompt' column or no rows: fail now, not at the first step
+        prompt_required, environment_names = environment_routing(self)
+        # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
+        check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
         self.plus = PlusSettings.from_args(self.args)
         self.dual_clip = self.plus.dual_clip
         keep_4bit_trainable_on_cpu(self.model)
@@ -73,6 +78,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._dynamic_sampling = self._make_dynamic_sampling()
         self._selective_rollout = self._make_selective_rollout()
         self._selective_draw = None  # the draw whose completions are being generated and scored
+        self._turn_cache: TurnCache | None = None  # the caches of a round's tool turns (grpo_plus.multi_turn)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
         if self.plus.overlong_buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
@@ -157,7 +163,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if normalizer not in TRL_SCALE_REWARDS:
             self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
         try:
-            with self._zero_waste.generation_step() as record_placeholders:
+            with self._zero_waste.generation_step() as record_placeholders, self._tool_turns():
                 output = super()._generate_and_score_completions(inputs)
                 record_placeholders(output)
         finally:
@@ -266,9 +272,20 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- zero-waste generation (grpo_plus.generation) -------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _tool_turns(self):
+        """A round of TRL's generation; with tools, its tool turns continue each row's cache instead of prefilling
+        the history again (grpo_plus.multi_turn): TRL's tool loop calls `_generate_single_turn` once per turn."""
+        self._turn_cache = TurnCache() if getattr(self, "tools", None) and self.plus.zero_waste_generation else None
+        try:
+            yield
+        finally:
+            self._turn_cache = None
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        """TRL's generation, its `model.generate` call prefilling each distinct prompt once and decoding only
-        unfinished rows (grpo_plus.generation) where that samples what transformers' own loop samples."""
+        """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
+        the previous turn did not compute) and decoding only unfinished rows (grpo_plus.generation) where that
+        samples what transformers' own loop samples."""
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
         if not self.plus.zero_waste_generation:
             return trl_generation(*args, **kwargs)
@@ -276,19 +293,22 @@ class GRPOTrainer(trl.GRPOTrainer):
             use_vllm=self.use_vllm,
             continuous_batching=uses_continuous_batching(self),
             multimodal=bool(multimodal_fields) or any(image is not None for image in images or ()),
-            tools=bool(getattr(self, "tools", None)),
         )
         if reason is not None:
             self._zero_waste.note_fallback("generation", reason)
             return trl_generation(*args, **kwargs)
-        with generate_patched(self.accelerator.unwrap_model(self.model_wrapped), self._log_generation):
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        with generate_patched(model, self._log_generation, self._turn_cache):
             return trl_generation(*args, **kwargs)
 
     def _log_generation(self, stats: GenerationStats) -> None:
         if stats.fallback is not None:
             self._zero_waste.note_fallback("generation", stats.fallback)
+        if stats.turns_blocker is not None:
+            self._zero_waste.note_fallback("each tool turn's history in generation", stats.turns_blocker)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["zero_waste/generation_positions_frac"].append(stats.positions_frac)
+        self._metrics[mode]["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste) -----------------------------------------------------------------
 

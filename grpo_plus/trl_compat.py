@@ -39,6 +39,7 @@ __all__ = [
     "TRL_SCALE_REWARDS",
     "disable_gradient_checkpointing",
     "entropy_bonus",
+    "environment_routing",
     "fused_lm_head_forward",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
@@ -322,6 +323,19 @@ def has_fused_lm_head() -> bool:
     returns `.log_probs` / `.entropy`); False if it computes full logits (1.14). The zero-waste pass scores its
     packed shared-prompt rows through that head (`shift_labels=...`), so on 1.14 it recomputes prompts per row."""
     return hasattr(trl_utils, "add_fused_lm_head")
+
+
+def environment_routing(trainer) -> tuple[bool, tuple | None]:
+    """(whether TRL reads each row's prompt from a 'prompt' column, the environment names a row's 'environment'
+    column selects from, or None where rows are not routed).
+
+    TRL 1.14-1.16 keep `environment_factory` as `environment_factories` ({None: factory} for a single one) and
+    `_multi_environment` (a dict was passed: each row's 'environment' picks one); with environments, a row without a
+    'prompt' starts from an empty user message that `reset()` completes."""
+    factories = getattr(trainer, "environment_factories", None)
+    if factories is None:
+        return True, None
+    return False, tuple(factories) if getattr(trainer, "_multi_environment", False) else None
 
 
 def uses_continuous_batching(trainer) -> bool:

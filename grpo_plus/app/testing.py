@@ -16,7 +16,16 @@ from types import SimpleNamespace
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 from trl import GRPOTrainer
 
 __all__ = [
@@ -30,6 +39,7 @@ __all__ = [
     "prompt_dataset",
     "save_tiny_model",
     "text_of",
+    "tiny_config",
     "tiny_run_kwargs",
     "word_level_tokenizer",
 ]
@@ -88,6 +98,25 @@ def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: i
         tie_word_embeddings=False,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    """A two-layer model of `family` (llama, mistral, qwen2, qwen3: rotary positions; gpt2: learned absolute ones)."""
+    common = dict(vocab_size=vocab_size, tie_word_embeddings=False, pad_token_id=0)
+    if family == "gpt2":
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, **no_dropout, **common, **overrides)
+    classes = {
+        "llama": LlamaConfig,
+        "mistral": MistralConfig,
+        "qwen2": Qwen2Config,
+        "qwen3": Qwen3Config,
+        "gpt_neox": GPTNeoXConfig,  # not a checked family: its forward is not proven to take a block mask as given
+    }
+    sizes = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    return classes[family](**sizes, max_position_embeddings=64, **common, **overrides)
 
 
 def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:
