@@ -1,0 +1,324 @@
+"""Long completions, timed: whole GRPO steps of stock TRL against grpo_plus in one run, at 256 and 512 tokens.
+
+    .venv/bin/python benchmarks/long_completions.py [--lengths 256 512] [--steps 3] [--threads 1]
+                                                    [--level word-mixed] [--reward correctness] [--smoke] [--json F]
+
+Every other speed figure of the project is on the demo's completions of <= 20 tokens. Here the embedded
+SmolLM2-135M-Instruct + LoRA, as the demo trains it (recipes/configs/demo_cpu.yaml: r=16 all-linear, float32, dapo +
+clip-higher, temperature 0.7, 2 prompts x G = 8 completions per optimizer step, lr 3e-4, seed 0), is asked to reason
+step by step before answering (REASONING_INSTRUCTION), so it writes the long, ragged replies reasoning RL trains
+on, and trains with `max_completion_length` 256, then 512. The reward is the task's verifiable one (`--reward
+correctness`: 1 when the last number of the reply is the answer, as R1-Zero / DAPO-style runs score; `demo` adds the
+demo's 0.5 x format reward, whose partial credit leaves few groups dead). Whatever lengths the model writes and
+whatever share of groups ends up dead (every completion of a prompt scored alike) is what is measured: both are
+reported, not chosen.
+
+Per length, stock trl.GRPOTrainer and grpo_plus.GRPOTrainer (all its defaults: zero-waste training pass and
+generation) train in one process in lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...), each
+with its own random state, so machine load hits both alike and, in float32, they sample the same completions
+(checked per step and reported, with the steps where they part). Per optimizer step and side:
+  step                on_step_begin -> on_step_end
+  generation          `_generate_single_turn` (the generate call with TRL's padding around it), split into prefill,
+                      decode steps (for TRL also the share of each decode step spent on rows that had already
+                      ended) and the rest (logits processing, sampling, padding, cache copies); benchmarks/generation.py
+  scoring             the rest of `_prepare_inputs`: decoding text, rewards, advantages
+  training pass       TRL's `step_time` (its training_step) minus `_prepare_inputs` (benchmarks/train_pass.py)
+  optimizer + rest    step minus `step_time`: optimizer step, scheduler, logging, callbacks
+  positions           token positions through the model: in generation, and in the forwards carrying gradient
+Also per step: completion lengths (mean, max, share truncated at `max_completion_length`) and the dead-group share
+(TRL's `frac_reward_zero_std`). Summaries add the steps up (both sides computed the same completions, so sums are
+paired) and divide: ratio = grpo_plus / TRL.
+
+`--smoke`: a tiny random Llama (tests/helpers/models.py) at 8 and 16 tokens, 2 steps, a reward that kills the groups
+of odd answers, written for tests/test_long_completions_benchmark.py (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+SIDES = ("trl", "ours")
+LENGTHS = (256, 512)
+SMOKE_LENGTHS = (8, 16)
+REASONING_INSTRUCTION = (
+    'Think step by step: explain your reasoning in detail, then end your reply with "The answer is <number>."'
+)
+REWARDS = ("correctness", "demo")
+GENERATION_PARTS = ("prefill", "decode", "finished_rows", "other")
+STEP_PARTS = ("generation", "scoring", "train_pass", "optimizer")
+
+
+def reasoning_dataset(level: str, seed: int = 0):
+    """The task's training problems of `level`, each asked with REASONING_INSTRUCTION instead of the demo's."""
+    from grpo_plus.app import tasks
+
+    dataset = tasks.make_dataset("train", level, seed=seed)
+    return dataset.map(
+        lambda row: {"prompt": [{"role": "user", "content": f"{row['question']}\n{REASONING_INSTRUCTION}"}]}
+    )
+
+
+def smoke_reward(completions, answer, **kwargs) -> list[float]:
+    """--smoke only: 1 for every completion of an odd answer (a dead group), 0/1 alternating by row otherwise."""
+    return [1.0 if value % 2 else float(row % 2) for row, value in enumerate(answer)]
+
+
+def reward_functions(reward: str, smoke: bool) -> tuple[list, list[float] | None]:
+    """(reward functions, reward weights) for `--reward`."""
+    from grpo_plus.app import tasks
+
+    if smoke:
+        return [smoke_reward], None
+    if reward == "demo":
+        return [tasks.correctness_reward, tasks.format_reward], [1.0, 0.5]
+    return [tasks.correctness_reward], None
+
+
+def run_settings(
+    max_completion_length: int, steps: int, reward_weights, output_dir: Path, gradient_checkpointing: bool = True
+) -> dict:
+    """The demo config's GRPOConfig fields (benchmarks/train_pass.py), at `max_completion_length`, `steps` steps, with
+    TRL's default gradient checkpointing (the demo turns it off: at 20 tokens it only costs time)."""
+    from train_pass import demo_settings
+
+    settings = demo_settings(steps)
+    settings.update(
+        max_completion_length=max_completion_length,
+        reward_weights=reward_weights,
+        gradient_checkpointing=gradient_checkpointing,
+        output_dir=str(output_dir / f"long-{max_completion_length}"),
+    )
+    return settings
+
+
+def run_length(
+    length: int, steps: int, dataset, rewards, model_path, output_dir: Path, gradient_checkpointing: bool
+) -> dict:
+    """Both trainers in lock-step at `max_completion_length` = `length`; per-step records and their summary."""
+    from generation import ForwardTimer, instrument_generation
+    from lockstep import Baton, RngStates, train_in_lockstep
+    from train_pass import build_trainers
+
+    reward_funcs, reward_weights = rewards
+    settings = run_settings(length, steps, reward_weights, output_dir, gradient_checkpointing)
+    baton, rng = Baton(list(SIDES)), RngStates()
+    built = build_trainers(steps, baton, rng, settings, dataset, reward_funcs, model_path)
+    for side in built.values():
+        trainer = side["trainer"]
+        side["generations"], side["train_positions"] = [], []
+        instrument_generation(trainer, ForwardTimer(trainer.model), set(trainer.eos_token_ids), side["generations"])
+        trainer.add_callback(PositionsAtStepEnd(side["forwards"], side["train_positions"]))
+    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
+
+    result = {"max_completion_length": length, "steps": {name: step_records(built[name]) for name in SIDES}}
+    result.update(compare_sides(result["steps"]))
+    return result
+
+
+class PositionsAtStepEnd(TrainerCallback):
+    """Records, at the end of every step, the training positions a ForwardLog (tests/helpers/probes.py) has counted
+    since the run began (build_trainers' log); the step records take differences."""
+
+    def __init__(self, forwards, totals: list[int]):
+        self.forwards, self.totals = forwards, totals
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.totals.append(self.forwards.training_positions)
+
+
+def step_records(side: dict) -> list[dict]:
+    """One dict per optimizer step of one trainer: times, positions, lengths, dead-group share, completions."""
+    trainer = side["trainer"]
+    logs = [entry for entry in trainer.state.log_history if "step_time" in entry]
+    totals = side["train_positions"]
+    records = []
+    for index, (log, generation) in enumerate(zip(logs, side["generations"], strict=True)):
+        prepare, step = side["prepare"][index], side["timer"].step[index]
+        records.append(
+            dict(
+                step=step,
+                generation=generation["seconds"],
+                scoring=prepare - generation["seconds"],
+                train_pass=log["step_time"] - prepare,
+                optimizer=step - log["step_time"],
+                **{part: generation[part] for part in GENERATION_PARTS},
+                decode_steps=generation["steps"],
+                generation_positions=generation["positions"],
+                prefill_positions=generation["prefill_positions"],
+                rows=len(generation["completion_ids"]),
+                train_positions=totals[index] - (totals[index - 1] if index else 0),
+                # TRL's own log (one step per log): a completion without EOS counts as truncated ("clipped")
+                mean_length=log["completions/mean_length"],
+                max_length=int(log["completions/max_length"]),
+                truncated=log["completions/clipped_ratio"],
+                dead_groups=log["frac_reward_zero_std"],
+                reward=log["reward"],
+                loss=log["loss"],
+                completion_ids=generation["completion_ids"],
+            )
+        )
+    return records
+
+
+def compare_sides(steps: dict) -> dict:
+    """Sameness of the two sides' completions and losses, and the summed figures with their ratios."""
+    trl_steps, our_steps = steps["trl"], steps["ours"]
+    same = [a.pop("completion_ids") == b.pop("completion_ids") for a, b in zip(trl_steps, our_steps, strict=True)]
+    summed = {name: summed_figures(steps[name]) for name in SIDES}
+    keys = ("step", *STEP_PARTS, "generation_positions", "train_positions")
+    return dict(
+        same_completions=all(same),
+        same_completions_per_step=same,
+        max_loss_difference=max(abs(a["loss"] - b["loss"]) for a, b in zip(trl_steps, our_steps, strict=True)),
+        summed=summed,
+        ratios={key: summed["ours"][key] / summed["trl"][key] for key in keys if summed["trl"][key]},
+        step_ratios=[b["step"] / a["step"] for a, b in zip(trl_steps, our_steps, strict=True)],
+    )
+
+
+def summed_figures(records: list[dict]) -> dict:
+    """Times and positions added up over the steps; lengths and dead groups averaged over them."""
+    totals = {key: sum(r[key] for r in records) for key in ("step", *STEP_PARTS, *GENERATION_PARTS)}
+    totals.update({key: sum(r[key] for r in records) for key in ("generation_positions", "train_positions")})
+    totals.update(
+        {key: statistics.fmean(r[key] for r in records) for key in ("mean_length", "truncated", "dead_groups")}
+    )
+    totals["max_length"] = max(r["max_length"] for r in records)
+    return totals
+
+
+def seconds(value: float) -> str:
+    """Seconds to three significant digits (minutes-long steps and the smoke run's milliseconds alike)."""
+    return f"{value:.3g}"
+
+
+def markdown(report: dict) -> str:
+    """The report's tables: per length, where the time goes for each side and the ratio; then lengths and checks."""
+    from shapes import markdown_table
+
+    out = [f"# Long completions: stock TRL vs grpo_plus, whole steps ({report['conditions']})", ""]
+    rows = []
+    for run in report["runs"]:
+        trl_side, ours, ratios = run["summed"]["trl"], run["summed"]["ours"], run["ratios"]
+
+        def share(values, key):
+            return f"{seconds(values[key])} ({values[key] / values['step']:.0%})"
+
+        for name, values in (("stock TRL", trl_side), ("grpo_plus", ours)):
+            rows.append(
+                [run["max_completion_length"], name, seconds(values["step"])]
+                + [share(values, key) for key in STEP_PARTS]
+                + [values["generation_positions"], values["train_positions"]]
+            )
+        rows.append(
+            [run["max_completion_length"], "**ratio**", f"**{ratios['step']:.2f}**"]
+            + [f"{ratios[key]:.2f}" if key in ratios else "-" for key in STEP_PARTS]
+            + [f"{ratios['generation_positions']:.2f}", f"{ratios.get('train_positions', 0):.2f}"]
+        )
+    header = ["max completion", "side", "steps total (s)", "generation (s, share)", "scoring (s)", "training pass (s)"]
+    header += ["optimizer + rest (s)", "generation positions", "training positions"]
+    out += ["Seconds summed over the steps (same completions on both sides); ratio = grpo_plus / TRL.", ""]
+    out += [markdown_table(header, rows), ""]
+
+    rows = []
+    for run in report["runs"]:
+        for name, label in (("trl", "stock TRL"), ("ours", "grpo_plus")):
+            values = run["summed"][name]
+            rows.append([run["max_completion_length"], label] + [seconds(values[part]) for part in GENERATION_PARTS])
+    header = ["max completion", "side", "prefill (s)", "decode (s)", "of it: rows already ended (s)", "other (s)"]
+    out += ["Where generation goes (summed over the steps):", "", markdown_table(header, rows), ""]
+
+    rows = []
+    for run in report["runs"]:
+        values = run["summed"]["trl"]
+        per_step = ", ".join(f"{r:.2f}" for r in run["step_ratios"])
+        rows.append(
+            [
+                run["max_completion_length"],
+                len(run["steps"]["trl"]),
+                f"{values['mean_length']:.0f}",
+                values["max_length"],
+                f"{values['truncated']:.0%}",
+                f"{values['dead_groups']:.0%}",
+                run["same_completions"],
+                f"{run['max_loss_difference']:.1e}",
+                per_step,
+            ]
+        )
+    header = ["max completion", "steps", "mean length", "longest", "truncated", "dead groups", "same completions"]
+    header += ["max loss diff", "step ratio per step"]
+    out += ["Completions the model wrote (TRL's side; means over the steps):", "", markdown_table(header, rows), ""]
+    out += [f"Peak resident memory of the process (both trainers): {report['peak_rss_gib']:.1f} GiB."]
+    return "\n".join(out) + "\n"
+
+
+def smoke_model(directory: Path) -> Path:
+    """A tiny random Llama with the tests' character tokenizer, saved to `directory`."""
+    from helpers.models import save_tiny_model
+
+    return save_tiny_model(directory)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from lockstep import start_report, write_report
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="max_completion_length values")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each trainer per length")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
+    parser.add_argument("--level", default="word-mixed", help="task level (grpo_plus.app.tasks.LEVELS)")
+    parser.add_argument("--reward", choices=REWARDS, default="correctness")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="on: TRL's GRPOConfig default; off (the demo's): one 512-token step of one side alone needs > 12 GB",
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny random model, 8 and 16 tokens, 2 steps")
+    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-long-completions" / "long_completions.json"))
+    args = parser.parse_args(argv)
+
+    report, started = start_report(args)
+    lengths, steps = (SMOKE_LENGTHS, 2) if args.smoke else (tuple(args.lengths), args.steps)
+    level = "add-1d" if args.smoke else args.level  # short questions: the tiny model's positions stay small
+    report.update(
+        command=" ".join(sys.argv if argv is None else ["long_completions.py", *argv]),
+        level=level,
+        reward="smoke" if args.smoke else args.reward,
+    )
+    report["conditions"] = f"{'tiny random Llama' if args.smoke else 'SmolLM2-135M-Instruct + LoRA'}, {level}, "
+    report["conditions"] += f"reward {report['reward']}, G = 8, gradient checkpointing {args.gradient_checkpointing}, "
+    report["conditions"] += f"{steps} steps per length, {args.threads} thread(s)"
+    dataset, rewards = reasoning_dataset(level), reward_functions(args.reward, args.smoke)
+    report["runs"] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        model_path = smoke_model(Path(scratch) / "tiny") if args.smoke else None
+        for length in lengths:
+            print(f"max_completion_length {length}: {steps} lock-step steps per trainer ...", flush=True)
+            begun = time.perf_counter()
+            checkpointing = args.gradient_checkpointing == "on"
+            run = run_length(length, steps, dataset, rewards, model_path, Path(scratch), checkpointing)
+            run["wall_minutes"] = (time.perf_counter() - begun) / 60
+            report["runs"].append(run)
+            print(f"  whole-step ratio {run['ratios']['step']:.2f}, same completions {run['same_completions']}")
+    # the whole process's peak resident memory (both trainers, their models and the allocator's reserve)
+    report["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    text = markdown(report)
+    print("\n" + text)
+    write_report(report, started, args.json)
+    Path(args.json).with_suffix(".md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
