@@ -36,6 +36,7 @@ of odd answers, written for tests/test_long_completions_benchmark.py (seconds).
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -97,9 +98,28 @@ def run_settings(
         max_completion_length=max_completion_length,
         reward_weights=reward_weights,
         gradient_checkpointing=gradient_checkpointing,
+        # each length its own prompts and draws: with one seed, the 512-token run would replay the 256-token run's
+        # first steps token for token (same prompts, same random numbers) wherever no reply passed 256 tokens
+        seed=max_completion_length,
         output_dir=str(output_dir / f"long-{max_completion_length}"),
     )
     return settings
+
+
+def set_lm_head_chunk(columns: int) -> int | None:
+    """Set the vocabulary columns per tile of TRL's chunked log-prob LM head, which both sides run
+    (`trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`, TRL >= 1.15); returns TRL's value, or None without it.
+
+    Without Triton (CPU) TRL runs that kernel's torch fallback on [4096 tokens x 32768 columns] tiles, whose temporaries
+    take ~4 GB; at 4096 columns ~0.8 GB in the same time (measured here: 3664 tokens x SmolLM2's 49152-word head,
+    forward + backward ~52 s either way). One process holding both trainers at the default peaked at 11.6 GB and was
+    killed by the kernel's OOM killer on this shared 23 GB machine."""
+    import trl.trainer.utils as trl_utils
+
+    default = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)
+    if default is not None and columns:
+        trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = columns
+    return default
 
 
 def run_length(
@@ -116,9 +136,9 @@ def run_length(
     built = build_trainers(steps, baton, rng, settings, dataset, reward_funcs, model_path)
     for side in built.values():
         trainer = side["trainer"]
-        side["generations"], side["train_positions"] = [], []
+        side["generations"], side["train_positions"], side["loads"] = [], [], []
         instrument_generation(trainer, ForwardTimer(trainer.model), set(trainer.eos_token_ids), side["generations"])
-        trainer.add_callback(PositionsAtStepEnd(side["forwards"], side["train_positions"]))
+        trainer.add_callback(AtStepEnd(side["forwards"], side["train_positions"], side["loads"]))
     train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
 
     result = {"max_completion_length": length, "steps": {name: step_records(built[name]) for name in SIDES}}
@@ -126,15 +146,16 @@ def run_length(
     return result
 
 
-class PositionsAtStepEnd(TrainerCallback):
+class AtStepEnd(TrainerCallback):
     """Records, at the end of every step, the training positions a ForwardLog (tests/helpers/probes.py) has counted
-    since the run began (build_trainers' log); the step records take differences."""
+    since the run began (the step records take differences) and the machine's 1-minute load average."""
 
-    def __init__(self, forwards, totals: list[int]):
-        self.forwards, self.totals = forwards, totals
+    def __init__(self, forwards, totals: list[int], loads: list[float]):
+        self.forwards, self.totals, self.loads = forwards, totals, loads
 
     def on_step_end(self, args, state, control, **kwargs):
         self.totals.append(self.forwards.training_positions)
+        self.loads.append(os.getloadavg()[0])
 
 
 def step_records(side: dict) -> list[dict]:
@@ -165,6 +186,7 @@ def step_records(side: dict) -> list[dict]:
                 dead_groups=log["frac_reward_zero_std"],
                 reward=log["reward"],
                 loss=log["loss"],
+                load_average=side["loads"][index],
                 completion_ids=generation["completion_ids"],
             )
         )
@@ -196,6 +218,12 @@ def summed_figures(records: list[dict]) -> dict:
     )
     totals["max_length"] = max(r["max_length"] for r in records)
     return totals
+
+
+def load_range(run: dict) -> tuple[float, float]:
+    """Lowest and highest 1-minute load average at either side's step ends."""
+    loads = [step["load_average"] for name in SIDES for step in run["steps"][name]]
+    return min(loads), max(loads)
 
 
 def seconds(value: float) -> str:
@@ -254,10 +282,11 @@ def markdown(report: dict) -> str:
                 run["same_completions"],
                 f"{run['max_loss_difference']:.1e}",
                 per_step,
+                "{:.1f}-{:.1f}".format(*load_range(run)),
             ]
         )
     header = ["max completion", "steps", "mean length", "longest", "truncated", "dead groups", "same completions"]
-    header += ["max loss diff", "step ratio per step"]
+    header += ["max loss diff", "step ratio per step", "machine load (1-min average at step ends)"]
     out += ["Completions the model wrote (TRL's side; means over the steps):", "", markdown_table(header, rows), ""]
     out += [f"Peak resident memory of the process (both trainers): {report['peak_rss_gib']:.1f} GiB."]
     return "\n".join(out) + "\n"
@@ -271,11 +300,17 @@ def smoke_model(directory: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lockstep import start_report, write_report
+    from lockstep import start_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="max_completion_length values")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each trainer per length")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="optimizer steps of each trainer: one value, or one per length",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
     parser.add_argument("--level", default="word-mixed", help="task level (grpo_plus.app.tasks.LEVELS)")
     parser.add_argument("--reward", choices=REWARDS, default="correctness")
@@ -285,39 +320,63 @@ def main(argv: list[str] | None = None) -> None:
         default="on",
         help="on: TRL's GRPOConfig default; off (the demo's): one 512-token step of one side alone needs > 12 GB",
     )
+    parser.add_argument(
+        "--lm-head-columns",
+        type=int,
+        default=4096,
+        help="vocabulary columns per tile of TRL's chunked log-prob LM head, both sides (0: TRL's 32768; see "
+        "set_lm_head_chunk: memory, not time)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny random model, 8 and 16 tokens, 2 steps")
     parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-long-completions" / "long_completions.json"))
     args = parser.parse_args(argv)
 
     report, started = start_report(args)
-    lengths, steps = (SMOKE_LENGTHS, 2) if args.smoke else (tuple(args.lengths), args.steps)
+    lengths, steps = (SMOKE_LENGTHS, [2]) if args.smoke else (tuple(args.lengths), args.steps)
+    if len(steps) not in (1, len(lengths)):
+        parser.error(f"--steps takes one value or one per length ({len(lengths)}), got {len(steps)}")
+    steps = dict(zip(lengths, steps * len(lengths) if len(steps) == 1 else steps, strict=True))
+    report["command"] = " ".join(sys.argv if argv is None else ["long_completions.py", *argv])
+    trl_columns = set_lm_head_chunk(args.lm_head_columns)
+    report["lm_head_columns"] = {"trl_default": trl_columns, "used": args.lm_head_columns or trl_columns}
+    try:
+        run_lengths(args, report, started, lengths, steps)
+    finally:
+        set_lm_head_chunk(trl_columns)  # main() may run inside another process (the smoke test)
+    print("\n" + markdown(report))
+
+
+def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths: tuple, steps: dict) -> None:
+    """Every length in turn, the report saved after each."""
     level = "add-1d" if args.smoke else args.level  # short questions: the tiny model's positions stay small
-    report.update(
-        command=" ".join(sys.argv if argv is None else ["long_completions.py", *argv]),
-        level=level,
-        reward="smoke" if args.smoke else args.reward,
-    )
+    report.update(level=level, reward="smoke" if args.smoke else args.reward)
     report["conditions"] = f"{'tiny random Llama' if args.smoke else 'SmolLM2-135M-Instruct + LoRA'}, {level}, "
     report["conditions"] += f"reward {report['reward']}, G = 8, gradient checkpointing {args.gradient_checkpointing}, "
-    report["conditions"] += f"{steps} steps per length, {args.threads} thread(s)"
+    report["conditions"] += f"steps {'/'.join(str(steps[length]) for length in lengths)}, {args.threads} thread(s), "
+    report["conditions"] += f"LM-head tiles of {report['lm_head_columns']['used']} vocabulary columns"
     dataset, rewards = reasoning_dataset(level), reward_functions(args.reward, args.smoke)
     report["runs"] = []
     with tempfile.TemporaryDirectory() as scratch:
         model_path = smoke_model(Path(scratch) / "tiny") if args.smoke else None
         for length in lengths:
-            print(f"max_completion_length {length}: {steps} lock-step steps per trainer ...", flush=True)
+            print(f"max_completion_length {length}: {steps[length]} lock-step steps per trainer ...", flush=True)
             begun = time.perf_counter()
             checkpointing = args.gradient_checkpointing == "on"
-            run = run_length(length, steps, dataset, rewards, model_path, Path(scratch), checkpointing)
+            run = run_length(length, steps[length], dataset, rewards, model_path, Path(scratch), checkpointing)
             run["wall_minutes"] = (time.perf_counter() - begun) / 60
             report["runs"].append(run)
             print(f"  whole-step ratio {run['ratios']['step']:.2f}, same completions {run['same_completions']}")
+            save(report, started, args.json)  # after every length: a run stopped later keeps what it measured
+
+
+def save(report: dict, started: float, json_path: str) -> None:
+    """Write the report as JSON (lockstep.write_report) and its tables as Markdown beside it."""
+    from lockstep import write_report
+
     # the whole process's peak resident memory (both trainers, their models and the allocator's reserve)
     report["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    text = markdown(report)
-    print("\n" + text)
-    write_report(report, started, args.json)
-    Path(args.json).with_suffix(".md").write_text(text)
+    write_report(report, started, json_path)
+    Path(json_path).with_suffix(".md").write_text(markdown(report))
 
 
 if __name__ == "__main__":
