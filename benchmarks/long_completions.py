@@ -1,36 +1,41 @@
 """Long completions, timed: whole GRPO steps of stock TRL against grpo_plus in one run, at 256 and 512 tokens.
 
-    .venv/bin/python benchmarks/long_completions.py [--lengths 256 512] [--steps 3] [--threads 1]
-                                                    [--level word-mixed] [--reward correctness] [--smoke] [--json F]
+    .venv/bin/python benchmarks/long_completions.py [--lengths 256 512] [--steps 2 | --steps 2 1] [--threads 1]
+        [--level word-mixed] [--reward correctness|demo] [--gradient-checkpointing on|off]
+        [--lm-head-columns 4096] [--smoke] [--json F]
 
 Every other speed figure of the project is on the demo's completions of <= 20 tokens. Here the embedded
 SmolLM2-135M-Instruct + LoRA, as the demo trains it (recipes/configs/demo_cpu.yaml: r=16 all-linear, float32, dapo +
-clip-higher, temperature 0.7, 2 prompts x G = 8 completions per optimizer step, lr 3e-4, seed 0), is asked to reason
-step by step before answering (REASONING_INSTRUCTION), so it writes the long, ragged replies reasoning RL trains
-on, and trains with `max_completion_length` 256, then 512. The reward is the task's verifiable one (`--reward
-correctness`: 1 when the last number of the reply is the answer, as R1-Zero / DAPO-style runs score; `demo` adds the
-demo's 0.5 x format reward, whose partial credit leaves few groups dead). Whatever lengths the model writes and
-whatever share of groups ends up dead (every completion of a prompt scored alike) is what is measured: both are
-reported, not chosen.
+clip-higher, temperature 0.7, 2 prompts x G = 8 completions per optimizer step, lr 3e-4), is asked to reason step by
+step before answering (REASONING_INSTRUCTION), so it writes the long, ragged replies reasoning RL trains on, and
+trains with `max_completion_length` 256, then 512 (seed = that length: each its own prompts and draws). The reward is
+the task's verifiable one (`--reward correctness`: 1 when the last number of the reply is the answer, as R1-Zero /
+DAPO-style runs score; `demo` adds the demo's 0.5 x format reward, whose partial credit leaves few groups dead).
+Whatever lengths the model writes and whatever share of groups ends up dead (every completion of a prompt scored
+alike) is what is measured: both are reported, not chosen. Two settings differ from the demo's, for memory: TRL's
+default gradient checkpointing (the demo turns it off), and LM-head tiles of 4096 vocabulary columns
+(`set_lm_head_chunk`); both apply to both sides.
 
 Per length, stock trl.GRPOTrainer and grpo_plus.GRPOTrainer (all its defaults: zero-waste training pass and
 generation) train in one process in lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...), each
 with its own random state, so machine load hits both alike and, in float32, they sample the same completions
-(checked per step and reported, with the steps where they part). Per optimizer step and side:
+(checked per step and reported). Per optimizer step and side, by two clocks (CLOCKS: wall time, and the trainer
+thread's CPU time, which does not count the time other processes hold the cores):
   step                on_step_begin -> on_step_end
   generation          `_generate_single_turn` (the generate call with TRL's padding around it), split into prefill,
                       decode steps (for TRL also the share of each decode step spent on rows that had already
                       ended) and the rest (logits processing, sampling, padding, cache copies); benchmarks/generation.py
   scoring             the rest of `_prepare_inputs`: decoding text, rewards, advantages
-  training pass       TRL's `step_time` (its training_step) minus `_prepare_inputs` (benchmarks/train_pass.py)
-  optimizer + rest    step minus `step_time`: optimizer step, scheduler, logging, callbacks
+  training pass       `training_step` (TRL's `step_time`) minus `_prepare_inputs` (benchmarks/train_pass.py)
+  optimizer + rest    step minus `training_step`: optimizer step, scheduler, callbacks
   positions           token positions through the model: in generation, and in the forwards carrying gradient
-Also per step: completion lengths (mean, max, share truncated at `max_completion_length`) and the dead-group share
-(TRL's `frac_reward_zero_std`). Summaries add the steps up (both sides computed the same completions, so sums are
-paired) and divide: ratio = grpo_plus / TRL.
+Also per step: completion lengths (mean, max, share truncated at `max_completion_length`), the dead-group share
+(TRL's `frac_reward_zero_std`) and the machine's load average. Summaries add the steps up (both sides computed the
+same completions, so sums are paired) and divide: ratio = grpo_plus / TRL. JSON and Markdown (beside it) are written
+after every length.
 
 `--smoke`: a tiny random Llama (tests/helpers/models.py) at 8 and 16 tokens, 2 steps, a reward that kills the groups
-of odd answers, written for tests/test_long_completions_benchmark.py (seconds).
+of odd answers, run by tests/test_long_completions_benchmark.py (seconds).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ REASONING_INSTRUCTION = (
 REWARDS = ("correctness", "demo")
 GENERATION_PARTS = ("prefill", "decode", "finished_rows", "other")
 STEP_PARTS = ("generation", "scoring", "train_pass", "optimizer")
+# Wall time, and the trainer thread's CPU time: with torch on one intra-op thread every forward, backward and
+# sampling step runs on the trainer's thread, so its CPU time is the work done, whatever else the machine runs.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 
 
 def reasoning_dataset(level: str, seed: int = 0):
@@ -128,17 +136,22 @@ def run_length(
     """Both trainers in lock-step at `max_completion_length` = `length`; per-step records and their summary."""
     from generation import ForwardTimer, instrument_generation
     from lockstep import Baton, RngStates, train_in_lockstep
-    from train_pass import build_trainers
+    from train_pass import build_trainers, wrap_timed
 
     reward_funcs, reward_weights = rewards
     settings = run_settings(length, steps, reward_weights, output_dir, gradient_checkpointing)
     baton, rng = Baton(list(SIDES)), RngStates()
     built = build_trainers(steps, baton, rng, settings, dataset, reward_funcs, model_path)
-    for side in built.values():
+    for side in built.values():  # build_trainers times steps and `_prepare_inputs` by the wall clock
         trainer = side["trainer"]
-        side["generations"], side["train_positions"], side["loads"] = [], [], []
-        instrument_generation(trainer, ForwardTimer(trainer.model), set(trainer.eos_token_ids), side["generations"])
-        trainer.add_callback(AtStepEnd(side["forwards"], side["train_positions"], side["loads"]))
+        side.update(train_positions=[], loads=[], generations={clock: [] for clock in CLOCKS})
+        side["cpu"] = {"prepare": [], "training_step": [], "step": []}
+        for clock, read in CLOCKS.items():
+            timer = ForwardTimer(trainer.model, read)
+            instrument_generation(trainer, timer, set(trainer.eos_token_ids), side["generations"][clock])
+        wrap_timed(trainer, "_prepare_inputs", side["cpu"]["prepare"], time.thread_time)
+        wrap_timed(trainer, "training_step", side["cpu"]["training_step"], time.thread_time)
+        trainer.add_callback(StepProbe(side["forwards"], side["train_positions"], side["loads"], side["cpu"]["step"]))
     train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
 
     result = {"max_completion_length": length, "steps": {name: step_records(built[name]) for name in SIDES}}
@@ -146,34 +159,54 @@ def run_length(
     return result
 
 
-class AtStepEnd(TrainerCallback):
-    """Records, at the end of every step, the training positions a ForwardLog (tests/helpers/probes.py) has counted
-    since the run began (the step records take differences) and the machine's 1-minute load average."""
+class StepProbe(TrainerCallback):
+    """Per step: the trainer thread's CPU time, the training positions a ForwardLog (tests/helpers/probes.py) has
+    counted since the run began (the step records take differences), and the machine's 1-minute load average."""
 
-    def __init__(self, forwards, totals: list[int], loads: list[float]):
-        self.forwards, self.totals, self.loads = forwards, totals, loads
+    def __init__(self, forwards, totals: list[int], loads: list[float], cpu_seconds: list[float]):
+        self.forwards, self.totals, self.loads, self.cpu_seconds = forwards, totals, loads, cpu_seconds
+        self.started = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.started = time.thread_time()
 
     def on_step_end(self, args, state, control, **kwargs):
+        # runs after build_trainers' StepTimer waited for the other trainer's step: a waiting thread takes no CPU time
+        self.cpu_seconds.append(time.thread_time() - self.started)
         self.totals.append(self.forwards.training_positions)
         self.loads.append(os.getloadavg()[0])
 
 
+def phase_times(step: float, training_step: float, prepare: float, generation: dict) -> dict:
+    """A step's time split into its phases (one clock): generation (and its parts), scoring, training pass, rest."""
+    return dict(
+        step=step,
+        generation=generation["seconds"],
+        scoring=prepare - generation["seconds"],
+        train_pass=training_step - prepare,
+        optimizer=step - training_step,
+        **{part: generation[part] for part in GENERATION_PARTS},
+    )
+
+
 def step_records(side: dict) -> list[dict]:
-    """One dict per optimizer step of one trainer: times, positions, lengths, dead-group share, completions."""
+    """One dict per optimizer step of one trainer: times by both clocks, positions, lengths, dead groups, ids."""
     trainer = side["trainer"]
     logs = [entry for entry in trainer.state.log_history if "step_time" in entry]
-    totals = side["train_positions"]
+    totals, cpu = side["train_positions"], side["cpu"]
     records = []
-    for index, (log, generation) in enumerate(zip(logs, side["generations"], strict=True)):
-        prepare, step = side["prepare"][index], side["timer"].step[index]
+    for index, log in enumerate(logs):
+        generation = side["generations"]["wall"][index]
         records.append(
             dict(
-                step=step,
-                generation=generation["seconds"],
-                scoring=prepare - generation["seconds"],
-                train_pass=log["step_time"] - prepare,
-                optimizer=step - log["step_time"],
-                **{part: generation[part] for part in GENERATION_PARTS},
+                # TRL's `step_time` is its training_step's wall time
+                wall=phase_times(side["timer"].step[index], log["step_time"], side["prepare"][index], generation),
+                cpu=phase_times(
+                    cpu["step"][index],
+                    cpu["training_step"][index],
+                    cpu["prepare"][index],
+                    side["generations"]["cpu"][index],
+                ),
                 decode_steps=generation["steps"],
                 generation_positions=generation["positions"],
                 prefill_positions=generation["prefill_positions"],
@@ -194,24 +227,35 @@ def step_records(side: dict) -> list[dict]:
 
 
 def compare_sides(steps: dict) -> dict:
-    """Sameness of the two sides' completions and losses, and the summed figures with their ratios."""
+    """Sameness of the two sides' completions and losses, and the summed figures with their ratios (ours / TRL)."""
     trl_steps, our_steps = steps["trl"], steps["ours"]
-    same = [a.pop("completion_ids") == b.pop("completion_ids") for a, b in zip(trl_steps, our_steps, strict=True)]
+    pairs = list(zip(trl_steps, our_steps, strict=True))
+    same = [a.pop("completion_ids") == b.pop("completion_ids") for a, b in pairs]
     summed = {name: summed_figures(steps[name]) for name in SIDES}
-    keys = ("step", *STEP_PARTS, "generation_positions", "train_positions")
+
+    def ratio(trl_value, our_value):
+        return our_value / trl_value if trl_value else None
+
+    ratios = {
+        clock: {key: ratio(summed["trl"][clock][key], summed["ours"][clock][key]) for key in ("step", *STEP_PARTS)}
+        for clock in CLOCKS
+    }
+    ratios["positions"] = {
+        key: ratio(summed["trl"][key], summed["ours"][key]) for key in ("generation_positions", "train_positions")
+    }
     return dict(
         same_completions=all(same),
         same_completions_per_step=same,
-        max_loss_difference=max(abs(a["loss"] - b["loss"]) for a, b in zip(trl_steps, our_steps, strict=True)),
+        max_loss_difference=max(abs(a["loss"] - b["loss"]) for a, b in pairs),
         summed=summed,
-        ratios={key: summed["ours"][key] / summed["trl"][key] for key in keys if summed["trl"][key]},
-        step_ratios=[b["step"] / a["step"] for a, b in zip(trl_steps, our_steps, strict=True)],
+        ratios=ratios,
+        step_ratios={clock: [b[clock]["step"] / a[clock]["step"] for a, b in pairs] for clock in CLOCKS},
     )
 
 
 def summed_figures(records: list[dict]) -> dict:
-    """Times and positions added up over the steps; lengths and dead groups averaged over them."""
-    totals = {key: sum(r[key] for r in records) for key in ("step", *STEP_PARTS, *GENERATION_PARTS)}
+    """Times (both clocks) and positions added up over the steps; lengths and dead groups averaged over them."""
+    totals = {clock: {key: sum(r[clock][key] for r in records) for key in records[0][clock]} for clock in CLOCKS}
     totals.update({key: sum(r[key] for r in records) for key in ("generation_positions", "train_positions")})
     totals.update(
         {key: statistics.fmean(r[key] for r in records) for key in ("mean_length", "truncated", "dead_groups")}
@@ -227,50 +271,58 @@ def load_range(run: dict) -> tuple[float, float]:
 
 
 def seconds(value: float) -> str:
-    """Seconds to three significant digits (minutes-long steps and the smoke run's milliseconds alike)."""
-    return f"{value:.3g}"
+    """Seconds to three significant digits, whole seconds from 100 on (minutes-long steps, the smoke's milliseconds)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
 def markdown(report: dict) -> str:
-    """The report's tables: per length, where the time goes for each side and the ratio; then lengths and checks."""
+    """The report's tables: per length, where each side's time goes and the ratios; generation's parts; the
+    completions (lengths, dead groups, sameness); step by step."""
     from shapes import markdown_table
+
+    def ratio_cell(value, bold=False):
+        text = "-" if value is None else f"{value:.2f}"
+        return f"**{text}**" if bold else text
 
     out = [f"# Long completions: stock TRL vs grpo_plus, whole steps ({report['conditions']})", ""]
     rows = []
     for run in report["runs"]:
-        trl_side, ours, ratios = run["summed"]["trl"], run["summed"]["ours"], run["ratios"]
-
-        def share(values, key):
-            return f"{seconds(values[key])} ({values[key] / values['step']:.0%})"
-
-        for name, values in (("stock TRL", trl_side), ("grpo_plus", ours)):
+        length, ratios = run["max_completion_length"], run["ratios"]
+        for name, label in (("trl", "stock TRL"), ("ours", "grpo_plus")):
+            values = run["summed"][name]
+            cpu = values["cpu"]
             rows.append(
-                [run["max_completion_length"], name, seconds(values["step"])]
-                + [share(values, key) for key in STEP_PARTS]
-                + [values["generation_positions"], values["train_positions"]]
+                [length, label, seconds(cpu["step"])]
+                + [f"{seconds(cpu[key])} ({cpu[key] / cpu['step']:.0%})" for key in STEP_PARTS]
+                + [seconds(values["wall"]["step"]), values["generation_positions"], values["train_positions"]]
             )
         rows.append(
-            [run["max_completion_length"], "**ratio**", f"**{ratios['step']:.2f}**"]
-            + [f"{ratios[key]:.2f}" if key in ratios else "-" for key in STEP_PARTS]
-            + [f"{ratios['generation_positions']:.2f}", f"{ratios.get('train_positions', 0):.2f}"]
+            [length, "**ratio**", ratio_cell(ratios["cpu"]["step"], bold=True)]
+            + [ratio_cell(ratios["cpu"][key]) for key in STEP_PARTS]
+            + [ratio_cell(ratios["wall"]["step"], bold=True)]
+            + [ratio_cell(ratios["positions"][key]) for key in ("generation_positions", "train_positions")]
         )
-    header = ["max completion", "side", "steps total (s)", "generation (s, share)", "scoring (s)", "training pass (s)"]
-    header += ["optimizer + rest (s)", "generation positions", "training positions"]
-    out += ["Seconds summed over the steps (same completions on both sides); ratio = grpo_plus / TRL.", ""]
-    out += [markdown_table(header, rows), ""]
+    header = ["max completion", "side", "steps, CPU s", "generation (CPU s, share)", "scoring", "training pass"]
+    header += ["optimizer + rest", "steps, wall s", "generation positions", "training positions"]
+    out += [
+        "Summed over the steps (both sides computed the same completions); CPU s = the trainer thread's CPU time, "
+        "wall s = elapsed time; ratio = grpo_plus / TRL.",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
 
     rows = []
     for run in report["runs"]:
         for name, label in (("trl", "stock TRL"), ("ours", "grpo_plus")):
-            values = run["summed"][name]
-            rows.append([run["max_completion_length"], label] + [seconds(values[part]) for part in GENERATION_PARTS])
-    header = ["max completion", "side", "prefill (s)", "decode (s)", "of it: rows already ended (s)", "other (s)"]
-    out += ["Where generation goes (summed over the steps):", "", markdown_table(header, rows), ""]
+            cpu = run["summed"][name]["cpu"]
+            rows.append([run["max_completion_length"], label] + [seconds(cpu[part]) for part in GENERATION_PARTS])
+    header = ["max completion", "side", "prefill", "decode", "of it: rows already ended", "other"]
+    out += ["Where generation goes (CPU s, summed over the steps):", "", markdown_table(header, rows), ""]
 
     rows = []
     for run in report["runs"]:
         values = run["summed"]["trl"]
-        per_step = ", ".join(f"{r:.2f}" for r in run["step_ratios"])
         rows.append(
             [
                 run["max_completion_length"],
@@ -281,13 +333,37 @@ def markdown(report: dict) -> str:
                 f"{values['dead_groups']:.0%}",
                 run["same_completions"],
                 f"{run['max_loss_difference']:.1e}",
-                per_step,
                 "{:.1f}-{:.1f}".format(*load_range(run)),
             ]
         )
     header = ["max completion", "steps", "mean length", "longest", "truncated", "dead groups", "same completions"]
-    header += ["max loss diff", "step ratio per step", "machine load (1-min average at step ends)"]
-    out += ["Completions the model wrote (TRL's side; means over the steps):", "", markdown_table(header, rows), ""]
+    header += ["max loss diff", "machine load (1-min average at step ends)"]
+    out += ["Completions the model wrote (means over the steps):", "", markdown_table(header, rows), ""]
+
+    rows = []
+    for run in report["runs"]:
+        for index, (trl_step, our_step) in enumerate(zip(run["steps"]["trl"], run["steps"]["ours"], strict=True)):
+            trl_cpu, our_cpu = trl_step["cpu"], our_step["cpu"]
+            rows.append(
+                [
+                    run["max_completion_length"],
+                    index + 1,
+                    f"{trl_step['mean_length']:.0f} / {trl_step['max_length']}",
+                    f"{trl_step['truncated']:.0%}",
+                    f"{trl_step['dead_groups']:.0%}",
+                    seconds(trl_cpu["step"]),
+                    seconds(our_cpu["step"]),
+                    ratio_cell(our_cpu["step"] / trl_cpu["step"], bold=True),
+                    ratio_cell(our_step["wall"]["step"] / trl_step["wall"]["step"]),
+                    ratio_cell(our_cpu["generation"] / trl_cpu["generation"]),
+                    ratio_cell(our_cpu["train_pass"] / trl_cpu["train_pass"]),
+                    ratio_cell(our_step["train_positions"] / trl_step["train_positions"]),
+                ]
+            )
+    header = ["max completion", "step", "mean / longest", "truncated", "dead groups", "TRL step (CPU s)"]
+    header += ["grpo_plus step (CPU s)", "step ratio", "wall ratio", "generation ratio", "training-pass ratio"]
+    header += ["training positions ratio"]
+    out += ["Step by step (ratios of CPU time unless named):", "", markdown_table(header, rows), ""]
     out += [f"Peak resident memory of the process (both trainers): {report['peak_rss_gib']:.1f} GiB."]
     return "\n".join(out) + "\n"
 
@@ -365,8 +441,26 @@ def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths:
             run = run_length(length, steps[length], dataset, rewards, model_path, Path(scratch), checkpointing)
             run["wall_minutes"] = (time.perf_counter() - begun) / 60
             report["runs"].append(run)
-            print(f"  whole-step ratio {run['ratios']['step']:.2f}, same completions {run['same_completions']}")
+            ratios = run["ratios"]
+            print(
+                f"  whole-step ratio {ratios['cpu']['step']:.2f} (CPU time), {ratios['wall']['step']:.2f} (wall); "
+                f"same completions {run['same_completions']}",
+                flush=True,
+            )
             save(report, started, args.json)  # after every length: a run stopped later keeps what it measured
+            release_memory()  # the next length's trainers start from a smaller process
+
+
+def release_memory() -> None:
+    """Free the finished trainers (their hooks make reference cycles) and hand freed heap back to the system."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory stays with the process, nothing else changes
+        pass
 
 
 def save(report: dict, started: float, json_path: str) -> None:

@@ -81,22 +81,23 @@ def build_trainers(steps: int, baton, rng, settings=None, dataset=None, reward_f
             callbacks=[timer],
         )
         built[name] = dict(trainer=trainer, timer=timer, forwards=ForwardLog(trainer.model), prepare=[])
-        wrap_prepare_inputs(trainer, built[name]["prepare"])
+        wrap_timed(trainer, "_prepare_inputs", built[name]["prepare"])
     return built
 
 
-def wrap_prepare_inputs(trainer, seconds: list[float]) -> None:
-    """Record the wall time of every `_prepare_inputs` call (generation and scoring, when a batch is generated)."""
-    original = trainer._prepare_inputs
+def wrap_timed(trainer, method: str, seconds: list[float], clock=time.perf_counter) -> None:
+    """Record the time of every call of `trainer.<method>` by `clock` (wall time by default; `time.thread_time`: the
+    calling thread's CPU time). `_prepare_inputs`: generation and scoring, when a batch is generated."""
+    original = getattr(trainer, method)
 
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            seconds.append(time.perf_counter() - start)
+            seconds.append(clock() - start)
 
-    trainer._prepare_inputs = timed
+    setattr(trainer, method, timed)
 
 
 def run_steps(steps: int, warmup: int) -> dict:

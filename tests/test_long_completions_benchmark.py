@@ -49,11 +49,18 @@ def test_long_completions_smoke_reports_paired_steps_and_trl_positions(tmp_path)
             assert our_step["generation_positions"] < trl_step["generation_positions"]
             assert our_step["train_positions"] < trl_step["train_positions"]
             for step in (trl_step, our_step):
-                assert all(step[part] > 0 for part in PARTS)
-        summed = run["summed"]
-        for key in ("step", "train_pass", "generation_positions", "train_positions"):
-            assert summed["trl"][key] == sum(step[key] for step in trl_steps)
-            assert run["ratios"][key] == summed["ours"][key] / summed["trl"][key]
+                for clock in ("wall", "cpu"):
+                    assert all(step[clock][part] > 0 for part in PARTS), (clock, step[clock])
+                # the trainer thread's CPU time cannot exceed the wall time it spent (one intra-op thread)
+                assert step["cpu"]["step"] <= step["wall"]["step"] * 1.05
+        summed, ratios = run["summed"], run["ratios"]
+        for clock in ("wall", "cpu"):
+            assert summed["trl"][clock]["step"] == sum(step[clock]["step"] for step in trl_steps)
+            assert (
+                ratios[clock]["train_pass"] == summed["ours"][clock]["train_pass"] / summed["trl"][clock]["train_pass"]
+            )
+        for key in ("generation_positions", "train_positions"):
+            assert ratios["positions"][key] == summed["ours"][key] / summed["trl"][key]
 
     markdown = output.with_suffix(".md").read_text()
     for length in (8, 16):
