@@ -34,7 +34,7 @@ Also per step: completion lengths (mean, max, share truncated at `max_completion
 same completions, so sums are paired) and divide: ratio = grpo_plus / TRL. JSON and Markdown (beside it) are written
 after every length.
 
-`--smoke`: a tiny random Llama (tests/helpers/models.py) at 8 and 16 tokens, 2 steps, a reward that kills the groups
+`--smoke`: a tiny random Llama (grpo_plus.app.testing) at 8 and 16 tokens, 2 steps, a reward that kills the groups
 of odd answers, run by tests/test_long_completions_benchmark.py (seconds).
 """
 
@@ -52,7 +52,6 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 SIDES = ("trl", "ours")
 LENGTHS = (256, 512)
@@ -160,7 +159,7 @@ def run_length(
 
 
 class StepProbe(TrainerCallback):
-    """Per step: the trainer thread's CPU time, the training positions a ForwardLog (tests/helpers/probes.py) has
+    """Per step: the trainer thread's CPU time, the training positions a ForwardLog (grpo_plus.app.testing) has
     counted since the run began (the step records take differences), and the machine's 1-minute load average."""
 
     def __init__(self, forwards, totals: list[int], loads: list[float], cpu_seconds: list[float]):
@@ -368,13 +367,6 @@ def markdown(report: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def smoke_model(directory: Path) -> Path:
-    """A tiny random Llama with the tests' character tokenizer, saved to `directory`."""
-    from helpers.models import save_tiny_model
-
-    return save_tiny_model(directory)
-
-
 def main(argv: list[str] | None = None) -> None:
     from lockstep import start_report
 
@@ -424,6 +416,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths: tuple, steps: dict) -> None:
     """Every length in turn, the report saved after each."""
+    from grpo_plus.app.testing import save_tiny_model  # --smoke's model
+
     level = "add-1d" if args.smoke else args.level  # short questions: the tiny model's positions stay small
     report.update(level=level, reward="smoke" if args.smoke else args.reward)
     report["conditions"] = f"{'tiny random Llama' if args.smoke else 'SmolLM2-135M-Instruct + LoRA'}, {level}, "
@@ -433,7 +427,7 @@ def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths:
     dataset, rewards = reasoning_dataset(level), reward_functions(args.reward, args.smoke)
     report["runs"] = []
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = smoke_model(Path(scratch) / "tiny") if args.smoke else None
+        model_path = save_tiny_model(Path(scratch) / "tiny") if args.smoke else None
         for length in lengths:
             print(f"max_completion_length {length}: {steps[length]} lock-step steps per trainer ...", flush=True)
             begun = time.perf_counter()
