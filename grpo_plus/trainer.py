@@ -35,7 +35,7 @@ from .multi_turn import TurnCache
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
-from .training_state import TrainingState, stateful_parts
+from .training_state import TrainingState, carry_running_loss, stateful_parts
 from .trl_compat import (
     TRL_NATIVE_LOSS_TYPES,
     TRL_SCALE_REWARDS,
@@ -120,8 +120,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
         return output
 
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
-        super()._maybe_log_save_evaluate(*args, **kwargs)
+    def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        carry_running_loss(self, tr_loss)  # transformers 4.x: a loss restored from inside a logging window
+        super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
         self._crash_checkpoint.step_finished()  # the state a checkpoint of this step holds, for a crash checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict=None):
