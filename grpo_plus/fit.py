@@ -439,13 +439,16 @@ def counting(counter: MemoryCounter, trainer, device: str, lm_head: str = "cuda"
 
 
 def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
-                 real: bool = False, lm_head: str = "cuda") -> PassMemory:  # fmt: skip
+                 real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
+                 around=contextlib.nullcontext) -> PassMemory:  # fmt: skip
     """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers, with the
     trainable weights' gradients already allocated (as from the second micro-batch on: their bytes are static).
 
     `real=True` computes it for real on the CPU instead (random weights), counted by the same counter: what the fake
     count is checked against (its counts are the CPU's, reported as the accelerator's). `lm_head`: see
-    `grpo_plus.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton)."""
+    `grpo_plus.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton). `at_peak`:
+    a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a context
+    manager factory entered around the forward + backward alone (a profiler, for the validation)."""
     spec = for_side(spec, side)
     rows = rows or spec.rows
     device = "cpu" if real else fake_accelerator()
@@ -462,8 +465,10 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     )
     inputs = batch if real else fake_inputs(batch, fake_mode, device)
     counter = MemoryCounter(fake_mode)
+    if at_peak is not None:
+        counter.describe = {}
     saved = SavedBytes(counter)
-    with counting(counter, trainer, device, lm_head):
+    with around(), counting(counter, trainer, device, lm_head):
         offload = contextlib.nullcontext()
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
         if spec.activation_offloading and not real:
@@ -476,6 +481,8 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
             saved_bytes, after_forward, forward_peak = saved.bytes, counter.live, counter.peak
             loss.backward()
             del loss
+    if at_peak is not None:
+        at_peak.extend(counter.at_peak)
     return PassMemory(saved_bytes, after_forward, forward_peak, counter.peak, counter.live, counter.host_peak,
                       counter.items_faked)  # fmt: skip
 

@@ -278,3 +278,21 @@ def test_trainer_spec_reads_the_run(tmp_path, monkeypatch):
 def test_bad_settings_fail_at_config_time(tmp_path, field, value, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, **{field: value}))
+
+
+@needs_cpu_logps
+def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/offload_cost.py --smoke times every variant, and the offloading variants pack tensors."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"
+    output = tmp_path / "cost.json"
+    monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(output)])
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # left as it was after the test
+    runpy.run_path(str(script), run_name="__main__")
+    (row,) = json.loads(output.read_text())["rows"]
+    assert set(row["seconds"]) == {"plain", "activation offloading", "tiled MLP", "both"}
+    assert all(seconds > 0 for seconds in row["seconds"].values())
+    assert row["tensors_offloaded"]["activation offloading"] > 0 and row["tensors_offloaded"]["plain"] == 0
