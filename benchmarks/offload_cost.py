@@ -35,8 +35,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from grpo_plus import fit  # noqa: E402
 from shapes import markdown_table  # noqa: E402
+
+from grpo_plus import fit  # noqa: E402
 
 VARIANTS = {
     "plain": {},
