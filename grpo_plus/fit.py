@@ -144,6 +144,9 @@ class FitSpec:
     tiled_mlp_tokens: int | None = None
     offloaded_kv_cache: bool = False
     zero_waste_generation: bool = True
+    # Prompts of different lengths, so the micro-batch has left padding: TRL's forward then builds a [rows, 1, S, S]
+    # attention mask (and attention kernels that take one). The worst case of a dataset whose prompts differ.
+    padded_prompts: bool = True
 
     def replace(self, **changes) -> FitSpec:
         return dataclasses.replace(self, **changes)
@@ -260,10 +263,11 @@ def with_memory_options(spec: FitSpec, side: str) -> FitSpec:
 
 
 def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, completion_length: int, vocab_size: int,
-                          seed: int = 0, first_token: int = 3) -> dict:  # fmt: skip
+                          seed: int = 0, first_token: int = 3, padded: bool = False) -> dict:  # fmt: skip
     """A training micro-batch as TRL's `_prepare_inputs` hands it to `_compute_loss`, worst case for memory: `rows` rows
     in groups of `group_size` consecutive rows sharing a prompt, every completion `completion_length` tokens long (no
-    EOS, no padding), every advantage non-zero."""
+    EOS, no padding), every advantage non-zero; `padded`: the first group's prompt is one token shorter (left
+    padding, as TRL pads prompts of different lengths)."""
     generator = torch.Generator().manual_seed(seed)
     groups = -(-rows // group_size)
     prompts = torch.randint(first_token, vocab_size, (groups, prompt_length), generator=generator)
@@ -272,9 +276,13 @@ def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, comple
     completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
     advantages = torch.randn(rows, generator=generator)
     advantages[advantages == 0] = 1.0
+    prompt_mask = torch.ones_like(prompt_ids)
+    if padded and prompt_length > 1:
+        prompt_mask[:group_size, 0] = 0
+        prompt_ids[:group_size, 0] = 0
     return {
         "prompt_ids": prompt_ids,
-        "prompt_mask": torch.ones_like(prompt_ids),
+        "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "advantages": advantages,
@@ -360,8 +368,9 @@ _TRAINERS: dict = {}
 
 def counting_trainer(side: str, spec: FitSpec):
     """A (TRL or grpo_plus) GRPOTrainer with the spec's loss settings, built once per process on a tiny model; only
-    its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it)."""
-    key = (side, spec.mixed_precision, json.dumps(spec.loss, sort_keys=True, default=str))
+    its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it). Mixed precision is
+    the count's own autocast (`counting`), not the trainer's: accelerate keeps one state per process."""
+    key = (side, json.dumps(spec.loss, sort_keys=True, default=str))
     if key in _TRAINERS:
         return _TRAINERS[key]
     import tempfile
@@ -376,8 +385,7 @@ def counting_trainer(side: str, spec: FitSpec):
     loss = {k: v for k, v in spec.loss.items() if k != "max_completion_length"}
     config = known_config("tiny-qwen2")
     args = package.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), use_cpu=True, bf16=spec.mixed_precision == "bf16",
-        fp16=False, per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
+        output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), use_cpu=True, bf16=False, fp16=False, per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
         gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
         **loss,
     )  # fmt: skip
@@ -420,16 +428,19 @@ def _quiet():
 
 
 @contextlib.contextmanager
-def counting(counter: MemoryCounter, trainer, device: str, lm_head: str = "cuda"):
+def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: str = "cuda",
+             kernels: list | None = None):  # fmt: skip
     """What a count of the training pass runs inside (grpo_plus.memory's patches)."""
     attention = CudaAttentionKernels() if device == FAKE_ACCELERATOR else contextlib.nullcontext()
+    if kernels is not None and isinstance(attention, CudaAttentionKernels):
+        attention.kernels = kernels
     with (
         # Backward in this thread: autograd sizes its per-device worker threads once per process, before a stand-in
         # accelerator registered later exists, and an error in a worker thread would abort the process.
         torch.autograd.set_multithreading_enabled(False),
         tensors_from_data(counter),
         fused_lm_head_counting(counter, lm_head),
-        accelerator_autocast(trainer, device),
+        accelerator_autocast(trainer, device, mixed),
         storage_addresses(),
         readable_values(),
         attention,
@@ -440,7 +451,7 @@ def counting(counter: MemoryCounter, trainer, device: str, lm_head: str = "cuda"
 
 def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
                  real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
-                 around=contextlib.nullcontext) -> PassMemory:  # fmt: skip
+                 around=contextlib.nullcontext, kernels: list | None = None) -> PassMemory:  # fmt: skip
     """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers, with the
     trainable weights' gradients already allocated (as from the second micro-batch on: their bytes are static).
 
@@ -448,7 +459,8 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     count is checked against (its counts are the CPU's, reported as the accelerator's). `lm_head`: see
     `grpo_plus.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton). `at_peak`:
     a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a context
-    manager factory entered around the forward + backward alone (a profiler, for the validation)."""
+    manager factory entered around the forward + backward alone (a profiler, for the validation). `kernels`: a list to
+    fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
     spec = for_side(spec, side)
     rows = rows or spec.rows
     device = "cpu" if real else fake_accelerator()
@@ -461,14 +473,19 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
                 param.grad = torch.zeros_like(param)
     config = spec.config(layers)
     batch = synthetic_micro_batch(
-        rows, min(group or spec.num_generations, rows), spec.prompt_tokens, spec.completion_tokens, config.vocab_size
+        rows,
+        min(group or spec.num_generations, rows),
+        spec.prompt_tokens,
+        spec.completion_tokens,
+        config.vocab_size,
+        padded=spec.padded_prompts,
     )
     inputs = batch if real else fake_inputs(batch, fake_mode, device)
     counter = MemoryCounter(fake_mode)
     if at_peak is not None:
         counter.describe = {}
     saved = SavedBytes(counter)
-    with around(), counting(counter, trainer, device, lm_head):
+    with around(), counting(counter, trainer, device, spec.mixed_precision, lm_head, kernels):
         offload = contextlib.nullcontext()
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
         if spec.activation_offloading and not real:
@@ -517,7 +534,11 @@ def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> t
                          fake_mode, device)["ids"]  # fmt: skip
     trainer_stub = _AutocastStub(spec.mixed_precision, device)
     counter = MemoryCounter(fake_mode)
-    with torch.no_grad(), counting(counter, trainer_stub, device), trainer_stub.accelerator.autocast():
+    with (
+        torch.no_grad(),
+        counting(counter, trainer_stub, device, spec.mixed_precision),
+        trainer_stub.accelerator.autocast(),
+    ):
         prefilled = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
     prefill = counter.peak
     # The cache holds what the attention layers make: keys after rotary embedding (fp32 where the residual stream is,
@@ -529,7 +550,11 @@ def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> t
     shape = (rows, config.num_key_value_heads, length, head_dim)
     token = fake_inputs({"ids": torch.randint(3, config.vocab_size, (rows, 1))}, fake_mode, device)["ids"]
     counter = MemoryCounter(fake_mode)  # one counter for the cache and the step: the step frees cache storages
-    with torch.no_grad(), counting(counter, trainer_stub, device), trainer_stub.accelerator.autocast():
+    with (
+        torch.no_grad(),
+        counting(counter, trainer_stub, device, spec.mixed_precision),
+        trainer_stub.accelerator.autocast(),
+    ):
         cache = DynamicCache(config=config)
         for layer in range(layers):
             cache.update(torch.empty(shape, dtype=key_dtype, device=device),
@@ -821,7 +846,8 @@ def format_report(report: FitReport, source: str = "") -> str:
         f"model: {config.model_type}, {spec.layers} layers, hidden {config.hidden_size}, {spec.weights_dtype}"
         f"{' in 4 bits (nf4)' if spec.four_bit else ''}, {lora}; {spec.rows} rows per micro-batch, G = "
         f"{spec.num_generations}, {spec.generation_rows} rows generated at once; {spec.prompt_tokens} prompt + "
-        f"{spec.completion_tokens} completion tokens; gradient checkpointing {'on' if spec.gradient_checkpointing else 'off'}",
+        f"{spec.completion_tokens} completion tokens ({'prompts of different lengths' if spec.padded_prompts else 'prompts of one length'}); "
+        f"gradient checkpointing {'on' if spec.gradient_checkpointing else 'off'}",
         "",
         f"worst step at the config's settings (GiB)       {'TRL':>9} {'grpo_plus':>10}",
     ]  # fmt: skip
@@ -921,11 +947,11 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
     return estimate_
 
 
-def longest_prompt_tokens(dataset, processing_class, sample: int = 256) -> int:
-    """The longest prompt, in tokens, among the first `sample` rows of `dataset` (chat prompts through the chat
-    template with the generation prompt, as TRL tokenizes them); 128 when there is nothing to read."""
+def prompt_lengths(dataset, processing_class, sample: int = 256) -> list[int]:
+    """The lengths, in tokens, of the prompts among the first `sample` rows of `dataset` (chat prompts through the
+    chat template with the generation prompt, as TRL tokenizes them); empty when they cannot be read."""
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    longest = 0
+    lengths: list[int] = []
     try:
         rows = dataset.select(range(min(sample, len(dataset)))) if hasattr(dataset, "select") else dataset
         for index, row in enumerate(rows):
@@ -937,17 +963,19 @@ def longest_prompt_tokens(dataset, processing_class, sample: int = 256) -> int:
                 ids = ids["input_ids"] if isinstance(ids, dict) else ids
             else:
                 ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            longest = max(longest, len(ids))
+            lengths.append(len(ids))
     except Exception as error:  # a dataset or template this cannot read: the check goes on with a typical length
-        logger.info("fit check: prompts not measured (%s); assuming 128 tokens.", error)
-    return longest or 128
+        logger.info("fit check: prompts not measured (%s); assuming 128 tokens of different lengths.", error)
+        return []
+    return lengths
 
 
 def check_before_training(args, model, dataset, processing_class, device: torch.device,
                           mode: str) -> StepEstimate | None:  # fmt: skip
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory."""
-    prompt_tokens = longest_prompt_tokens(dataset, processing_class)
-    spec = FitSpec.from_args(args, model, prompt_tokens)
+    lengths = prompt_lengths(dataset, processing_class)
+    spec = FitSpec.from_args(args, model, max(lengths, default=128))
+    spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
     budget, _ = device_budget(device)
     return check_fit(spec, budget, str(device), mode)
 

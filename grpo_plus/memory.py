@@ -653,10 +653,10 @@ def readable_values() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def accelerator_autocast(trainer, device_type: str) -> Iterator[None]:
-    """The trainer's `accelerator.autocast()` (TRL's forward enters it) on `device_type`, with the trainer's dtype."""
+def accelerator_autocast(trainer, device_type: str, mixed: str) -> Iterator[None]:
+    """The trainer's `accelerator.autocast()` (TRL's forward enters it) on `device_type`, in `mixed` precision ("bf16",
+    "fp16" or "no"; accelerate's state is one per process, shared by every trainer in it, so it is not read here)."""
     accelerator = trainer.accelerator
-    mixed = accelerator.mixed_precision
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
     original = accelerator.autocast
 

@@ -252,7 +252,10 @@ class ZeroWastePass:
 
         def model_forward(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
             self.positions += batch.positions
-            block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
+            if batch.mask_free:  # one row per pack, no gap: causal attention is TRL's masked attention
+                block_mask = None
+            else:
+                block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
             with accelerator.autocast():
                 return fused_lm_head_forward(model, batch.input_ids, block_mask, batch.position_ids, batch.targets)
 

@@ -132,13 +132,19 @@ def test_training_pass_runs_on_a_fake_accelerator(side):
     the CPU but what the code moves there), gradient checkpointing on; every value the pass reads is known (no value
     faked). With activation offloading (grpo_plus), TRL's manager moves what autograd saves to the host: the device
     holds less at the end of the forward, the host about what was saved."""
-    spec = tiny_spec(gradient_checkpointing=True, completion_tokens=200)
-    plain = fit.measure_pass(spec, side, layers=2)
+    spec = tiny_spec(
+        gradient_checkpointing=True, completion_tokens=200, weights_dtype="bfloat16", mixed_precision="bf16"
+    )
+    kernels: list[str] = []
+    plain = fit.measure_pass(spec, side, layers=2, kernels=kernels)
     assert plain.items_faked == 0 and plain.saved > 0 and plain.peak > plain.after_forward > plain.saved
+    # Prompts of different lengths: TRL's forward builds a padding mask (the efficient kernel takes it); grpo_plus runs
+    # each row without its padding and without a mask (the causal flash kernel).
+    assert kernels == (["efficient"] if side == "trl" else ["flash"])
     if side == "grpo_plus":
         offloaded = fit.measure_pass(spec.replace(activation_offloading=True), side, layers=2)
         assert offloaded.items_faked == 0
-        assert offloaded.after_forward < plain.after_forward - 0.4 * plain.saved  # TRL keeps <= 5 in flight
+        assert offloaded.after_forward < plain.after_forward - 0.25 * plain.saved  # TRL keeps <= 5 in flight
         assert offloaded.host_peak >= 0.8 * plain.saved
 
 
@@ -267,7 +273,8 @@ def test_trainer_spec_reads_the_run(tmp_path, monkeypatch):
     spec = seen["spec"]
     assert (spec.rows, spec.num_generations, spec.generation_rows, spec.completion_tokens) == (4, 4, 8, 8)
     assert spec.lora["r"] == 4 and spec.activation_offloading and spec.tiled_mlp_tokens == 64
-    assert spec.prompt_tokens == max(len(tokenizer(row["prompt"])["input_ids"]) for row in prompt_dataset(8))
+    lengths = {len(tokenizer(row["prompt"])["input_ids"]) for row in prompt_dataset(8)}
+    assert spec.prompt_tokens == max(lengths) and spec.padded_prompts == (len(lengths) > 1)
     assert json.loads(spec.to_json())["lora"]["r"] == 4 and seen["mode"] == "error"
 
 

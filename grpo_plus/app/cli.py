@@ -85,7 +85,8 @@ _MODEL_KEYS = ("model_name_or_path", "model_revision", "dtype", "torch_dtype", "
                "trust_remote_code")  # fmt: skip
 
 
-def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | None = None):
+def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | None = None,
+                       equal_prompts: bool = False):  # fmt: skip
     """A FitSpec from a recipe config YAML: its GRPOConfig fields through grpo_plus.GRPOConfig (TRL's defaults for the
     rest), its model fields as TRL's ModelConfig reads them, the model's shape from a local config.json, the Hub cache
     or grpo_plus.fit.KNOWN_SHAPES (nothing is downloaded)."""
@@ -135,13 +136,14 @@ def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | 
         lora = lora_fields(settings.get("lora_r", 16), settings.get("lora_alpha", 32),
                            settings.get("lora_dropout", 0.05), settings.get("lora_target_modules"))  # fmt: skip
     four_bit = bool(settings.get("load_in_4bit") or "bnb_4bit_quant_type" in settings)
-    return FitSpec.from_config(args, config, dtype, lora, four_bit, prompt_tokens)
+    spec = FitSpec.from_config(args, config, dtype, lora, four_bit, prompt_tokens)
+    return spec.replace(padded_prompts=not equal_prompts)
 
 
 def _fit(args: argparse.Namespace) -> int:
     from ..fit import GIB, fit_report, format_report
 
-    spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config)
+    spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts)
     budget = int((args.memory_gib - args.reserve_gib) * GIB)
     if budget <= 0:
         raise ValueError(f"--memory-gib {args.memory_gib} leaves nothing after the {args.reserve_gib} GiB reserve")
@@ -199,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--reserve-gib", type=float, default=2.0,
                      help="kept for the CUDA context, kernel workspaces and allocator slack (default 2)")  # fmt: skip
     fit.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt, in tokens (default 128)")
+    fit.add_argument("--equal-prompts", action="store_true",
+                     help="every prompt has the same length (no padding; default: prompts differ, as in most datasets)")  # fmt: skip
     fit.add_argument("--model-config", default=None, help="a config.json for a model grpo_plus does not know")
     fit.add_argument("--no-groups", action="store_true", help="skip the largest-G search (faster)")
     fit.set_defaults(run=_fit, parser=fit)
