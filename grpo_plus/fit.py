@@ -372,6 +372,7 @@ def counting_trainer(side: str, spec: FitSpec):
     the count's own autocast (`counting`), not the trainer's: accelerate keeps one state per process."""
     key = (side, json.dumps(spec.loss, sort_keys=True, default=str))
     if key in _TRAINERS:
+        _keep_accelerate_state()
         return _TRAINERS[key]
     import tempfile
 
@@ -401,6 +402,17 @@ def counting_trainer(side: str, spec: FitSpec):
     trainer.current_gradient_accumulation_steps = 1
     _TRAINERS[key] = trainer
     return trainer
+
+
+def _keep_accelerate_state() -> None:
+    """accelerate keeps one state per process, and building a TrainingArguments (a GRPOConfig, e.g. the next spec's)
+    resets it: a counting trainer built earlier then cannot answer `accelerator.num_processes`. Bring it back on the
+    CPU (a counting trainer never runs on a device)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        Accelerator(cpu=True)
 
 
 def _zero_reward(completions, **kwargs) -> list[float]:
