@@ -368,9 +368,10 @@ _TRAINERS: dict = {}
 
 def counting_trainer(side: str, spec: FitSpec):
     """A (TRL or grpo_plus) GRPOTrainer with the spec's loss settings, built once per process on a tiny model; only
-    its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it). Mixed precision is
-    the count's own autocast (`counting`), not the trainer's: accelerate keeps one state per process."""
-    key = (side, json.dumps(spec.loss, sort_keys=True, default=str))
+    its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it). Its `bf16` is the
+    spec's (grpo_plus reads the field); the autocast a count runs under is the count's own (`counting`), not read from
+    accelerate, which keeps one state per process."""
+    key = (side, spec.mixed_precision, json.dumps(spec.loss, sort_keys=True, default=str))
     if key in _TRAINERS:
         _keep_accelerate_state()
         return _TRAINERS[key]
@@ -386,7 +387,8 @@ def counting_trainer(side: str, spec: FitSpec):
     loss = {k: v for k, v in spec.loss.items() if k != "max_completion_length"}
     config = known_config("tiny-qwen2")
     args = package.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), use_cpu=True, bf16=False, fp16=False, per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
+        output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), use_cpu=True, bf16=spec.mixed_precision == "bf16",
+        fp16=False, per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
         gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
         **loss,
     )  # fmt: skip

@@ -372,6 +372,7 @@ def shared_prompt_logps(
     hidden_size: int,
     pad_token_id: int,
     unshared_positions: int | None = None,
+    mask_free: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None where packing
     does not pay: a chunk has no token to score, or the packs, padded to the widest, hold at least the
@@ -382,7 +383,8 @@ def shared_prompt_logps(
     padding (left-padded prompts, ragged completions), each row runs as a pack of its own tokens without a gap and
     without any attention mask (`PackedBatch.mask_free`): TRL's forward would build a [rows, 1, S, S] mask from the
     padding, gigabytes at long completions, and kernels that take a mask instead of the causal flash kernel. Without
-    padding this returns None and the caller runs the per-row forward, which makes the same number of model calls.
+    padding, or with `mask_free=False` (the caller's model would then run a worse kernel), this returns None and the
+    caller runs the per-row forward, which makes the same number of model calls.
 
     `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
     entropies or None). Chunks are TRL's (`row_chunks`), one model call each.
@@ -403,7 +405,7 @@ def shared_prompt_logps(
     if not any(batch.shares_prompts for _, batch in batches):
         scored_width = prompt_width + completion_width(completion_mask)
         padded = not bool(attention_mask[:, :scored_width].all())
-        if not padded or not all(batch.mask_free for _, batch in batches):
+        if not (padded and mask_free) or not all(batch.mask_free for _, batch in batches):
             return None
     elif unshared_positions is not None and sum(batch.positions for _, batch in batches) >= unshared_positions:
         return None

@@ -128,7 +128,6 @@ HOOKED_METHODS = (
     HookedMethod("_save_checkpoint", ("model", "trial")),  # TRL's, over transformers': extra training state
     HookedMethod("_save", ("output_dir", "state_dict")),  # transformers': no Hub token, no local base-model path
     HookedMethod("_maybe_log_save_evaluate", check="exists"),  # transformers': a step is complete after it
-    HookedMethod("training_step", check="exists"),  # TRL's (step timing), wrapped in activation offloading
 )
 
 
