@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 SIDES = ("trl", "ours")
 PROMPT_LENGTHS = (56, 256, 1024)
@@ -137,7 +135,7 @@ def run_steps(steps: int, warmup: int) -> dict:
 def generation_inputs(tokenizer, questions, prompt_length: int, num_generations: int):
     """Left-padded chat prompts for `questions`, about `prompt_length` tokens each (worked examples in the system
     prompt lengthen them), each repeated `num_generations` times."""
-    from grpo_plus import tasks
+    from grpo_plus.app import tasks
 
     def encode(examples: int):
         system = "".join(

@@ -26,20 +26,17 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
+from shapes import markdown_table  # benchmarks/shapes.py
+
+from grpo_plus import fit
+from grpo_plus.app.cli import fit_spec_from_yaml
+from grpo_plus.memory import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from shapes import markdown_table  # noqa: E402
-
-from grpo_plus import fit  # noqa: E402
-from grpo_plus.app.cli import fit_spec_from_yaml  # noqa: E402
-from grpo_plus.memory import GIB  # noqa: E402
 
 RECIPES = ROOT / "recipes" / "configs"
 FIT_RECIPES = ("demo_cpu", "qwen2.5-0.5b_lora", "qwen2.5-1.5b_lora", "qwen2.5-7b_qlora")

@@ -26,18 +26,15 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from shapes import markdown_table  # benchmarks/shapes.py
+
+from grpo_plus import fit
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from shapes import markdown_table  # noqa: E402
-
-from grpo_plus import fit  # noqa: E402
 
 VARIANTS = {
     "plain": {},

@@ -21,12 +21,10 @@ Targets (issue 9): training pass <= 0.5x TRL's time on the demo config, whole st
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 SIDES = ("trl", "ours")
 DEMO_CONFIG = ROOT / "recipes" / "configs" / "demo_cpu.yaml"
@@ -50,39 +48,26 @@ def build_trainers(steps: int, baton, rng):
     """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
     import torch
     import trl
-    from helpers.probes import ForwardLog
+    from lockstep import StepTimer
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     import grpo_plus
     from grpo_plus.app import tasks
     from grpo_plus.app.embedded import resolve_model
+    from grpo_plus.app.testing import ForwardLog
 
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
     dataset = tasks.make_dataset("train", "add-1d", seed=0)
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
 
-    class StepTimer(TrainerCallback):
-        def __init__(self, name):
-            self.name, self.step, self.start = name, [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step.append(time.perf_counter() - self.start)
-            rng.save(self.name)
-            baton.pass_on(self.name)
-            baton.wait(self.name)
-            rng.restore(self.name)
-
     built = {}
     for name in SIDES:
         set_seed(0)  # the LoRA init draws random numbers: the same for both
         config_cls, trainer_cls = classes[name]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        timer = StepTimer(name)
+        timer = StepTimer(name, baton, rng)
         trainer = trainer_cls(
             model=model,
             reward_funcs=[tasks.correctness_reward, tasks.format_reward],
@@ -144,8 +129,9 @@ def run_steps(steps: int, warmup: int) -> dict:
 
 def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     """Part 2: `_compute_loss` forward + backward, TRL vs ours on the same weights, alternated; medians."""
-    from helpers.probes import ForwardLog
     from shapes import synthetic_micro_batch
+
+    from grpo_plus.app.testing import ForwardLog
 
     trl_trainer, our_trainer = trainers["trl"], trainers["ours"]
     our_trainer.model.load_state_dict(trl_trainer.model.state_dict())

@@ -16,21 +16,31 @@ from typing import Any
 import trl
 
 from .advantages import ADVANTAGE_NORMALIZERS
+from .health import HealthSettings
 from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
 from .plugins import load_plugins
 from .registry import did_you_mean
 from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
 from .settings import ConfigError, not_allowed
-from .trl_compat import TRL_IMPORTANCE_SAMPLING_LEVELS, TRL_NATIVE_LOSS_TYPES, TRL_SCALE_REWARDS
+from .trl_compat import (
+    TRL_IMPORTANCE_SAMPLING_LEVELS,
+    TRL_NATIVE_LOSS_TYPES,
+    TRL_SCALE_REWARDS,
+    ignore_renames_trl_still_uses,
+)
 
 FIT_CHECK_MODES = ("warn", "error", "off")
 
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
 
+# Before any GRPOConfig is built: TRL's own defaults and calls set off transformers' renaming warnings (see trl_compat).
+ignore_renames_trl_still_uses()
+
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
 _DYNAMIC_DEFAULTS = DynamicSamplingSettings()
+_HEALTH_DEFAULTS = HealthSettings()
 
 
 def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
@@ -270,8 +280,9 @@ class GRPOConfig(trl.GRPOConfig):
             "after each completion, and (see zero_waste_shared_prompt) compute each group's prompt once. The "
             "gradient is TRL's; where it would not be (beta > 0, entropy bonus or top_entropy_quantile < 1, router aux "
             "loss, a user mode that did not declare zero_advantage_rows_contribute_nothing), that part falls back to "
-            "the full pass and says why once in the log. With rows skipped, the `entropy` metric covers the rows "
-            "that were computed."
+            "the full pass and says why once in the log. With rows skipped, `entropy` (TRL's, every row) is left "
+            "unknown unless zero_waste_exact_entropy=True, and `zero_waste/entropy_trained_rows` covers the rows "
+            "trained."
         },
     )
     zero_waste_shared_prompt: bool = field(
@@ -318,6 +329,53 @@ class GRPOConfig(trl.GRPOConfig):
             "max_completion_length) and compare it with the device's free memory. 'warn' logs a warning naming "
             "settings that would fit, 'error' raises instead of training, 'off' skips the count.",
             "choices": ["warn", "error", "off"],
+        },
+    )
+    zero_waste_exact_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "With rows skipped by the zero-waste pass, also run the skipped rows through a no-grad forward so "
+            "the logged `entropy` is TRL's (every completion token), at the cost of that forward. Off: `entropy` is "
+            "logged only for logging windows in which no row was skipped (else None), and "
+            "`zero_waste/entropy_trained_rows` gives the entropy of the rows trained. Never changes the training."
+        },
+    )
+    health_check: str = field(
+        default=_HEALTH_DEFAULTS.check,
+        metadata={
+            "help": "Training-health guard (grpo_plus.health), reading only what the run logs: 'warn' logs one "
+            "warning per problem (every group zero-variance, most completions truncated, gradient norm 0 or "
+            "non-finite, loss or rewards NaN, entropy collapse), saying what it saw and what to change; 'stop' "
+            "ends the run at that step instead, saving its checkpoint and raising TrainingHealthError; 'off'."
+        },
+    )
+    health_patience_steps: int = field(
+        default=_HEALTH_DEFAULTS.patience_steps,
+        metadata={
+            "help": "How many consecutive optimizer steps a condition (zero variance, truncation, zero gradient, "
+            "entropy collapse) must hold before the guard reports it. Non-finite values and unscorable rewards are "
+            "reported at once (non-finite gradients under fp16 after this many steps: the loss scaler skips some)."
+        },
+    )
+    health_zero_std_frac: float | None = field(
+        default=_HEALTH_DEFAULTS.zero_std_frac,
+        metadata={
+            "help": "Report when frac_reward_zero_std (the share of groups whose rewards were all equal, so their "
+            "advantages 0) is at least this. 1.0: every group. None turns the check off."
+        },
+    )
+    health_truncated_frac: float | None = field(
+        default=_HEALTH_DEFAULTS.truncated_frac,
+        metadata={
+            "help": "Report when completions/clipped_ratio (the share of completions cut off at "
+            "max_completion_length) is at least this. None turns the check off."
+        },
+    )
+    health_entropy_collapse_frac: float | None = field(
+        default=_HEALTH_DEFAULTS.entropy_collapse_frac,
+        metadata={
+            "help": "Report entropy collapse when the logged mean token entropy falls below this fraction of its first "
+            "logged value. None turns the check off."
         },
     )
     plugins: list[str] | None = field(
@@ -409,6 +467,8 @@ class PlusSettings:
     zero_waste_pass: bool
     zero_waste_shared_prompt: bool
     zero_waste_generation: bool
+    zero_waste_exact_entropy: bool
+    health: HealthSettings
     plugins: tuple[str, ...]
     activation_offloading: bool
     tiled_mlp_tokens: int | None
@@ -427,6 +487,8 @@ class PlusSettings:
             zero_waste_pass=own.zero_waste_pass,
             zero_waste_shared_prompt=own.zero_waste_shared_prompt,
             zero_waste_generation=own.zero_waste_generation,
+            zero_waste_exact_entropy=own.zero_waste_exact_entropy,
+            health=HealthSettings.from_args(own),
             plugins=tuple(own.plugins or ()),
             activation_offloading=own.activation_offloading,
             tiled_mlp_tokens=own.tiled_mlp_tokens,
@@ -455,3 +517,4 @@ class PlusSettings:
             raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
+        self.health.validate()
