@@ -202,6 +202,8 @@ class FitSpec:
         """The spec of a (TRL or grpo_plus) GRPOConfig `args` training a model of `model_config` in `dtype`."""
         mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
         steps = args.steps_per_generation or args.gradient_accumulation_steps
+        if lora is not None and getattr(args, "disable_dropout", False):  # TRL sets every dropout, LoRA's too, to 0
+            lora = {**lora, "lora_dropout": 0.0}
         generation_kwargs = getattr(args, "generation_kwargs", None) or {}
         return cls(
             model_config=model_config.to_dict(),
