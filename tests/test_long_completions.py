@@ -178,7 +178,7 @@ def test_fake_count_equals_real_compute(side):
 
 
 @needs_cpu_logps
-def test_depth_extrapolation_and_the_generation_count():
+def test_depth_extrapolation_and_the_generation_count(monkeypatch):
     """Counts at 1 and 2 layers extend to 3 exactly (layers are identical); generation holds every row's keys and
     values at full length (an offloaded cache two layers of them)."""
     spec = tiny_spec(
@@ -186,6 +186,8 @@ def test_depth_extrapolation_and_the_generation_count():
     )
     points = [fit.measure_pass(spec, "grpo_plus", layers) for layers in (1, 2, 3)]
     assert fit.extrapolate(points, 3) == points[2]
+    counted = {layers: fit.measure_generation(spec, layers) for layers in (1, 2)}  # counted once, for both caches
+    monkeypatch.setattr(fit, "measure_generation", lambda spec, layers, rows=None: counted[layers])
     dynamic = fit.generation(spec)
     config = spec.config()
     head_dim = config.hidden_size // config.num_attention_heads
@@ -256,26 +258,32 @@ def test_cli_fit_prints_each_part_for_both_sides_and_the_longest_completions(tmp
     assert 0 < trl_tokens <= ours and float(match[3]) == pytest.approx(ours / trl_tokens, abs=0.01)
 
 
-def test_trainer_spec_reads_the_run(tmp_path, monkeypatch):
-    """What the trainer's check counts is the run's own: batch, G, lengths, LoRA, the grpo_plus settings."""
+def test_the_trainer_checks_the_fit_on_a_cuda_device_with_the_runs_own_spec(tmp_path, monkeypatch):
+    """Built on a CUDA device (stood in for here: the device the trainer reports), the trainer counts its own run
+    before step 1: batch, G, lengths, LoRA, grpo_plus's settings, the prompts' lengths measured from its dataset, and
+    the fit_check mode; on a CPU it does not."""
+    import accelerate
     from helpers.models import make_model, make_tokenizer
 
     tokenizer = make_tokenizer()
-    args = grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, activation_offloading=True, tiled_mlp_tokens=64,
-                                                  gradient_accumulation_steps=2))  # fmt: skip
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, tiled_mlp_tokens=64, gradient_accumulation_steps=2,
+                                                  fit_check="error"))  # fmt: skip
+    seen = []
+    monkeypatch.setattr(fit, "device_budget", lambda device: (10 * fit.GIB, 0))
+    monkeypatch.setattr(fit, "check_fit", lambda spec, budget, device, mode: seen.append((spec, budget, mode)))
     trainer = grpo_plus.GRPOTrainer(model=make_model(tokenizer), processing_class=tokenizer,
                                     reward_funcs=[length_reward], args=args, train_dataset=prompt_dataset(8),
                                     peft_config=LoraConfig(**LORA))  # fmt: skip
-    seen = {}
-    monkeypatch.setattr(fit, "device_budget", lambda device: (10 * fit.GIB, 0))
-    monkeypatch.setattr(fit, "check_fit", lambda spec, budget, device, mode: seen.update(spec=spec, mode=mode))
-    fit.check_before_training(args, trainer.model, trainer.train_dataset, tokenizer, torch.device("cuda"), "error")
-    spec = seen["spec"]
+    assert seen == []  # built on the CPU: no check
+    monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("cuda")))
+    trainer._long_completions_setup()
+    ((spec, budget, mode),) = seen
     assert (spec.rows, spec.num_generations, spec.generation_rows, spec.completion_tokens) == (4, 4, 8, 8)
-    assert spec.lora["r"] == 4 and spec.activation_offloading and spec.tiled_mlp_tokens == 64
+    assert spec.lora["r"] == 4 and spec.tiled_mlp_tokens == 64 and not spec.activation_offloading
     lengths = {len(tokenizer(row["prompt"])["input_ids"]) for row in prompt_dataset(8)}
     assert spec.prompt_tokens == max(lengths) and spec.padded_prompts == (len(lengths) > 1)
-    assert json.loads(spec.to_json())["lora"]["r"] == 4 and seen["mode"] == "error"
+    assert budget == 10 * fit.GIB and mode == "error"
+    assert fit.FitSpec.from_json(spec.to_json()).to_json() == spec.to_json()  # what the child process reads
 
 
 @pytest.mark.parametrize(("field", "value", "fragment"), [
