@@ -16,8 +16,9 @@ every group with signal: the worst step. Sections:
   3. the 24 GB fit (22 GiB of tensors: a 24 GiB card less the CUDA context, cuBLAS workspaces and allocator slack):
      per recipe config, the worst step at its settings and the longest completion (multiples of 128) with every
      memory option each side has (TRL: gradient checkpointing + an offloaded KV cache; grpo_plus: also activation
-     offloading + a tiled MLP), at the config's batch and at one row per micro-batch, at the recipes' LoRA dropout
-     and at 0 (the tiled MLP stands aside under dropout).
+     offloading + a tiled MLP), at the config's batch and at one row per micro-batch (and, for a config with LoRA
+     dropout, at dropout 0: the tiled MLP stands aside under dropout). Prompts of different lengths (left padding),
+     the worst case of most datasets; `--equal-prompts` counts prompts of one length.
 """
 
 from __future__ import annotations
@@ -48,8 +49,11 @@ def gib(value: float) -> str:
     return f"{value / GIB:.2f}"
 
 
+EQUAL_PROMPTS = False  # --equal-prompts: count prompts of one length (no padding), as the counts before this one did
+
+
 def recipe_spec(name: str) -> fit.FitSpec:
-    return fit_spec_from_yaml(RECIPES / f"{name}.yaml", prompt_tokens=PROMPT_TOKENS.get(name, 128))
+    return fit_spec_from_yaml(RECIPES / f"{name}.yaml", PROMPT_TOKENS.get(name, 128), equal_prompts=EQUAL_PROMPTS)
 
 
 # ---- 1. validation ----------------------------------------------------------------------------------------------------
@@ -206,7 +210,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the fit table only (no validation, no long table)")
     parser.add_argument("--configs", nargs="+", choices=FIT_RECIPES, default=list(FIT_RECIPES))
     parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-memory" / "memory.json"))
+    parser.add_argument("--equal-prompts", action="store_true",
+                        help="prompts of one length (no padding); default: prompts of different lengths")  # fmt: skip
     args = parser.parse_args()
+    global EQUAL_PROMPTS
+    EQUAL_PROMPTS = args.equal_prompts
 
     import transformers
 
@@ -215,7 +223,7 @@ def main() -> None:
     started = time.perf_counter()
     output = Path(args.json)
     output.parent.mkdir(parents=True, exist_ok=True)
-    report: dict = {"torch": torch.__version__, "budget_bytes": BUDGET}
+    report: dict = {"torch": torch.__version__, "budget_bytes": BUDGET, "equal_prompts": EQUAL_PROMPTS}
     markdown = []
     if not args.quick:
         print("1. Validation: fake count vs real compute vs the CPU allocator (tiny Qwen2, eager attention) ...")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
 import time
@@ -58,23 +59,17 @@ def host_offloading(model):
         torch.accelerator.current_accelerator = original
 
 
-def timed_pass(spec: fit.FitSpec, variant: dict, tiled_tokens: int) -> tuple[float, int]:
+def timed_pass(trainer, model, batch: dict, offload: bool) -> tuple[float, int]:
     """Seconds of one forward + backward, and how many tensors the offloading hooks packed."""
-    from grpo_plus.tiled_mlp import tile_mlps
-
-    trainer = fit.counting_trainer("grpo_plus", spec)
-    model = fit.build_policy(spec, None)
-    if variant.get("tiled"):
-        tile_mlps(model, tiled_tokens)
-    batch = fit.synthetic_micro_batch(spec.rows, spec.num_generations, spec.prompt_tokens, spec.completion_tokens,
-                                      spec.config().vocab_size)  # fmt: skip
-    offload = host_offloading(model) if variant.get("offload") else contextlib.nullcontext()
+    context = host_offloading(model) if offload else contextlib.nullcontext()
     model.zero_grad(set_to_none=True)
     start = time.perf_counter()
-    with offload:
+    with context:
         trainer._compute_loss(model, dict(batch)).backward()
     seconds = time.perf_counter() - start
-    return seconds, getattr(offload, "tensor_id", 0)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return seconds, getattr(context, "tensor_id", 0)
 
 
 def main() -> None:
@@ -101,13 +96,22 @@ def main() -> None:
             generation_rows=args.rows, prompt_tokens=56, completion_tokens=length, lora=lora, mixed_precision="no",
             loss={"loss_type": "dapo", "epsilon_high": 0.28},
         )  # fmt: skip
+        from grpo_plus.tiled_mlp import tile_mlps
+
+        trainer = fit.counting_trainer("grpo_plus", spec)
+        models = {False: fit.build_policy(spec, None), True: fit.build_policy(spec, None)}  # the same weights (seed)
+        tile_mlps(models[True], args.tiled_tokens)
+        batch = fit.synthetic_micro_batch(args.rows, args.rows, spec.prompt_tokens, length, model_config.vocab_size)
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         packed = {}
         for round_index in range(args.repeats):
             order = list(VARIANTS) if round_index % 2 == 0 else list(VARIANTS)[::-1]
             for name in order:
-                seconds, packed[name] = timed_pass(spec, VARIANTS[name], args.tiled_tokens)
+                variant = VARIANTS[name]
+                model = models[bool(variant.get("tiled"))]
+                seconds, packed[name] = timed_pass(trainer, model, batch, bool(variant.get("offload")))
                 times[name].append(seconds)
+        del models
         medians = {name: statistics.median(values) for name, values in times.items()}
         row = {"completion_tokens": length, "rows": args.rows, "seconds": medians, "tensors_offloaded": packed}
         rows.append(row)

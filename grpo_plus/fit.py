@@ -679,6 +679,7 @@ class StepEstimate:
     static: dict
     training: PassMemory
     generation: dict
+    seconds: tuple[float, float] | None = None  # (wall, CPU) of the trainer's check, when it ran one
 
     @property
     def static_total(self) -> int:
@@ -930,9 +931,11 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
     the count can never take the run down; it runs the fake stand-in accelerator there, CUDA hidden), then warn, or
     raise FitCheckError with `mode="error"`, when it exceeds `budget`, naming settings that would fit. Returns the
     estimate (None when the count could not run: logged, training goes on)."""
+    import resource
     import subprocess
 
     started = time.perf_counter()
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "grpo_plus.fit", "--budget", str(budget)]
     try:
@@ -948,10 +951,14 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
         return None
     report = json.loads(result.stdout.strip().splitlines()[-1])
     estimate_ = _estimate_from_report(spec, report)
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
     seconds = time.perf_counter() - started
+    estimate_.seconds = (seconds, cpu)
     needed = estimate_.total * (1 + FRAGMENTATION)
     if needed <= budget:
-        logger.info("grpo_plus fit check (%.0f s): %s.", seconds, fits_message(estimate_, budget, device))
+        logger.info("grpo_plus fit check (%.0f s, %.0f s of CPU): %s.", seconds, cpu,
+                    fits_message(estimate_, budget, device))  # fmt: skip
         return estimate_
     fixes = report.get("suggestions") or []
     advice = (f"Settings that would fit: {'; or '.join(fixes)}." if fixes else
