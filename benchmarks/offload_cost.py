@@ -12,7 +12,9 @@ with the order reversed every second round, medians reported with their ratio to
                              accelerator: every saved tensor is copied out at pack time and back at unpack, synchronously
                              (no side stream on a CPU, no pinned memory). On a GPU the copies run on a side stream while
                              the forward and backward compute, so this is an upper bound of what it adds there.
-  tiled MLP (4096 tokens)    one more MLP forward per layer and step (the slices are recomputed for backward)
+  tiled MLP                  one more MLP forward per layer and step (the slices are recomputed for backward);
+                             slices of `--tiled-tokens` (256, so that these short sequences are tiled at all: the
+                             extra forward does not depend on the slice size)
   both
 
 Why a CPU number at all: it is the copy and bookkeeping cost without the overlap a GPU gives, and the extra compute
@@ -74,10 +76,10 @@ def timed_pass(trainer, model, batch: dict, offload: bool) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--rows", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiled-tokens", type=int, default=4096)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[256, 512])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tiled-tokens", type=int, default=256, help="small enough that these sequences are tiled")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one length, one round (for the tests)")
     parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-offload" / "offload_cost.json"))
     args = parser.parse_args()
@@ -87,7 +89,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     model_config = fit.known_config("tiny-qwen2" if args.smoke else "smollm2-135m")
     if args.smoke:
-        args.lengths, args.repeats, args.tiled_tokens = [32], 1, 64
+        args.lengths, args.repeats, args.tiled_tokens = [32], 1, 32
     lora = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear")
     rows = []
     for length in args.lengths:
@@ -100,7 +102,7 @@ def main() -> None:
 
         trainer = fit.counting_trainer("grpo_plus", spec)
         models = {False: fit.build_policy(spec, None), True: fit.build_policy(spec, None)}  # the same weights (seed)
-        tile_mlps(models[True], args.tiled_tokens)
+        wrappers = tile_mlps(models[True], args.tiled_tokens)
         batch = fit.synthetic_micro_batch(args.rows, args.rows, spec.prompt_tokens, length, model_config.vocab_size)
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         packed = {}
@@ -113,7 +115,8 @@ def main() -> None:
                 times[name].append(seconds)
         del models
         medians = {name: statistics.median(values) for name, values in times.items()}
-        row = {"completion_tokens": length, "rows": args.rows, "seconds": medians, "tensors_offloaded": packed}
+        row = {"completion_tokens": length, "rows": args.rows, "seconds": medians, "tensors_offloaded": packed,
+               "tiled_calls": sum(wrapper.tiled_calls for wrapper in wrappers)}  # fmt: skip
         rows.append(row)
         print(f"{length} tokens x {args.rows} rows: " + ", ".join(
             f"{name} {seconds:.2f} s ({seconds / medians['plain']:.2f}x)" for name, seconds in medians.items()),

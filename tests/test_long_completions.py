@@ -303,6 +303,7 @@ def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"
+    monkeypatch.syspath_prepend(str(script.parent))  # it imports benchmarks/shapes.py, as run from there
     output = tmp_path / "cost.json"
     monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(output)])
     monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # left as it was after the test
@@ -311,3 +312,4 @@ def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
     assert set(row["seconds"]) == {"plain", "activation offloading", "tiled MLP", "both"}
     assert all(seconds > 0 for seconds in row["seconds"].values())
     assert row["tensors_offloaded"]["activation offloading"] > 0 and row["tensors_offloaded"]["plain"] == 0
+    assert row["tiled_calls"] > 0
