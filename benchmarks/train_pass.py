@@ -44,8 +44,9 @@ def demo_settings(steps: int) -> dict:
     return settings
 
 
-def build_trainers(steps: int, baton, rng):
-    """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
+def build_trainers(steps: int, baton, rng, settings=None, dataset=None, reward_funcs=None, model_path=None):
+    """Stock TRL's and grpo_plus's trainer, each timing its steps and passing the baton: on the demo config unless
+    given GRPOConfig `settings`, a `dataset`, `reward_funcs` and a model directory (`model_path`, with its tokenizer)."""
     import torch
     import trl
     from lockstep import StepTimer
@@ -57,9 +58,11 @@ def build_trainers(steps: int, baton, rng):
     from grpo_plus.app.embedded import resolve_model
     from grpo_plus.app.testing import ForwardLog
 
-    path = resolve_model("smollm2-135m-instruct")
+    path = model_path or resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dataset = tasks.make_dataset("train", "add-1d", seed=0)
+    dataset = tasks.make_dataset("train", "add-1d", seed=0) if dataset is None else dataset
+    settings = demo_settings(steps) if settings is None else settings
+    reward_funcs = [tasks.correctness_reward, tasks.format_reward] if reward_funcs is None else reward_funcs
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
 
     built = {}
@@ -70,30 +73,31 @@ def build_trainers(steps: int, baton, rng):
         timer = StepTimer(name, baton, rng)
         trainer = trainer_cls(
             model=model,
-            reward_funcs=[tasks.correctness_reward, tasks.format_reward],
-            args=config_cls(**demo_settings(steps)),
+            reward_funcs=reward_funcs,
+            args=config_cls(**settings),
             train_dataset=dataset,
             processing_class=tokenizer,
             peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
             callbacks=[timer],
         )
         built[name] = dict(trainer=trainer, timer=timer, forwards=ForwardLog(trainer.model), prepare=[])
-        wrap_prepare_inputs(trainer, built[name]["prepare"])
+        wrap_timed(trainer, "_prepare_inputs", built[name]["prepare"])
     return built
 
 
-def wrap_prepare_inputs(trainer, seconds: list[float]) -> None:
-    """Record the wall time of every `_prepare_inputs` call (generation and scoring, when a batch is generated)."""
-    original = trainer._prepare_inputs
+def wrap_timed(trainer, method: str, seconds: list[float], clock=time.perf_counter) -> None:
+    """Record the time of every call of `trainer.<method>` by `clock` (wall time by default; `time.thread_time`: the
+    calling thread's CPU time). `_prepare_inputs`: generation and scoring, when a batch is generated."""
+    original = getattr(trainer, method)
 
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            seconds.append(time.perf_counter() - start)
+            seconds.append(clock() - start)
 
-    trainer._prepare_inputs = timed
+    setattr(trainer, method, timed)
 
 
 def run_steps(steps: int, warmup: int) -> dict:
