@@ -367,8 +367,9 @@ class MemoryCounter(TorchDispatchMode):
 
     def _run_data_dependent(self, func, args, kwargs):
         """An operator whose output shape depends on values (nonzero, unique, boolean indexing): computed on the
-        shadows when there are some, else on zeros of small fake inputs; its outputs become fake tensors on the
-        device of its input."""
+        shadows when there are some, else on zeros of small fake inputs, masks all True (as zeros make them: nothing
+        is NaN, every element is selected, the largest selection); its outputs become fake tensors on the device of
+        its input."""
         inputs = self._shadow_inputs(args, kwargs)
         if inputs is None:
 
@@ -378,6 +379,8 @@ class MemoryCounter(TorchDispatchMode):
                 if value.numel() > SHADOW_LIMIT:
                     raise RuntimeError(f"{func} needs the values of a large fake tensor {tuple(value.shape)}")
                 self.items_faked += 1
+                if value.dtype == torch.bool:  # e.g. TRL's nanmin: x[~isnan(x)] of an x without values
+                    return torch.ones(value.shape, dtype=torch.bool)
                 return torch.zeros(value.shape, dtype=value.dtype)
 
             inputs = tree_map(zeros, (args, kwargs))
@@ -635,7 +638,10 @@ def readable_values() -> Iterator[None]:
     import transformers.masking_utils as masking_utils
     import transformers.modeling_utils as modeling_utils
 
-    original = masking_utils.is_tracing
+    original = getattr(masking_utils, "is_tracing", None)
+    if original is None:  # transformers 4.56 has no is_tracing: only jit / fx / dynamo count as tracing there
+        yield
+        return
 
     def is_tracing(tensor=None) -> bool:
         if tensor is not None and getattr(tensor, "_shadow", None) is not None:
