@@ -29,7 +29,8 @@ needs_cpu_logps = pytest.mark.skipif(
 # The count reads the values of the log-probs TRL's fused LM head returns (TRL >= 1.15); TRL 1.14 takes them from full
 # logits, whose values a fake pass does not have, so branches on them are guessed and the count is not exact there.
 needs_fused_lm_head = pytest.mark.skipif(
-    not has_fused_lm_head(), reason="the count follows TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits"
+    not has_fused_lm_head(),
+    reason="the count follows TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits",
 )
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
 
