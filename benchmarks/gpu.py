@@ -18,8 +18,10 @@ Cases (prompts of 128 tokens, 8 completions per prompt, the recipes' LoRA settin
   7b-qlora       Qwen2.5-7B shape, 4-bit nf4 (bitsandbytes, double quantization, bf16 compute, as
                  recipes/grpo_qlora.py loads it), LoRA r=16, gradient checkpointing, micro-batch 4
   long           where a 24 GB card stops: the 1.5B LoRA + checkpointing config's training pass (forward + backward of
-                 one micro-batch of 8 completions, synthetic, no generation) at 1K/2K/4K/8K/16K-token completions,
-                 under a 24 GiB limit (torch.cuda.set_per_process_memory_fraction), until it runs out of memory
+                 one micro-batch of 8 completions, synthetic, no generation) at 1K/2K/4K/8K/16K/24K/32K-token
+                 completions, under a 24 GiB limit (torch.cuda.set_per_process_memory_fraction), until it runs out of
+                 memory; besides TRL and grpo_plus (zero-waste on / off) a fourth side, `ours_long`: grpo_plus with
+                 its long-completion settings (activation_offloading=True, tiled_mlp_tokens=4096)
 Per case and side: peak VRAM (max_memory_allocated, split into generation and training, and max_memory_reserved),
 median step time, training-pass time (forward + backward of the step's micro-batches) and generation time
 (generation + scoring) over the steps after the warm-up, and the grpo_plus / TRL ratios. Checks against TRL: the
@@ -60,6 +62,9 @@ from shapes import (  # benchmarks/shapes.py: the script's own folder is on the 
 ROOT = Path(__file__).resolve().parents[1]
 
 SIDES = ("trl", "ours", "ours_off")  # stock TRL; grpo_plus with zero_waste_pass on; and off
+# The training-pass ladders also run grpo_plus with its long-completion settings (docs/guide/long-completions.md).
+LADDER_SIDES = (*SIDES, "ours_long")
+LONG_SETTINGS = {"activation_offloading": True, "tiled_mlp_tokens": 4096}
 GIB = 2**30
 CARD_BYTES = 24 * GIB
 
@@ -87,7 +92,8 @@ CASES = {
                          description="Qwen2.5-1.5B shape, bf16, LoRA r=32, grad. checkpointing"),
     "7b-qlora": Case("qwen2.5-7b", "qwen2.5-7b_qlora", True, 4, 2, 512, qlora=True,
                      description="Qwen2.5-7B shape, nf4 QLoRA r=16, grad. checkpointing"),
-    "long": Case("qwen2.5-1.5b", "qwen2.5-1.5b_lora", True, 8, 1, 4096, ladder=(1024, 2048, 4096, 8192, 16384),
+    "long": Case("qwen2.5-1.5b", "qwen2.5-1.5b_lora", True, 8, 1, 4096,
+                 ladder=(1024, 2048, 4096, 8192, 16384, 24576, 32640),
                  memory_cap=CARD_BYTES, description="Qwen2.5-1.5B shape, bf16, LoRA r=32, grad. checkpointing, "
                  "training pass of 8 completions, 24 GiB limit"),
 }  # fmt: skip
@@ -311,7 +317,11 @@ def build_trainer(case: Case, side: str, device: str, steps: int, output_dir: Pa
     prompts = [prompt_text(case.prompt_length, vocab_size, seed=i) for i in range(max(prompts_per_step, 1) * steps)]
     dead = set(prompts[: round(dead_share * len(prompts))])
     package = trl if side == "trl" else grpo_plus
-    extra = {} if side == "trl" else {"zero_waste_pass": side == "ours"}
+    extra = {} if side == "trl" else {"zero_waste_pass": side in ("ours", "ours_long")}
+    if side == "ours_long":
+        extra.update(LONG_SETTINGS)
+        if case.shape == "tiny-qwen2":  # --smoke: slices small enough that the tiny sequences are tiled
+            extra["tiled_mlp_tokens"] = 32
     args = package.GRPOConfig(
         output_dir=str(output_dir), use_cpu=device == "cpu", bf16=device == "cuda", seed=0, max_steps=steps,
         per_device_train_batch_size=case.rows, gradient_accumulation_steps=case.accumulation,
@@ -410,7 +420,9 @@ def run_ladder(case: Case, side: str, work: Path, cache_dir: Path) -> dict:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                 start = time.perf_counter()
-                trainer._compute_loss(model, inputs).backward()
+                # what training_step runs inside: grpo_plus's activation offloading where it is on
+                with getattr(trainer, "_offload_step", contextlib.nullcontext()):
+                    trainer._compute_loss(model, inputs).backward()
                 if cuda:
                     torch.cuda.synchronize()
                 seconds.append(time.perf_counter() - start)
@@ -692,9 +704,10 @@ def main(argv=None) -> int:
             random_checkpoint(case, cache_dir)
     for name, case in cases.items():
         print(f"== {name}: {case.description}", flush=True)
-        runs: dict[str, list[dict]] = {side: [] for side in SIDES}
+        sides = LADDER_SIDES if case.ladder else SIDES
+        runs: dict[str, list[dict]] = {side: [] for side in sides}
         for round_index in range(1 if case.ladder else args.rounds):
-            order = SIDES if round_index % 2 == 0 else SIDES[::-1]
+            order = sides if round_index % 2 == 0 else sides[::-1]
             for side in order:
                 spec = dict(case=name, side=side, steps=args.steps, warmup=args.warmup, work=str(work),
                             cache_dir=str(cache_dir), dead_share=args.dead_share)  # fmt: skip

@@ -30,6 +30,8 @@ from .trl_compat import (
     ignore_renames_trl_still_uses,
 )
 
+FIT_CHECK_MODES = ("warn", "error", "off")
+
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
 
 # Before any GRPOConfig is built: TRL's own defaults and calls set off transformers' renaming warnings (see trl_compat).
@@ -302,6 +304,33 @@ class GRPOConfig(trl.GRPOConfig):
             "by row, and other decoding modes (beams)."
         },
     )
+    activation_offloading: bool = field(
+        default=False,
+        metadata={
+            "help": "TRL's SFTConfig field, for GRPO: the tensors autograd keeps for backward (under gradient "
+            "checkpointing each layer's checkpoint, without it every activation) are copied to pinned CPU memory on a "
+            "side stream during the training forward and brought back for backward (trl.models.activation_offloading)."
+            " Same gradient; frees device memory at long completions. Nothing to offload on a CPU."
+        },
+    )
+    tiled_mlp_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Tiled MLP: in the training forward, run each decoder layer's MLP over at most this many token "
+            "positions at a time and recompute it slice by slice in backward, so one slice's MLP intermediates are "
+            "alive instead of the whole sequence's (e.g. 4096). Same gradient up to float rounding; one more MLP "
+            "forward per step. Stands aside while a dropout inside the MLP (LoRA dropout) is active. None: whole."
+        },
+    )
+    fit_check: str = field(
+        default="warn",
+        metadata={
+            "help": "Before step 1, on a CUDA device: count the worst step's peak memory (every completion at "
+            "max_completion_length) and compare it with the device's free memory. 'warn' logs a warning naming "
+            "settings that would fit, 'error' raises instead of training, 'off' skips the count.",
+            "choices": ["warn", "error", "off"],
+        },
+    )
     zero_waste_exact_entropy: bool = field(
         default=False,
         metadata={
@@ -441,6 +470,9 @@ class PlusSettings:
     zero_waste_exact_entropy: bool
     health: HealthSettings
     plugins: tuple[str, ...]
+    activation_offloading: bool
+    tiled_mlp_tokens: int | None
+    fit_check: str
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
     selective: SelectiveRolloutSettings
@@ -458,6 +490,9 @@ class PlusSettings:
             zero_waste_exact_entropy=own.zero_waste_exact_entropy,
             health=HealthSettings.from_args(own),
             plugins=tuple(own.plugins or ()),
+            activation_offloading=own.activation_offloading,
+            tiled_mlp_tokens=own.tiled_mlp_tokens,
+            fit_check=own.fit_check,
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
@@ -474,6 +509,12 @@ class PlusSettings:
             raise not_allowed("overlong_buffer_length", buffer, f"in (0, max_completion_length={length}] or None")
         if self.overlong_penalty < 0:
             raise not_allowed("overlong_penalty", self.overlong_penalty, ">= 0")
+        if self.tiled_mlp_tokens is not None and not self.tiled_mlp_tokens >= 1:
+            raise not_allowed(
+                "tiled_mlp_tokens", self.tiled_mlp_tokens, "a positive number of token positions or None"
+            )
+        if self.fit_check not in FIT_CHECK_MODES:
+            raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
         self.health.validate()

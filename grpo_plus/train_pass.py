@@ -106,11 +106,16 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # (n, L)
     position_ids: torch.Tensor  # (n, L)
-    block_mask: torch.Tensor  # (n, 1, L, L) bool, True where a query may attend a key
+    # (n, 1, L, L) bool, True where a query may attend a key; None where `mask_free` (it would be [packs x width x
+    # width] of nothing worth knowing, gigabytes at long completions)
+    block_mask: torch.Tensor | None
     targets: torch.Tensor  # (n, L): the token each position predicts, IGNORE_INDEX where nothing is scored
     source: tuple[torch.Tensor, torch.Tensor]  # (pack, position) of every scored position
     destination: tuple[torch.Tensor, torch.Tensor]  # (row, completion column) of the same positions
     shares_prompts: bool = True  # some pack holds two or more completions after its prompt
+    # Every pack is one row's tokens without a gap, then padding: causal attention alone is TRL's masked attention for
+    # every real position (the padding comes after them), so the forward needs no mask at all.
+    mask_free: bool = False
 
     @property
     def positions(self) -> int:
@@ -240,6 +245,8 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         length = len(pack)
         input_ids[index, :length] = torch.cat(pack.token_ids)
         position_ids[index, :length] = torch.cat(pack.position_ids)
+        # Padding continues the positions: to transformers, a position that restarts would mark a packed sequence.
+        position_ids[index, length:] = position_ids[index, length - 1] + 1 + torch.arange(width - length)
         segments[index, :length] = torch.cat(pack.segments)
         valid[index, :length] = torch.cat(pack.attended)
         pack_targets = torch.cat(pack.targets)
@@ -249,7 +256,9 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         source_position.append(scored)
         destination_row.append(torch.cat(pack.destination_rows))
         destination_col.append(torch.cat(pack.destination_columns))
-    block_mask = block_attention_mask(segments, valid)
+    shares_prompts = any(len(pack.segments) > 2 for pack in packs)  # the prefix and 2+ completion segments
+    mask_free = not shares_prompts and bool((valid | (segments == _PADDING)).all())
+    block_mask = None if mask_free else block_attention_mask(segments, valid).to(device)
 
     def flat(parts: list[torch.Tensor]) -> torch.Tensor:
         return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
@@ -257,11 +266,12 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
     return PackedBatch(
         input_ids=input_ids.to(device),
         position_ids=position_ids.to(device),
-        block_mask=block_mask.to(device),
+        block_mask=block_mask,
         targets=targets.to(device),
         source=(flat(source_pack), flat(source_position)),
         destination=(flat(destination_row), flat(destination_col)),
-        shares_prompts=any(len(pack.segments) > 2 for pack in packs),  # the prefix and 2+ completion segments
+        shares_prompts=shares_prompts,
+        mask_free=mask_free,
     )
 
 
@@ -396,12 +406,19 @@ def shared_prompt_logps(
     hidden_size: int,
     pad_token_id: int,
     unshared_positions: int | None = None,
+    mask_free: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None where packing
-    does not pay: a chunk has no token to score, no pack shares its prompt (a block mask would only cost: a dense
-    S x S mask per pack, and models expand grouped key/value heads for it), or the packs, padded to the widest,
-    hold at least the `unshared_positions` the caller's per-row forward would compute (rows of a group spread
-    over micro-batches). The caller then runs the per-row forward, which makes the same number of model calls.
+    does not pay: a chunk has no token to score, or the packs, padded to the widest, hold at least the
+    `unshared_positions` the caller's per-row forward would compute (rows of a group spread over micro-batches).
+
+    Where no pack shares its prompt (long completions, rows of a group spread over micro-batches) a block mask would
+    only cost (a dense S x S mask per pack, and models expand grouped key/value heads for it). Then, if the rows have
+    padding (left-padded prompts, ragged completions), each row runs as a pack of its own tokens without a gap and
+    without any attention mask (`PackedBatch.mask_free`): TRL's forward would build a [rows, 1, S, S] mask from the
+    padding, gigabytes at long completions, and kernels that take a mask instead of the causal flash kernel. Without
+    padding, or with `mask_free=False` (the caller's model would then run a worse kernel), this returns None and the
+    caller runs the per-row forward, which makes the same number of model calls.
 
     `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
     entropies or None). Chunks are TRL's (`row_chunks`), one model call each.
@@ -420,8 +437,11 @@ def shared_prompt_logps(
             return None
         batches.append((index, batch))
     if not any(batch.shares_prompts for _, batch in batches):
-        return None
-    if unshared_positions is not None and sum(batch.positions for _, batch in batches) >= unshared_positions:
+        scored_width = prompt_width + completion_width(completion_mask)
+        padded = not bool(attention_mask[:, :scored_width].all())
+        if not (padded and mask_free) or not all(batch.mask_free for _, batch in batches):
+            return None
+    elif unshared_positions is not None and sum(batch.positions for _, batch in batches) >= unshared_positions:
         return None
     logps = entropies = None
     for index, batch in batches:

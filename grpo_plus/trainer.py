@@ -26,15 +26,18 @@ from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
+from .fit import check_before_training
 from .generation import GenerationStats, generate_patched, generation_blocker
 from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
 from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
 from .losses import compute_policy_loss
 from .multi_turn import TurnCache
+from .offloading import training_step_context
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
+from .tiled_mlp import tile_mlps
 from .training_state import TrainingState, carry_running_loss, stateful_parts
 from .trl_compat import (
     TRL_NATIVE_LOSS_TYPES,
@@ -93,6 +96,26 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.add_callback(self._crash_checkpoint)
         self._health = TrainingHealthGuard(self.plus.health)  # reads each log; with "stop", ends train() (below)
         self.add_callback(self._health)
+        self._long_completions_setup()
+
+    # ---- long completions: offloading, tiled MLP, the fit check (grpo_plus.offloading, tiled_mlp, fit) ----------------
+
+    def _long_completions_setup(self) -> None:
+        policy = self.accelerator.unwrap_model(self.model)
+        if self.plus.tiled_mlp_tokens:
+            tile_mlps(policy, self.plus.tiled_mlp_tokens)
+        self._offload_step = training_step_context(
+            self.model, self.accelerator.device, self.plus.activation_offloading
+        )
+        if self.plus.fit_check != "off" and self.accelerator.device.type == "cuda":
+            check_before_training(
+                self.args, policy, self.train_dataset, self.processing_class, self.accelerator.device,
+                mode=self.plus.fit_check,
+            )  # fmt: skip
+
+    def training_step(self, *args, **kwargs):
+        with self._offload_step:  # as TRL's SFTTrainer wraps its training step (activation_offloading)
+            return super().training_step(*args, **kwargs)
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""

@@ -256,6 +256,17 @@ class ZeroWastePass:
         config = self.trainer.accelerator.unwrap_model(model).config
         return shared_prompt_blocker(config, getattr(config, "_attn_implementation", None), input_ids.shape[1])
 
+    def mask_free_allowed(self, model) -> bool:
+        """Whether rows may run without a mask: not in float32 with grouped-query heads, where transformers then asks
+        SDPA for grouped-query attention, which on CUDA only the flash kernel takes, and flash needs fp16 / bf16 (it
+        would fall back to the math kernel, every [query x key] score in memory; with a mask it repeats the key /
+        value heads and takes the memory-efficient kernel, as in TRL's forward)."""
+        config = model.config.get_text_config()
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        args = self.trainer.args
+        half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
+        return half or kv_heads in (None, heads)
+
     def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
         """Log-probs and entropies with one prompt copy per pack; None where packing does not pay."""
         prompt_width = input_ids.shape[1] - logits_to_keep
@@ -265,7 +276,10 @@ class ZeroWastePass:
 
         def model_forward(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
             self.positions += batch.positions
-            block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
+            if batch.mask_free:  # one row per pack, no gap: causal attention is TRL's masked attention
+                block_mask = None
+            else:
+                block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
             with accelerator.autocast():
                 return fused_lm_head_forward(model, batch.input_ids, block_mask, batch.position_ids, batch.targets)
 
@@ -279,4 +293,5 @@ class ZeroWastePass:
             pad_token_id=self.trainer._tokenizer.pad_token_id or 0,
             unshared_positions=input_ids.shape[0]
             * (prompt_width + completion_width(attention_mask[:, prompt_width:])),
+            mask_free=self.mask_free_allowed(unwrapped),
         )

@@ -50,6 +50,9 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "selective_rollout_target_dead_frac",
         "selective_rollout_history",
         "selective_rollout_solved_reward",
+        "activation_offloading",
+        "tiled_mlp_tokens",
+        "fit_check",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 

@@ -23,7 +23,8 @@ def test_pack_layout_positions_targets_and_mask():
     batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, hidden_size=1024)
     # Pack 0: prompt [5, 6] once, then [7, 20, 21] -> predicts [20, 21, 22] and [7] -> predicts [30].
     assert batch.input_ids.tolist() == [[5, 6, 7, 20, 21, 7], [8, 9, 10, 11, 40, 0]]
-    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5, 3], [0, 1, 2, 3, 4, 0]]
+    # Padding continues the positions (5): a position that restarts would tell transformers a sequence was packed.
+    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5, 3], [0, 1, 2, 3, 4, 5]]
     ignore = IGNORE_INDEX
     assert batch.targets.tolist() == [[ignore, ignore, 20, 21, 22, 30], [ignore] * 3 + [40, 41, ignore]]
     # The second completion of the first group sees the prompt (positions 0-1) and itself, not the first completion.
@@ -32,6 +33,24 @@ def test_pack_layout_positions_targets_and_mask():
     assert sorted(zip(*[t.tolist() for t in batch.destination], strict=True)) == [
         (0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1),
     ]  # fmt: skip
+
+
+def test_rows_without_a_shared_prompt_need_no_mask_unless_a_token_inside_is_masked():
+    """One completion per pack (nothing shared), each row's tokens without a gap: causal attention alone is TRL's
+    masked attention, so the forward runs without a mask (`mask_free`); a masked key inside a row needs the mask."""
+    prompt_ids = torch.tensor([[0, 5, 6], [8, 9, 10]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    completion_ids = torch.tensor([[20, 21, 0], [40, 41, 42]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, hidden_size=1024)
+    assert not batch.shares_prompts and batch.mask_free
+    assert batch.input_ids.tolist() == [[5, 6, 20, 0, 0], [8, 9, 10, 40, 41]]
+    assert batch.position_ids.tolist() == [[1, 2, 3, 4, 5], [0, 1, 2, 3, 4]]
+    holey = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, torch.tensor([[1, 0, 1], [1, 1, 1]]), 1024)
+    assert not holey.mask_free  # the second token of the first completion is masked: its key must stay invisible
+    shared = pack_shared_prompts(prompt_ids[[0, 0]], prompt_mask[[0, 0]], completion_ids[[0, 1]],
+                                 completion_mask[[0, 1]], hidden_size=1024)  # fmt: skip
+    assert shared.shares_prompts and not shared.mask_free
 
 
 def test_masked_token_inside_a_completion_stays_invisible():

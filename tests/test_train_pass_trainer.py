@@ -258,9 +258,11 @@ def test_no_grad_pass_calls_the_model_once_per_trl_chunk_whatever_the_prompts():
 @needs_fused_lm_head
 def test_rows_that_share_no_prompt_are_not_packed():
     """One row from each of 4 groups (TRL's row shuffle spreads groups over micro-batches): no pack would share its
-    prompt, so a block mask would only cost (a dense S x S mask, expanded key/value heads): the per-row forward
-    runs, without the padding, and its log-probs are TRL's."""
-    trainer = make_trainer()
+    prompt, so a block mask would only cost (a dense S x S mask, expanded key/value heads). The rows have padding
+    (left-padded prompts, ragged completions), which would make TRL's forward build a [rows, 1, S, S] mask: each row
+    runs as its own tokens without a gap, with no attention mask at all, and its log-probs are TRL's. (Full attention
+    heads: with grouped-query heads in float32 the per-row forward keeps its mask, see the next test.)"""
+    trainer = make_trainer(config_overrides={"num_key_value_heads": 4})
     inputs = micro_batch(trainer)
     rows = [0, G, 2 * G, 3 * G]
     parts = [inputs[k][rows] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
@@ -269,10 +271,27 @@ def test_rows_that_share_no_prompt_are_not_packed():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
             trainer.model, torch.cat([parts[0], parts[2]], 1), torch.cat([parts[1], parts[3]], 1), COMPLETION_WIDTH
         )
-    assert [call["mask_dims"] for call in log.calls] == [2]
-    assert log.positions <= len(rows) * (PROMPT_WIDTH + COMPLETION_WIDTH)
+    assert [call["mask_dims"] for call in log.calls] == [None]
+    assert log.positions < len(rows) * (PROMPT_WIDTH + COMPLETION_WIDTH)
     reference, _, _ = trl_full_pass(trainer, *parts)
     torch.testing.assert_close(logps, reference, atol=1e-6, rtol=1e-6)
+
+
+@needs_fused_lm_head
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_padded_rows_that_share_no_prompt_train_without_a_mask_with_trls_gradient(family):
+    """The same spread-out rows in the training forward: no attention mask reaches the model, and the gradient (every
+    group live) is the full pass's. With grouped-query heads in float32 (no autocast) transformers would ask SDPA for
+    grouped-query attention without a mask, which CUDA runs only in the math kernel (every score in memory): there
+    the per-row forward keeps TRL's mask."""
+    for kv_heads, mask_dims in ((4, None), (2, 2)):
+        trainer = make_trainer(family, config_overrides={"num_key_value_heads": kv_heads})
+        inputs = micro_batch(trainer, dead_groups=())
+        rows = [0, G + 2, 2 * G, 3 * G + 1]
+        inputs = {k: v[rows] if k != "num_items_in_batch" else v for k, v in inputs.items()}
+        inputs["num_items_in_batch"] = inputs["completion_mask"].sum().to(trainer.model.dtype)
+        _, log = assert_saved_pass_matches_full(trainer, inputs)
+        assert [call["mask_dims"] for call in log.calls if call["grad"]] == [mask_dims], kv_heads
 
 
 def shuffled_micro_batches(trainer: GRPOTrainer, count: int, **kwargs) -> list[dict]:

@@ -1,8 +1,9 @@
-"""`grpo-plus` command line: compare configurations, list what is registered, push a saved adapter."""
+"""`grpo-plus` command line: compare configurations, list what is registered, check a config fits, push an adapter."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -77,6 +78,80 @@ def _push(args: argparse.Namespace) -> int:
     return 0
 
 
+# YAML keys of a recipe config that are not GRPOConfig fields (TRL's ModelConfig, the recipes' ScriptArguments).
+_MODEL_KEYS = ("model_name_or_path", "model_revision", "dtype", "torch_dtype", "attn_implementation", "use_peft",
+               "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "lora_task_type",
+               "use_rslora", "use_dora", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+               "trust_remote_code")  # fmt: skip
+
+
+def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | None = None,
+                       equal_prompts: bool = False):  # fmt: skip
+    """A FitSpec from a recipe config YAML: its GRPOConfig fields through grpo_plus.GRPOConfig (TRL's defaults for the
+    rest), its model fields as TRL's ModelConfig reads them, the model's shape from a local config.json, the Hub cache
+    or grpo_plus.fit.KNOWN_SHAPES (nothing is downloaded)."""
+    import tempfile
+
+    import yaml
+    from transformers import AutoConfig
+
+    from ..config import GRPOConfig
+    from ..fit import FitSpec, known_config, lora_fields
+    from .recipe import ScriptArguments
+
+    settings = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: expected a YAML mapping of settings")
+    name = str(settings.get("model_name_or_path", ""))
+    config = None
+    if model_config_path:
+        config = AutoConfig.from_pretrained(model_config_path)
+    else:
+        config = known_config(name)
+        if config is None:
+            try:
+                config = AutoConfig.from_pretrained(name, local_files_only=True)
+            except (OSError, ValueError) as error:
+                from ..fit import KNOWN_MODELS
+
+                raise ValueError(
+                    f"{path}: model_name_or_path={name!r} has no config.json here (not a local folder, not in the Hub "
+                    f"cache) and is not one of grpo_plus's known shapes ({', '.join(KNOWN_MODELS)}); pass "
+                    "--model-config PATH/TO/config.json"
+                ) from error
+    config._attn_implementation = settings.get("attn_implementation") or "sdpa"
+    script_keys = {f.name for f in dataclasses.fields(ScriptArguments)}
+    training = {k: v for k, v in settings.items() if k not in _MODEL_KEYS and k not in script_keys}
+    training.update(output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), use_cpu=True, report_to="none",
+                    push_to_hub=False)  # fmt: skip
+    args = GRPOConfig(**training)
+    dtype_name = settings.get("dtype") or settings.get("torch_dtype") or "auto"
+    if dtype_name == "auto":
+        dtype_name = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16")
+    import torch
+
+    dtype = getattr(torch, str(dtype_name).removeprefix("torch."))
+    lora = None
+    if settings.get("use_peft", "lora_r" in settings):
+        lora = lora_fields(settings.get("lora_r", 16), settings.get("lora_alpha", 32),
+                           settings.get("lora_dropout", 0.05), settings.get("lora_target_modules"))  # fmt: skip
+    four_bit = bool(settings.get("load_in_4bit") or "bnb_4bit_quant_type" in settings)
+    spec = FitSpec.from_config(args, config, dtype, lora, four_bit, prompt_tokens)
+    return spec.replace(padded_prompts=not equal_prompts)
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from ..fit import GIB, fit_report, format_report
+
+    spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts)
+    budget = int((args.memory_gib - args.reserve_gib) * GIB)
+    if budget <= 0:
+        raise ValueError(f"--memory-gib {args.memory_gib} leaves nothing after the {args.reserve_gib} GiB reserve")
+    report = fit_report(spec, budget, groups=not args.no_groups)
+    print(format_report(report, f"{args.config} on a {args.memory_gib:g} GiB card"))
+    return 0
+
+
 def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
@@ -113,6 +188,24 @@ def build_parser() -> argparse.ArgumentParser:
     listing = commands.add_parser("list", help="registered loss types, importance sampling levels, normalizers")
     listing.add_argument("--plugins", nargs="*", default=[], help="modules to import first")
     listing.set_defaults(run=_list, parser=listing)
+
+    fit = commands.add_parser(
+        "fit",
+        help="will this config fit the GPU? the worst step's peak memory, counted from the config alone",
+        description="Count the worst step's peak memory (every completion at max_completion_length, every row alive) "
+        "for stock TRL and grpo_plus, per part; the longest completion and the largest G that fit with every memory "
+        "option; settings that make an over-budget config fit. Counted on fake tensors (no GPU, nothing downloaded).",
+    )
+    fit.add_argument("--config", required=True, help="a recipe config YAML (recipes/configs/*.yaml)")
+    fit.add_argument("--memory-gib", type=float, default=24.0, help="the GPU's memory (default: a 24 GB card)")
+    fit.add_argument("--reserve-gib", type=float, default=2.0,
+                     help="kept for the CUDA context, kernel workspaces and allocator slack (default 2)")  # fmt: skip
+    fit.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt, in tokens (default 128)")
+    fit.add_argument("--equal-prompts", action="store_true",
+                     help="every prompt has the same length (no padding; default: prompts differ, as in most datasets)")  # fmt: skip
+    fit.add_argument("--model-config", default=None, help="a config.json for a model grpo_plus does not know")
+    fit.add_argument("--no-groups", action="store_true", help="skip the largest-G search (faster)")
+    fit.set_defaults(run=_fit, parser=fit)
 
     push = commands.add_parser(
         "push",

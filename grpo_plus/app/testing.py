@@ -116,7 +116,7 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     sizes = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
-    return classes[family](**sizes, max_position_embeddings=64, **common, **overrides)
+    return classes[family](**{**sizes, **overrides}, max_position_embeddings=64, **common)
 
 
 def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:

@@ -1,0 +1,720 @@
+"""Counting a training step's memory per device without running it: fake tensors on a fake accelerator.
+
+The big tensors of a count are FakeTensors (`torch._subclasses.fake_tensor`): shape, dtype and device, no data, so a
+7B model's training pass at 30K tokens runs in seconds on a CPU, operator by operator through TRL's, transformers'
+and grpo_plus's own code. `MemoryCounter` (a `TorchDispatchMode`) sees every operator and adds up the storages each
+one allocates, per device, from their creation until a weakref finalizer sees them freed: `peak` is the most bytes
+alive at once on the accelerator, `host_peak` on the CPU (what activation offloading moves there).
+
+The accelerator is CUDA where this torch has it. A CPU-only torch cannot run autograd on fake `cuda` tensors (every
+autograd node records the CUDA stream of its inputs, and a CPU build has no CUDA device guard: the process aborts),
+so there the count runs on a stand-in accelerator, `fakegpu`: torch's PrivateUse1 backend registered from Python,
+with CUDA's autocast policy for the operators that allocate the big tensors (matrix products in the autocast dtype),
+and no-op streams and events, so TRL's activation offloading runs its own code with its streams. A CPU tensor mixed
+into an operation on `fakegpu` fails as it would on a GPU (`FakeTensorDeviceMismatchError`).
+
+What a fake count does not see, by construction: the GPU allocator's block rounding and fragmentation, the CUDA
+context, cuBLAS / attention workspaces, and kernels that allocate differently from their meta functions. Where a
+kernel is chosen at run time the count makes CUDA's choice: scaled-dot-product attention takes the flash kernel
+(no mask, fp16/bf16, head dim <= 256), else the memory-efficient one (no grouped-query heads), else the math path,
+as torch does on an H100; TRL's fused LM head folds each logits tile in a Triton kernel that allocates nothing.
+
+Values: an operator on fake tensors has none. The small tensors a training pass reads (token ids, masks, advantages,
+index lists) carry a real CPU "shadow" that every small operator also computes, so data-dependent code (which rows
+are alive, where a prompt ends, `.item()`) takes the branch it takes on real data. A value read from a big tensor
+(a metric of the log-probs) reads 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+GIB = 2**30
+FAKE_ACCELERATOR = "fakegpu"
+# Operators on at most this many elements are also computed on their shadows (real CPU values).
+SHADOW_LIMIT = 2**22
+# CUDA autocast's lower-precision operators (aten/src/ATen/autocast_mode.cpp, `KERNEL_CUDA(..., lower_precision_fp)`)
+# that a decoder's training pass runs: the ones that make big tensors. The stand-in accelerator casts their floating
+# inputs to the autocast dtype; every other operator runs as is (CUDA's fp32 list only touches small tensors here:
+# norms already compute in fp32, losses are [rows, tokens]).
+_LOWER_PRECISION_OPS = ("mm", "matmul", "linear", "addmm", "addmv", "addbmm", "baddbmm", "bmm", "mv", "einsum")
+
+
+# ---- the stand-in accelerator ---------------------------------------------------------------------------------------
+
+
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """A stream that orders nothing (a fake run computes nothing)."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> _Event:
+        return event or _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _StandInModule:
+    """`torch.fakegpu`: what torch, accelerate and TRL's offloading ask of an accelerator module."""
+
+    Stream = _Stream
+    Event = _Event
+
+    def __init__(self):
+        self._stream = _Stream()
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        pass
+
+    def get_amp_supported_dtype(self) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16]
+
+    def current_stream(self, device=None) -> _Stream:
+        return self._stream
+
+    def stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def synchronize(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+
+_registered_libraries: list = []  # torch.library registrations live as long as these objects
+
+
+def _register_stand_in() -> None:
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend(rename=FAKE_ACCELERATOR, backend_module=_StandInModule())
+    fallthrough = torch.library.Library("_", "IMPL")
+    fallthrough.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+    lower = torch.library.Library("aten", "IMPL")
+    key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+
+    def cast(value, dtype):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.device.type == FAKE_ACCELERATOR:
+            return value if value.dtype in (dtype, torch.float64) else value.to(dtype)
+        if isinstance(value, (list, tuple)):
+            return type(value)(cast(item, dtype) for item in value)
+        return value
+
+    def lower_precision(op):
+        def kernel(*args, **kwargs):
+            dtype = torch.get_autocast_dtype(FAKE_ACCELERATOR)
+            with torch._C._ExcludeDispatchKeyGuard(key):
+                return op(*cast(args, dtype), **{name: cast(value, dtype) for name, value in kwargs.items()})
+
+        return kernel
+
+    for name in _LOWER_PRECISION_OPS:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            lower.impl(f"{name}.{overload}" if overload != "default" else name, lower_precision(getattr(packet, overload)),
+                       "AutocastPrivateUse1")  # fmt: skip
+    _registered_libraries.extend([fallthrough, lower])
+
+
+def fake_accelerator() -> str:
+    """The device type a count runs on: `cuda` where torch has CUDA, else the stand-in `fakegpu` (registered on first
+    use). Raises RuntimeError where neither can be had (another PrivateUse1 backend, e.g. an NPU, is registered)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    name = torch._C._get_privateuse1_backend_name()
+    if name == FAKE_ACCELERATOR:
+        return name
+    if name != "privateuseone":
+        raise RuntimeError(f"cannot count on a fake accelerator: PrivateUse1 is already the {name!r} backend")
+    _register_stand_in()
+    return FAKE_ACCELERATOR
+
+
+def new_fake_mode() -> FakeTensorMode:
+    """A FakeTensorMode for a count: real CPU inputs allowed (converted to fake tensors as they come)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(value) -> bool:
+    return isinstance(value, FakeTensor)
+
+
+# ---- counting -------------------------------------------------------------------------------------------------------
+
+
+def _storage(tensor: torch.Tensor):
+    """(identity, bytes, storage) of a tensor's storage, or None for tensors without one."""
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage._cdata, storage.nbytes(), storage
+
+
+def _on_host(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu"
+
+
+class MemoryCounter(TorchDispatchMode):
+    """Bytes of the storages operators allocate while active, live now and the most ever live at once, on the
+    accelerator (`live`, `peak`) and on the host (`host_live`, `host_peak`). Storages that existed before counting
+    began (weights, inputs) are not counted.
+
+    With a `fake_mode`, operators over fake tensors, and factory operators aimed at a non-CPU device, run fake; small
+    operators also run on their inputs' shadows (module docstring). Without one it counts real compute, on whatever
+    device it runs, as the accelerator's (`live`, `peak`).
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode | None = None):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.live = self.peak = 0
+        self.host_live = self.host_peak = 0
+        self.sizes: dict[int, tuple[int, bool]] = {}  # storage identity -> (bytes, on host)
+        self.items_faked = 0  # values read from tensors without a shadow
+        self.on_release: list = []  # callbacks taking the identity of a storage that was freed
+        self.all_fake = False
+        self.describe: dict[int, str] | None = None  # storage identity -> what made it (set to a dict to record)
+        self.at_peak: list[tuple[int, str]] = []  # (bytes, what made it) of what was alive at the peak, if recorded
+
+    # -- bookkeeping --
+
+    def _release(self, key: int, nbytes: int, host: bool) -> None:
+        if self.describe is not None:
+            self.describe.pop(key, None)
+        if host:
+            self.host_live -= nbytes
+        else:
+            self.live -= nbytes
+        self.sizes.pop(key, None)
+        for callback in self.on_release:
+            callback(key)
+
+    def _record(self, outputs, inputs, func=None) -> None:
+        input_keys = {key[0] for key in map(_storage, inputs) if key is not None}
+        for tensor in tree_leaves(outputs):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key = _storage(tensor)
+            if key is None or key[0] in input_keys or key[0] in self.sizes:
+                continue  # a view, an in-place result, or a storage that existed before counting began
+            identity, nbytes, storage = key
+            host = _on_host(tensor) and self.fake_mode is not None  # counting real compute: the CPU is the device
+            self.sizes[identity] = (nbytes, host)
+            if host:
+                self.host_live += nbytes
+                self.host_peak = max(self.host_peak, self.host_live)
+            else:
+                self.live += nbytes
+                if self.describe is not None:
+                    self.describe[identity] = f"{func} {tuple(tensor.shape)} {tensor.dtype}"
+                if self.live > self.peak and self.describe is not None:
+                    self.at_peak = sorted(
+                        ((self.sizes[key][0], text) for key, text in self.describe.items()), reverse=True
+                    )
+                self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._release, identity, nbytes, host)
+
+    # -- dispatch --
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if self.fake_mode is None:
+            outputs = func(*args, **kwargs)
+            self._record(outputs, tensors, func)
+            return outputs
+        any_fake = any(is_fake(t) for t in tensors)
+        if func is torch.ops.aten._local_scalar_dense.default and any_fake:
+            return self._item(args[0])
+        if any_fake or self.all_fake or _aims_at_accelerator(kwargs) or self._too_large_for_real(func, args, kwargs):
+            outputs = self._run_fake(func, args, kwargs, tensors)
+        else:
+            outputs = func(*args, **kwargs)
+        self._record(outputs, tensors, func)
+        return outputs
+
+    def _too_large_for_real(self, func, args, kwargs) -> bool:
+        """Whether an operator on real CPU inputs would make a tensor too large to compute here (e.g. a dense
+        [width x width] mask at 30K tokens): its fake outputs are checked first, and then it runs fake."""
+        fake_args, fake_kwargs = tree_map(
+            lambda v: self.fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs)
+        )
+        try:
+            with self.fake_mode:
+                probe = func(*fake_args, **fake_kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            return False
+        except Exception:  # an operator fake tensors cannot run (a real-only Python object): run it for real
+            return False
+        return any(isinstance(t, torch.Tensor) and t.numel() > SHADOW_LIMIT for t in tree_leaves(probe))
+
+    def _run_fake(self, func, args, kwargs, tensors):
+        if all(is_fake(t) for t in tensors):
+            fake_args, fake_kwargs = args, kwargs
+        else:
+            fake_args, fake_kwargs = tree_map(self._to_fake, (args, kwargs))
+        try:
+            with self.fake_mode:
+                outputs = func(*fake_args, **fake_kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            return self._run_data_dependent(func, args, kwargs)
+        self._shadow(func, args, kwargs, outputs, tensors)
+        return outputs
+
+    def _to_fake(self, value):
+        if isinstance(value, torch.Tensor) and not is_fake(value):
+            fake = self.fake_mode.from_tensor(value)
+            if value.numel() <= SHADOW_LIMIT:
+                fake._shadow = value
+            return fake
+        return value
+
+    # -- shadows: the real values of small tensors --
+
+    @staticmethod
+    def _shadow_of(value):
+        if isinstance(value, FakeTensor):
+            return getattr(value, "_shadow", None)
+        return value if isinstance(value, torch.Tensor) else None
+
+    def _shadow_inputs(self, args, kwargs):
+        """(args, kwargs) with every tensor replaced by its real value and devices by the CPU, or None when some
+        tensor has no shadow or is too large."""
+        missing = False
+
+        def real(value):
+            nonlocal missing
+            if isinstance(value, torch.Tensor):
+                shadow = self._shadow_of(value)
+                if shadow is None or value.numel() > SHADOW_LIMIT:
+                    missing = True
+                return shadow
+            if isinstance(value, torch.device) and value.type != "cpu":
+                return torch.device("cpu")
+            return value
+
+        real_args, real_kwargs = tree_map(real, (args, kwargs))
+        if real_kwargs.get("device") is not None:
+            real_kwargs["device"] = "cpu"
+        real_kwargs.pop("pin_memory", None)
+        return None if missing else (real_args, real_kwargs)
+
+    def _shadow(self, func, args, kwargs, outputs, tensors) -> None:
+        """Compute `func` on the shadows of its inputs and attach the results to the fake outputs."""
+        mutated = _mutated_arguments(func, args, kwargs)
+        if any(self._shadow_of(t) is None or t.numel() > SHADOW_LIMIT for t in tensors):
+            inputs = None  # an activation: no values (the common case, decided without walking the arguments)
+        else:
+            fake_outputs = [t for t in tree_leaves(outputs) if isinstance(t, FakeTensor)]
+            if not fake_outputs and not mutated:
+                return
+            inputs = None if any(t.numel() > SHADOW_LIMIT for t in fake_outputs) else self._shadow_inputs(args, kwargs)
+        if inputs is None:
+            for tensor in mutated:  # its values are unknown from now on
+                if is_fake(tensor):
+                    tensor._shadow = None
+            return
+        real_outputs = func(*inputs[0], **inputs[1])
+        for fake, real in zip(tree_leaves(outputs), tree_leaves(real_outputs), strict=False):
+            if isinstance(fake, FakeTensor) and isinstance(real, torch.Tensor):
+                fake._shadow = real
+
+    def _run_data_dependent(self, func, args, kwargs):
+        """An operator whose output shape depends on values (nonzero, unique, boolean indexing): computed on the
+        shadows when there are some, else on zeros of small fake inputs, masks all True (as zeros make them: nothing
+        is NaN, every element is selected, the largest selection); its outputs become fake tensors on the device of
+        its input."""
+        inputs = self._shadow_inputs(args, kwargs)
+        if inputs is None:
+
+            def zeros(value):
+                if not is_fake(value):
+                    return value
+                if value.numel() > SHADOW_LIMIT:
+                    raise RuntimeError(f"{func} needs the values of a large fake tensor {tuple(value.shape)}")
+                self.items_faked += 1
+                if value.dtype == torch.bool:  # e.g. TRL's nanmin: x[~isnan(x)] of an x without values
+                    return torch.ones(value.shape, dtype=torch.bool)
+                return torch.zeros(value.shape, dtype=value.dtype)
+
+            inputs = tree_map(zeros, (args, kwargs))
+        real_outputs = func(*inputs[0], **inputs[1])
+        device = next((t.device for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), "cpu")
+
+        def to_fake(value):
+            if not isinstance(value, torch.Tensor):
+                return value
+            with self.fake_mode:
+                fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+            fake._shadow = value
+            return fake
+
+        return tree_map(to_fake, real_outputs)
+
+    def _item(self, tensor):
+        shadow = self._shadow_of(tensor)
+        if shadow is not None:
+            return shadow.item()
+        self.items_faked += 1
+        return False if tensor.dtype == torch.bool else 0
+
+    @contextlib.contextmanager
+    def faking(self) -> Iterator[None]:
+        """Inside this block every operator runs fake, also on real inputs and for new CPU tensors."""
+        previous, self.all_fake = self.all_fake, self.fake_mode is not None
+        try:
+            yield
+        finally:
+            self.all_fake = previous
+
+
+def _aims_at_accelerator(kwargs) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type != "cpu"
+
+
+_WRITTEN: dict = {}  # operator -> (index, name) of the arguments it writes
+
+
+def _mutated_arguments(func, args, kwargs) -> list[torch.Tensor]:
+    if func not in _WRITTEN:
+        schema = getattr(func, "_schema", None)
+        arguments = schema.arguments if schema is not None else []
+        _WRITTEN[func] = [
+            (index, argument.name) for index, argument in enumerate(arguments)
+            if argument.alias_info is not None and argument.alias_info.is_write
+        ]  # fmt: skip
+    mutated = []
+    for index, name in _WRITTEN[func]:
+        value = args[index] if index < len(args) else kwargs.get(name)
+        mutated.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return mutated
+
+
+class CudaAttentionKernels:
+    """Scaled-dot-product attention on the stand-in accelerator through the kernel CUDA would run.
+
+    torch picks the kernel in C++ per device type, and a backend registered from Python cannot take part: on the
+    stand-in, `F.scaled_dot_product_attention` would always run the math path, which materializes every
+    [query x key] score. Within this block it makes CUDA's choice on an H100 from what each kernel accepts (torch's
+    `sdp_utils`: flash needs fp16/bf16, no mask, head dim <= 256; memory-efficient takes a mask and fp32 but no
+    grouped-query heads; else math) and calls that kernel's own operator, whose meta function gives its outputs
+    (output, log-sum-exp statistics) and whose derivative gives its backward, as the C++ dispatch would. A boolean
+    mask becomes the additive mask the efficient kernel takes, as torch converts it. `kernels` lists the ones used.
+
+    The function itself is swapped (not a TorchFunctionMode): gradient checkpointing recomputes in autograd's device
+    thread, where a thread-local mode is not active.
+    """
+
+    def __init__(self):
+        self.kernels: list[str] = []
+        self._original = None
+
+    def __enter__(self):
+        self._original = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = self._attention
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._original
+
+    def _use(self, name: str) -> None:
+        if name not in self.kernels:
+            self.kernels.append(name)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):  # fmt: skip
+        if not query.device.type == FAKE_ACCELERATOR:
+            return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                  scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        if torch.is_autocast_enabled(FAKE_ACCELERATOR):  # sdpa is on CUDA autocast's lower-precision list
+            dtype = torch.get_autocast_dtype(FAKE_ACCELERATOR)
+            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(dtype)
+        head_dim = query.shape[-1]
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        if attn_mask is None and half and head_dim <= 256 and head_dim % 8 == 0:
+            self._use("flash")
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+        same_heads = key.shape[-3] == query.shape[-3]
+        if (same_heads or not enable_gqa) and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
+            self._use("efficient")
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # torch's convert_boolean_attn_mask
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill(
+                    bias.logical_not(), float("-inf")
+                )
+            if bias is not None:
+                bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout_p, is_causal, scale=scale
+            )[0]
+        self._use("math")
+        return self._original(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa,
+        )  # fmt: skip
+
+
+class SavedBytes:
+    """`saved_tensors_hooks` adding up the distinct storages autograd saves that the counter saw allocated, as long as
+    they live (a branch of the graph dropped before backward frees what it saved). Accelerator storages only."""
+
+    def __init__(self, counter: MemoryCounter):
+        self.counter, self.sizes, self.bytes = counter, {}, 0
+        counter.on_release.append(self._released)
+
+    def pack(self, tensor):
+        key = _storage(tensor)
+        if key is not None and key[0] in self.counter.sizes and key[0] not in self.sizes:
+            nbytes, host = self.counter.sizes[key[0]]
+            if not host:
+                self.sizes[key[0]] = nbytes
+                self.bytes += nbytes
+        return tensor
+
+    @staticmethod
+    def unpack(tensor):
+        return tensor
+
+    def _released(self, key: int) -> None:
+        self.bytes -= self.sizes.pop(key, 0)
+
+
+@dataclass
+class PassMemory:
+    """Bytes of one training forward + backward, counted on the accelerator (host: what it moved to the CPU)."""
+
+    saved: int  # autograd's saved tensors on the accelerator at the end of the forward (before offloading moves them)
+    after_forward: int  # alive on the accelerator when the forward returned
+    forward_peak: int
+    peak: int  # most bytes alive at once on the accelerator, forward and backward
+    after_backward: int  # what stays: the gradients
+    host_peak: int = 0  # most bytes alive at once on the host
+    items_faked: int = 0
+
+    def gib(self) -> dict:
+        return {name: getattr(self, name) / GIB for name in ("saved", "after_forward", "forward_peak", "peak")}
+
+
+# ---- patches that make a count see what a GPU run does ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Iterator[None]:
+    """TRL's chunked log-prob function (TRL >= 1.15) with its [4096 x chunk] tile buffers fake, and, `lm_head="cuda"`,
+    its fold replaced by nothing: on a GPU the fold is a Triton kernel, which allocates nothing (the torch fallback
+    allocates fp32 temporaries of the tile; `lm_head="cpu"` counts those)."""
+    try:
+        from trl.kernels import chunked_logprob
+    except ImportError:  # TRL 1.14: no fused LM head
+        yield
+        return
+    function = chunked_logprob.ChunkedLogProbFunction
+    saved = {name: getattr(chunked_logprob, name) for name in ("_forward_tile", "_backward_tile", "_addmm_fp32")}
+    forward, backward = function.forward, function.backward
+
+    def counted(step):
+        def run(ctx, *args, **kwargs):
+            with counter.faking():
+                return step(ctx, *args, **kwargs)
+
+        return staticmethod(run)
+
+    def allocates_nothing(*args, **kwargs):
+        return None
+
+    function.forward, function.backward = counted(forward), counted(backward)
+    if lm_head == "cuda":
+        for name in saved:
+            setattr(chunked_logprob, name, allocates_nothing)
+    try:
+        yield
+    finally:
+        function.forward, function.backward = staticmethod(forward), staticmethod(backward)
+        for name, value in saved.items():
+            setattr(chunked_logprob, name, value)
+
+
+@contextlib.contextmanager
+def storage_addresses() -> Iterator[None]:
+    """Fake storages have no address (`data_ptr()` is 0 for all of them); code that tells storages apart by address
+    (TRL's activation offloading deduplicates saved tensors and skips parameters that way) gets each fake storage's
+    identity instead; `Tensor.record_stream` on a fake tensor does nothing (there is no allocator to tell)."""
+    original, original_record_stream = torch.UntypedStorage.data_ptr, torch.Tensor.record_stream
+
+    def data_ptr(self):
+        return self._cdata if self.device.type == "meta" else original(self)
+
+    def record_stream(self, stream):  # the stand-in's streams order nothing: nothing to record
+        if not is_fake(self):
+            return original_record_stream(self, stream)
+        return None
+
+    torch.UntypedStorage.data_ptr, torch.Tensor.record_stream = data_ptr, record_stream
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.data_ptr, torch.Tensor.record_stream = original, original_record_stream
+
+
+@contextlib.contextmanager
+def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
+    """`torch.tensor(data, device=accelerator)` builds its tensor outside torch's dispatch (on the CPU, then copied),
+    which a fake accelerator cannot take: within this block it becomes a fake tensor on that device with the data as
+    its shadow (transformers' KV cache starts from `torch.tensor([], device=...)`)."""
+    original = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
+            return original(data, *args, device=device, **kwargs)
+        real = original(data, *args, **kwargs)
+        with counter.fake_mode:
+            fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
+        fake._shadow = real
+        counter._record(fake, [], torch.tensor)
+        return fake
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
+@contextlib.contextmanager
+def readable_values() -> Iterator[None]:
+    """transformers treats every FakeTensor as traced (torch.compile / export) and then never reads its values, e.g.
+    never skips an all-ones attention mask. A fake tensor with a shadow has values: it is read like a real one."""
+    import transformers.masking_utils as masking_utils
+    import transformers.modeling_utils as modeling_utils
+
+    original = getattr(masking_utils, "is_tracing", None)
+    if original is None:  # transformers 4.56 has no is_tracing: only jit / fx / dynamo count as tracing there
+        yield
+        return
+
+    def is_tracing(tensor=None) -> bool:
+        if tensor is not None and getattr(tensor, "_shadow", None) is not None:
+            return original(None)
+        return original(tensor)
+
+    modules = [module for module in (masking_utils, modeling_utils) if getattr(module, "is_tracing", None) is original]
+    for module in modules:
+        module.is_tracing = is_tracing
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.is_tracing = original
+
+
+@contextlib.contextmanager
+def accelerator_autocast(trainer, device_type: str, mixed: str) -> Iterator[None]:
+    """The trainer's `accelerator.autocast()` (TRL's forward enters it) on `device_type`, in `mixed` precision ("bf16",
+    "fp16" or "no"; accelerate's state is one per process, shared by every trainer in it, so it is not read here)."""
+    accelerator = trainer.accelerator
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed)
+    original = accelerator.autocast
+
+    def autocast(*args, **kwargs):
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=dtype)
+
+    accelerator.autocast = autocast
+    try:
+        yield
+    finally:
+        accelerator.autocast = original
+
+
+# ---- fake models and inputs ----------------------------------------------------------------------------------------
+
+
+def fake_parameters(model: torch.nn.Module, fake_mode: FakeTensorMode, device: str) -> torch.nn.Module:
+    """Replace every parameter and buffer (built on `meta`) by a fake tensor on `device` (tied weights stay tied)."""
+    converted: dict[int, torch.Tensor] = {}
+    target = torch.device(device)
+
+    def fake(tensor):
+        return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, tensor.to("meta"), target)
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                if id(param) not in converted:
+                    converted[id(param)] = torch.nn.Parameter(fake(param.detach()), requires_grad=param.requires_grad)
+                module._parameters[name] = converted[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                if id(buffer) not in converted:
+                    value = fake(buffer)
+                    if buffer.device.type != "meta" and buffer.numel() <= SHADOW_LIMIT:
+                        value._shadow = buffer.detach().cpu()
+                    converted[id(buffer)] = value
+                module._buffers[name] = converted[id(buffer)]
+    return model
+
+
+def fake_inputs(inputs: dict, fake_mode: FakeTensorMode, device: str) -> dict:
+    """A micro-batch's tensors as fake tensors on `device`, each with its real values as shadow."""
+
+    def convert(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        with fake_mode:
+            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+        fake._shadow = value
+        return fake
+
+    return {name: convert(value) for name, value in inputs.items()}

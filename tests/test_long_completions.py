@@ -1,0 +1,323 @@
+"""Long completions: activation offloading and the tiled MLP train stock TRL's weights; the memory count runs TRL's and
+grpo_plus's training pass on a fake accelerator, equals real compute, and drives the fit check and `grpo-plus fit`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import torch
+import trl
+from helpers.models import prompt_dataset, tiny_run_kwargs
+from helpers.probes import max_weight_diff
+from helpers.rewards import digit_reward, length_reward
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+
+import grpo_plus
+import grpo_plus.trainer
+from grpo_plus import fit
+from grpo_plus.config import ConfigError
+from grpo_plus.tiled_mlp import TiledMLP, decoder_mlps, tile_mlps
+from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
+
+needs_cpu_logps = pytest.mark.skipif(
+    logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
+)
+# The count reads the values of the log-probs TRL's fused LM head returns (TRL >= 1.15); TRL 1.14 takes them from full
+# logits, whose values a fake pass does not have, so branches on them are guessed and the count is not exact there.
+needs_fused_lm_head = pytest.mark.skipif(
+    not has_fused_lm_head(),
+    reason="the count follows TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits",
+)
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+
+
+def train(tiny_model_dir, tmp_path, package, **overrides):
+    """Train the tiny Llama with LoRA, gradient checkpointing, SGD, float32; returns (LoRA weights, logs, model)."""
+    overrides = {"optim": "sgd", "learning_rate": 0.5, "gradient_checkpointing": True, "max_completion_length": 12,
+                 **overrides}  # fmt: skip
+    args = package.GRPOConfig(**tiny_run_kwargs(tmp_path / package.__name__, **overrides))
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    trainer = package.GRPOTrainer(
+        model=model, reward_funcs=[length_reward, digit_reward], args=args, train_dataset=prompt_dataset(16),
+        peft_config=LoraConfig(**LORA),
+    )  # fmt: skip
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if "lora_" in k}
+    return weights, trainer.state.log_history, trainer.model
+
+
+def assert_same_weights(trl_weights: dict, our_weights: dict, tol: float) -> None:
+    moved = max(v.abs().max().item() for k, v in trl_weights.items() if "lora_B" in k)
+    assert moved > 1e-3, "training did not move LoRA's B matrices: the comparison would be vacuous"
+    diff = max_weight_diff(trl_weights, our_weights)
+    assert diff <= tol, f"max |w_trl - w_grpo_plus| = {diff}"
+
+
+@needs_cpu_logps
+def test_activation_offloading_trains_stock_trls_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """activation_offloading=True runs TRL's offloading (trl.models.activation_offloading) around each training step.
+    On this CPU there is no accelerator to offload from, so the test hands the trainer TRL's manager with the CPU
+    standing in for the accelerator: every saved tensor is copied out at pack time and back at unpack, through TRL's
+    own code, and the run must end on stock TRL's weights (gradient checkpointing on, so the saved tensors are the
+    checkpoints)."""
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    managers = []
+
+    def host_copies(model, device, enabled):
+        assert enabled
+        with monkeypatch.context() as patched:
+            patched.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cpu"))
+            managers.append(get_act_offloading_ctx_manager(model, use_pin_memory=False, use_streams=False,
+                                                           warn_if_no_head=False))  # fmt: skip
+        return managers[-1]
+
+    monkeypatch.setattr(grpo_plus.trainer, "training_step_context", host_copies)
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # TRL calls it once bnb is imported
+    trl_weights, _, _ = train(tiny_model_dir, tmp_path, trl)
+    our_weights, _, _ = train(tiny_model_dir, tmp_path, grpo_plus, activation_offloading=True)
+    assert managers and managers[0].tensor_id > 0, "no tensor went through the offloading hooks"
+    assert_same_weights(trl_weights, our_weights, tol=1e-5)
+
+
+@needs_cpu_logps
+def test_tiled_mlp_trains_stock_trls_weights(tiny_model_dir, tmp_path):
+    """tiled_mlp_tokens=16 (prompts + completions of 4 rows are ~100 positions): each MLP runs in slices under nested
+    checkpoints; the weights end where stock TRL's do, up to float32 rounding of the sliced products."""
+    trl_weights, _, _ = train(tiny_model_dir, tmp_path, trl)
+    our_weights, _, model = train(tiny_model_dir, tmp_path, grpo_plus, tiled_mlp_tokens=16)
+    wrappers = [mlp.forward for _, mlp in decoder_mlps(model)]
+    assert wrappers and all(isinstance(w, TiledMLP) for w in wrappers)
+    assert all(w.tiled_calls > 0 for w in wrappers), "no MLP ran tiled"
+    assert_same_weights(trl_weights, our_weights, tol=1e-5)
+
+
+def test_tiled_mlp_stands_aside_under_dropout_and_without_grad(caplog):
+    """Dropout masks drawn slice by slice are not one draw's masks: with an active dropout inside the MLP the MLP runs
+    whole (said once); without grad (generation, the no-grad log-prob passes) it runs whole, as TRL's."""
+    from helpers.models import make_model, make_tokenizer
+    from peft import get_peft_model
+
+    model = get_peft_model(make_model(make_tokenizer()), LoraConfig(**{**LORA, "lora_dropout": 0.1}))
+    wrappers = tile_mlps(model, 4)
+    ids = torch.randint(3, 20, (2, 12))
+    model.train()
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.tiled_mlp"):
+        model(input_ids=ids).logits.sum().backward()
+    assert sum(w.tiled_calls for w in wrappers) == 0
+    assert "dropout is active inside the MLP" in caplog.text
+    model.eval()  # dropout off: grad enabled tiles, no_grad does not
+    model(input_ids=ids).logits.sum().backward()
+    assert all(w.tiled_calls == 1 for w in wrappers)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert all(w.tiled_calls == 1 for w in wrappers)
+
+
+# ---- the count on a fake accelerator ----------------------------------------------------------------------------------
+
+
+def tiny_spec(**changes) -> fit.FitSpec:
+    config = fit.known_config("tiny-qwen2")
+    spec = fit.FitSpec(
+        model_config=config.to_dict(), weights_dtype="float32", rows=8, num_generations=4, generation_rows=8,
+        prompt_tokens=12, completion_tokens=40, lora=LORA, mixed_precision="no", loss={"loss_type": "dapo"},
+    )  # fmt: skip
+    return spec.replace(**changes)
+
+
+@needs_cpu_logps
+@needs_fused_lm_head
+@pytest.mark.parametrize("side", fit.SIDES)
+def test_training_pass_runs_on_a_fake_accelerator(side):
+    """TRL's and grpo_plus's `_compute_loss`, forward and backward, with the model on the fake accelerator (nothing on
+    the CPU but what the code moves there), gradient checkpointing on; every value the pass reads is known (no value
+    faked). With activation offloading (grpo_plus), TRL's manager moves what autograd saves to the host: the device
+    holds less at the end of the forward, the host about what was saved."""
+    spec = tiny_spec(
+        gradient_checkpointing=True, completion_tokens=200, weights_dtype="bfloat16", mixed_precision="bf16"
+    )
+    kernels: list[str] = []
+    plain = fit.measure_pass(spec, side, layers=2, kernels=kernels)
+    assert plain.items_faked == 0 and plain.saved > 0 and plain.peak > plain.after_forward > plain.saved
+    # Prompts of different lengths: TRL's forward builds a padding mask (the efficient kernel takes it); grpo_plus runs
+    # each row without its padding and without a mask (the causal flash kernel).
+    assert kernels == (["efficient"] if side == "trl" else ["flash"])
+    if side == "grpo_plus":
+        offloaded = fit.measure_pass(spec.replace(activation_offloading=True), side, layers=2)
+        assert offloaded.items_faked == 0
+        assert offloaded.after_forward < plain.after_forward - 0.25 * plain.saved  # TRL keeps <= 5 in flight
+        assert offloaded.host_peak >= 0.8 * plain.saved
+
+
+@needs_cpu_logps
+def test_a_tensor_made_on_the_wrong_device_fails_the_fake_pass(monkeypatch):
+    """The fake accelerator catches what a GPU would: a CPU tensor mixed into grpo_plus's loss path raises."""
+    from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
+
+    original = grpo_plus.trainer.compute_policy_loss
+
+    def made_on_the_cpu(logps, old_logps, advantages, mask, **kwargs):
+        return original(logps, old_logps, advantages, mask * torch.ones(mask.shape), **kwargs)
+
+    monkeypatch.setattr(grpo_plus.trainer, "compute_policy_loss", made_on_the_cpu)
+    with pytest.raises(FakeTensorDeviceMismatchError):
+        fit.measure_pass(tiny_spec(), "grpo_plus", layers=1)
+
+
+@needs_cpu_logps
+@needs_fused_lm_head
+@pytest.mark.parametrize("side", fit.SIDES)
+def test_fake_count_equals_real_compute(side):
+    """At small shapes the same pass computed for real on the CPU (random weights) allocates what the fake count
+    counts, to the byte (eager attention: with sdpa the kernels differ, a CPU's own against the one CUDA would pick;
+    TRL's CPU fold in the LM head on both sides)."""
+    spec = tiny_spec(attn_implementation="eager", gradient_checkpointing=True)
+    real = fit.measure_pass(spec, side, layers=2, real=True, lm_head="cpu")
+    fake = fit.measure_pass(spec, side, layers=2, lm_head="cpu")
+    assert (fake.saved, fake.after_forward, fake.forward_peak, fake.peak) == (
+        real.saved, real.after_forward, real.forward_peak, real.peak,
+    )  # fmt: skip
+
+
+@needs_cpu_logps
+def test_depth_extrapolation_and_the_generation_count(monkeypatch):
+    """Counts at 1 and 2 layers extend to 3 exactly (layers are identical); generation holds every row's keys and
+    values at full length (an offloaded cache two layers of them)."""
+    spec = tiny_spec(
+        gradient_checkpointing=True, model_config=fit.known_config("tiny-qwen2", num_hidden_layers=3).to_dict()
+    )
+    points = [fit.measure_pass(spec, "grpo_plus", layers) for layers in (1, 2, 3)]
+    assert fit.extrapolate(points, 3) == points[2]
+    counted = {layers: fit.measure_generation(spec, layers) for layers in (1, 2)}  # counted once, for both caches
+    monkeypatch.setattr(fit, "measure_generation", lambda spec, layers, rows=None: counted[layers])
+    dynamic = fit.generation(spec)
+    config = spec.config()
+    head_dim = config.hidden_size // config.num_attention_heads
+    one_layer = 2 * spec.generation_rows * config.num_key_value_heads * head_dim * (
+        spec.prompt_tokens + spec.completion_tokens - 1
+    ) * 4  # fmt: skip
+    assert dynamic["kv_cache_on_device"] == 3 * one_layer
+    assert fit.generation(spec.replace(offloaded_kv_cache=True))["kv_cache_on_device"] == 2 * one_layer
+
+
+# ---- the fit check and grpo-plus fit ------------------------------------------------------------------------------------
+
+
+def test_shipped_configs_become_fit_specs_with_their_models_shapes():
+    from pathlib import Path
+
+    from grpo_plus.app.cli import fit_spec_from_yaml
+
+    configs = Path(__file__).resolve().parents[1] / "recipes" / "configs"
+    expected = {"demo_cpu": (30, 576, False, 16, 16), "qwen2.5-0.5b_lora": (24, 896, False, 8, 32),
+                "qwen2.5-1.5b_lora": (28, 1536, False, 8, 32), "qwen2.5-7b_qlora": (28, 3584, True, 4, 32)}  # fmt: skip
+    for name, (layers, hidden, four_bit, rows, generated) in expected.items():
+        spec = fit_spec_from_yaml(configs / f"{name}.yaml", prompt_tokens=128)
+        assert (spec.layers, spec.config().hidden_size, spec.four_bit, spec.rows, spec.generation_rows) == (
+            layers, hidden, four_bit, rows, generated,
+        ), name  # fmt: skip
+        assert spec.lora["r"] == (16 if name in ("demo_cpu", "qwen2.5-7b_qlora") else 32)
+
+
+@pytest.mark.parametrize("boundary", [1, 2, 37, 63, 64])
+def test_the_search_finds_the_exact_boundary_of_an_increasing_cost(boundary):
+    """`largest_within` (the longest-completion and largest-G searches) returns exactly the last n whose cost fits,
+    for costs that are affine, or the max of two affine pieces (a binding term that takes over), in few evaluations."""
+    for cost in (lambda n: 10 * n, lambda n: max(10 * n, 40 * n - 900)):
+        budget = cost(boundary)
+        calls: list[int] = []
+        found = fit.largest_within(lambda n, cost=cost, calls=calls: calls.append(n) or cost(n), budget, 1, 64)
+        assert found == boundary and len(calls) <= 8, (found, calls)
+    assert fit.largest_within(lambda n: 10 * n, 5, 1, 64) == 0
+
+
+def cli_fit(tmp_path, capsys, *extra) -> str:
+    """`grpo-plus fit` on a config of a tiny model with a short context window (1 + 3 x 128 positions)."""
+    from grpo_plus.app.cli import main
+
+    fit.known_config("tiny-qwen2", max_position_embeddings=16 + 3 * fit.LENGTH_STEP).save_pretrained(tmp_path / "m")
+    (tmp_path / "run.yaml").write_text(
+        f"model_name_or_path: {tmp_path / 'm'}\ndtype: float32\nuse_peft: true\nlora_r: 4\nlora_alpha: 8\n"
+        "lora_dropout: 0.0\nlora_target_modules: all-linear\nbf16: false\nper_device_train_batch_size: 64\n"
+        "num_generations: 8\nmax_completion_length: 128\nloss_type: dapo\ngradient_checkpointing: false\n"
+    )
+    assert main(["fit", "--config", str(tmp_path / "run.yaml"), "--prompt-tokens", "16", "--no-groups", *extra]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.engine  # slow: a dozen full counts (minutes on a loaded 2-core machine); make test-engines runs it
+@needs_cpu_logps
+def test_cli_fit_prints_each_part_for_both_sides_and_the_longest_completions(tmp_path, capsys):
+    """Both sides' parts at the config's settings, over budget with the settings that would fit, the longest completions
+    with every memory option (grpo_plus's at least TRL's, the context window marked) and the last line in its form."""
+    out = cli_fit(tmp_path, capsys, "--memory-gib", "0.9", "--reserve-gib", "0")
+    for part in ("weights", "training pass (activations, peak)", "generation (KV cache + step)", "worst step"):
+        assert part in out
+    last = out.strip().splitlines()[-1]
+    match = re.fullmatch(r"longest completion: TRL (\d+) tokens, grpo_plus (\d+) tokens \(([\d.]+)x\)", last)
+    assert match, out
+    trl_tokens, ours = int(match[1]), int(match[2])
+    assert 0 < trl_tokens <= ours and float(match[3]) == pytest.approx(ours / trl_tokens, abs=0.01)
+
+
+def test_the_trainer_checks_the_fit_on_a_cuda_device_with_the_runs_own_spec(tmp_path, monkeypatch):
+    """Built on a CUDA device (stood in for here: the device the trainer reports), the trainer counts its own run
+    before step 1: batch, G, lengths, LoRA, grpo_plus's settings, the prompts' lengths measured from its dataset, and
+    the fit_check mode; on a CPU it does not."""
+    import accelerate
+    from helpers.models import make_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, tiled_mlp_tokens=64, gradient_accumulation_steps=2,
+                                                  fit_check="error"))  # fmt: skip
+    seen = []
+    monkeypatch.setattr(fit, "device_budget", lambda device: (10 * fit.GIB, 0))
+    monkeypatch.setattr(fit, "check_fit", lambda spec, budget, device, mode: seen.append((spec, budget, mode)))
+    trainer = grpo_plus.GRPOTrainer(model=make_model(tokenizer), processing_class=tokenizer,
+                                    reward_funcs=[length_reward], args=args, train_dataset=prompt_dataset(8),
+                                    peft_config=LoraConfig(**LORA))  # fmt: skip
+    assert seen == []  # built on the CPU: no check
+    monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("cuda")))
+    trainer._long_completions_setup()
+    ((spec, budget, mode),) = seen
+    assert (spec.rows, spec.num_generations, spec.generation_rows, spec.completion_tokens) == (4, 4, 8, 8)
+    assert spec.lora["r"] == 4 and spec.tiled_mlp_tokens == 64 and not spec.activation_offloading
+    lengths = {len(tokenizer(row["prompt"])["input_ids"]) for row in prompt_dataset(8)}
+    assert spec.prompt_tokens == max(lengths) and spec.padded_prompts == (len(lengths) > 1)
+    assert budget == 10 * fit.GIB and mode == "error"
+    assert fit.FitSpec.from_json(spec.to_json()).to_json() == spec.to_json()  # what the child process reads
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("fit_check", "maybe", "fit_check='maybe' is not allowed"),
+    ("tiled_mlp_tokens", 0, "tiled_mlp_tokens=0 is not allowed"),
+])  # fmt: skip
+def test_bad_settings_fail_at_config_time(tmp_path, field, value, fragment):
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, **{field: value}))
+
+
+@needs_cpu_logps
+def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/offload_cost.py --smoke times every variant, and the offloading variants pack tensors."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"
+    monkeypatch.syspath_prepend(str(script.parent))  # it imports benchmarks/shapes.py, as run from there
+    output = tmp_path / "cost.json"
+    monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(output)])
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # left as it was after the test
+    runpy.run_path(str(script), run_name="__main__")
+    (row,) = json.loads(output.read_text())["rows"]
+    assert set(row["seconds"]) == {"plain", "activation offloading", "tiled MLP", "both"}
+    assert all(seconds > 0 for seconds in row["seconds"].values())
+    assert row["tensors_offloaded"]["activation offloading"] > 0 and row["tensors_offloaded"]["plain"] == 0
+    assert row["tiled_calls"] > 0
