@@ -15,8 +15,15 @@ from typing import Any
 
 import trl
 
-from .advantages import ADVANTAGE_NORMALIZERS
-from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from .algorithms import (
+    DEFAULT_ESTIMATOR,
+    DEFAULT_KL_ESTIMATOR,
+    DEFAULT_KL_HORIZON,
+    DEFAULT_POLICY_LOSS,
+    AlgorithmSettings,
+)
+from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
+from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
 from .registry import did_you_mean
 from .sampling import DynamicSamplingSettings
@@ -29,6 +36,7 @@ __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
 _DYNAMIC_DEFAULTS = DynamicSamplingSettings()
+_CLIP_COV, _KL_COV = POLICY_LOSSES.entry("clip_cov").trait(OPTIONS), POLICY_LOSSES.entry("kl_cov").trait(OPTIONS)
 
 
 def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
@@ -68,7 +76,7 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
 
     _check_ranges(args)
     _check_combinations(args, trl_native, settings)
-    settings.validate(args)
+    settings.validate(args, trl_native)
     _warn_about_clipping(args)
 
 
@@ -216,7 +224,8 @@ class GRPOConfig(trl.GRPOConfig):
 
     `loss_type`, `importance_sampling_level` and `scale_rewards` also accept any name registered with
     `grpo_plus.register_loss_type`, `register_importance_sampling` and `register_advantage_normalizer`
-    (and the aliases `local` = `group`, `global` = `batch`). Bad values fail here, at construction.
+    (and the aliases `local` = `group`, `global` = `batch`); `advantage_estimator`, `policy_loss` and `kl_estimator`
+    pick the published algorithms (docs/guide/algorithms.md). Bad values fail here, at construction.
     """
 
     dual_clip: float | None = field(
@@ -289,6 +298,67 @@ class GRPOConfig(trl.GRPOConfig):
             "sampling settings and random draws as TRL's `model.generate`. Falls back to TRL's generation, saying why "
             "once in the log, with vLLM, continuous batching, multimodal prompts, tools, caches that cannot be copied "
             "by row, and other decoding modes (beams)."
+        },
+    )
+    advantage_estimator: str = field(
+        default=DEFAULT_ESTIMATOR,
+        metadata={
+            "help": "How advantages are estimated from the rewards (verl's names): 'grpo' (group mean baseline, scaled "
+            "by scale_rewards: TRL's), 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'grpo_passk', "
+            "'opo', 'gpg', 'remax' (one extra greedy generation per prompt), or one registered with "
+            "grpo_plus.register_advantage_estimator. scale_rewards divides rloo / grpo_passk / opo / gpg / remax by the "
+            "group or batch std (set it to 'none' for the papers' numbers); REINFORCE++ scales itself. "
+            "`grpo-plus list` shows each formula."
+        },
+    )
+    policy_loss: str = field(
+        default=DEFAULT_POLICY_LOSS,
+        metadata={
+            "help": "The per-token surrogate, aggregated by loss_type: 'ppo_clip' (TRL's clipped ratio, with epsilon, "
+            "epsilon_high, delta, dual_clip), 'gmpo' (geometric mean of clipped token ratios; verl's geo_mean), "
+            "'clip_cov', 'kl_cov' (arXiv 2505.22617), 'gpg' (no ratio), 'cispo' and 'sapo' (TRL's loss_type='cispo' "
+            "/ 'sapo', computed by grpo_plus), or one registered with grpo_plus.register_policy_loss."
+        },
+    )
+    kl_estimator: str = field(
+        default=DEFAULT_KL_ESTIMATOR,
+        metadata={
+            "help": "Estimator of the KL term (beta > 0): 'k1', 'k2', 'k3' (TRL's), 'abs', 'low_var_kl' (verl's clamped "
+            "k3), or any of them with '+' (its value, k2's gradient: straight-through, as verl's kl_penalty)."
+        },
+    )
+    adaptive_kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "PPO's adaptive KL coefficient (Ziegler et al. 2019): after every optimizer step, beta *= 1 + "
+            "clip(KL / target - 1, -0.2, 0.2) * n / adaptive_kl_horizon (n = completions in the step, KL = the logged "
+            "token-mean `kl`), starting from beta. Its value is saved in checkpoints. None keeps beta fixed."
+        },
+    )
+    adaptive_kl_horizon: int = field(
+        default=DEFAULT_KL_HORIZON,
+        metadata={"help": "Horizon of the adaptive KL coefficient: completions over which beta moves by up to 20%."},
+    )
+    clip_cov_ratio: float = field(
+        default=_CLIP_COV["clip_cov_ratio"],
+        metadata={"help": "policy_loss='clip_cov': share r of tokens whose gradient is cut (at least one)."},
+    )
+    clip_cov_lb: float = field(
+        default=_CLIP_COV["clip_cov_lb"],
+        metadata={"help": "policy_loss='clip_cov': lower bound of the covariance band tokens are cut from."},
+    )
+    clip_cov_ub: float = field(
+        default=_CLIP_COV["clip_cov_ub"],
+        metadata={"help": "policy_loss='clip_cov': upper bound of the covariance band tokens are cut from."},
+    )
+    kl_cov_ratio: float = field(
+        default=_KL_COV["kl_cov_ratio"],
+        metadata={"help": "policy_loss='kl_cov': share k of tokens (largest covariance) that get the KL penalty."},
+    )
+    kl_cov_coef: float = field(
+        default=_KL_COV["kl_cov_coef"],
+        metadata={
+            "help": "policy_loss='kl_cov': coefficient of |logp - old_logp| on those tokens (verl: ppo_kl_coef)."
         },
     )
     plugins: list[str] | None = field(
@@ -384,6 +454,7 @@ class PlusSettings:
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
     selective: SelectiveRolloutSettings
+    algorithms: AlgorithmSettings
 
     @classmethod
     def from_args(cls, args: trl.GRPOConfig) -> PlusSettings:
@@ -399,9 +470,10 @@ class PlusSettings:
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
+            algorithms=AlgorithmSettings.from_args(own, args),
         )
 
-    def validate(self, args: trl.GRPOConfig) -> None:
+    def validate(self, args: trl.GRPOConfig, trl_native: bool) -> None:
         """Raise ConfigError for a value grpo_plus cannot use (the selective-rollout fields are checked whether or
         not it is on, so a typo in a YAML file surfaces)."""
         if self.dual_clip is not None and not self.dual_clip > 1:
@@ -414,3 +486,4 @@ class PlusSettings:
             raise not_allowed("overlong_penalty", self.overlong_penalty, ">= 0")
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
+        self.algorithms.validate(args, trl_native)

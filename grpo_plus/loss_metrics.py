@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .losses import PolicyLossOutput
+from .objective import PolicyLossOutput
 from .trl_compat import nanmax, nanmin
 
 
@@ -17,7 +17,8 @@ def log_loss_metrics(
     entropies: torch.Tensor,
     computed_rows: torch.Tensor | None = None,
 ) -> None:
-    """Append TRL's loss metrics (clip fractions, ratio, KL, entropy) and grpo_plus's (dual clip) to `metrics`.
+    """Append TRL's loss metrics (clip fractions, ratio, KL, entropy) and grpo_plus's (dual clip, the policy loss's
+    own) to `metrics`.
 
     With rows skipped by the zero-waste pass (`computed_rows`), `entropy` and `ratio/mean` average the computed rows
     (NaN when none was); the clip fractions still count every row (a zero-advantage row is never clipped, in TRL as
@@ -35,6 +36,8 @@ def log_loss_metrics(
             metrics[name].append(float("nan"))
         else:
             metrics[name].append(total / max(count, 1.0))
-    low, high = out.sequence_clip_fractions()
-    metrics["clip_ratio/low_min"].append(nanmin(accelerator.gather(low.float())).item())
-    metrics["clip_ratio/high_max"].append(nanmax(accelerator.gather(high.float())).item())
+    fractions = out.sequence_clip_fractions()
+    if fractions is not None:  # a policy loss that clips a ratio (TRL logs these for its clipping losses only)
+        low, high = fractions
+        metrics["clip_ratio/low_min"].append(nanmin(accelerator.gather(low.float())).item())
+        metrics["clip_ratio/high_max"].append(nanmax(accelerator.gather(high.float())).item())
