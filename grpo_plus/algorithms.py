@@ -308,3 +308,15 @@ def greedy_decoding(trainer: Any) -> Iterator[None]:
         trainer.generation_config = config
         if kwargs is not None:
             trainer.generation_kwargs = kwargs
+
+
+@contextmanager
+def unlogged(metrics: dict[str, list], state: Any) -> Iterator[None]:
+    """Undo what a generation call logs (`metrics`' values) and counts (`state.num_input_tokens_seen`) on exit."""
+    saved, tokens_seen = {name: list(values) for name, values in metrics.items()}, state.num_input_tokens_seen
+    try:
+        yield
+    finally:
+        metrics.clear()
+        metrics.update(saved)
+        state.num_input_tokens_seen = tokens_seen

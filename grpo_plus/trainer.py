@@ -1,8 +1,8 @@
 """GRPOTrainer: TRL's trainer with grpo_plus's capabilities wired in.
 
-Each override is a few lines that call the module holding the capability: the objective (`objective`),
-the published algorithms around it (`algorithms`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste generation (`generation`), dynamic sampling
-(`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`), input checks
+Each override is a few lines that call the module holding the capability: the objective (`objective`), what the
+published algorithms need around it (`algorithms`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste
+generation (`generation`), dynamic sampling (`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`), input checks
 (`validation`, `distributed`). Everything else (TRL's generation around `model.generate`, vLLM, reward functions,
 PEFT, logging, checkpoints) is TRL's own code. Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo,
 vespo) run through TRL's `_compute_loss`.
@@ -20,7 +20,7 @@ import trl
 from datasets import IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .algorithms import KLCoefficient, first_of_each_group, greedy_decoding, mask_from_lengths
+from .algorithms import KLCoefficient, first_of_each_group, greedy_decoding, mask_from_lengths, unlogged
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
@@ -216,13 +216,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         firsts = first_of_each_group(inputs, self.num_generations if mode == "train" else self.num_generations_eval)
         prompts = [row["prompt"] for row in firsts]
-        metrics, tokens_seen = {k: list(v) for k, v in self._metrics[mode].items()}, self.state.num_input_tokens_seen
-        with greedy_decoding(self):
-            _, completion_ids, _, completions, *_ = self._generate(prompts)
         # TRL's _generate logs lengths and counts tokens as training samples; the baseline is neither.
-        self._metrics[mode].clear()
-        self._metrics[mode].update(metrics)
-        self.state.num_input_tokens_seen = tokens_seen
+        with greedy_decoding(self), unlogged(self._metrics[mode], self.state):
+            _, completion_ids, _, completions, *_ = self._generate(prompts)
         rewards_per_func = super()._calculate_rewards(firsts, prompts, completions, completion_ids)
         rewards = combine_rewards(rewards_per_func, self.reward_weights)
         self._metrics[mode]["remax/greedy_reward"].append(torch.nanmean(rewards).item())

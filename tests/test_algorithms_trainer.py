@@ -122,7 +122,7 @@ def test_cispo_computed_by_grpo_plus_trains_as_trls_cispo_with_rows_skipped(tiny
 
 @pytest.fixture(scope="module")
 def micro_batch_trainer():
-    trainer = make_trainer(loss_type="dapo")
+    trainer = make_trainer(loss_type="dapo", dtype=torch.float32)
     return trainer, micro_batch(trainer)
 
 
