@@ -132,6 +132,14 @@ class AlgorithmSettings:
                     f"advantage_estimator={estimator!r} cannot be combined with {setting}: its greedy baseline "
                     "generation runs through transformers' generate (the path grpo_plus checks greedy decoding on)."
                 )
+        eval_generations = getattr(args, "num_generations_eval", None) or args.num_generations
+        evaluates = getattr(args.eval_strategy, "value", args.eval_strategy) != "no"
+        if evaluates and args.per_device_eval_batch_size % eval_generations:
+            raise ConfigError(
+                f"advantage_estimator={estimator!r} needs per_device_eval_batch_size ({args.per_device_eval_batch_size}) "
+                f"to be a multiple of the evaluation's num_generations ({eval_generations}): each process generates "
+                "the greedy baseline for the prompts whose whole groups it holds."
+            )
         steps = args.steps_per_generation
         if steps is None and args.generation_batch_size is None:
             steps = args.gradient_accumulation_steps  # TRL's default; else TRL derives it with the process count

@@ -4,6 +4,7 @@ sapo and k3, TRL's own `_compute_loss` (trl_oracle); random inputs with padding 
 
 from __future__ import annotations
 
+import json
 import math
 
 import algorithm_oracles as oracle
@@ -329,8 +330,6 @@ def test_adaptive_kl_controller_state_round_trips_and_rejects_bad_state():
     controller = AdaptiveKLController(0.04, 0.1, 100)
     controller.update(0.3, 16)
     state = controller.state_dict()
-    import json
-
     restored = AdaptiveKLController(0.04, 0.1, 100)
     restored.load_state_dict(json.loads(json.dumps(state)))
     assert restored.value == controller.value and restored.checkpoint_name == "adaptive_kl_controller"

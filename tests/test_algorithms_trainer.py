@@ -95,6 +95,9 @@ def test_remax_needs_whole_groups_per_process_and_transformers_generation(tmp_pa
     with pytest.raises(ConfigError, match=r"needs per_device_train_batch_size \* steps_per_generation \(3 \* 2 = 6\)"):
         make_config(tmp_path, advantage_estimator="remax", per_device_train_batch_size=3, num_generations=4,
                     steps_per_generation=2)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"per_device_eval_batch_size \(6\) to be a multiple .* \(4\)"):
+        make_config(tmp_path, advantage_estimator="remax", eval_strategy="steps", per_device_eval_batch_size=6,
+                    num_generations=4)  # fmt: skip
     with pytest.raises(ConfigError, match="cannot be combined with use_vllm=True"):
         make_config(tmp_path, advantage_estimator="remax", use_vllm=True)
 
