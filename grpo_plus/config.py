@@ -365,7 +365,8 @@ class GRPOConfig(trl.GRPOConfig):
         default=None,
         metadata={
             "help": "Python modules to import before the config is validated, so modes they register can be named "
-            "in `loss_type`, `importance_sampling_level` or `scale_rewards` (e.g. from a YAML config). Packages can "
+            "in `loss_type`, `importance_sampling_level`, `scale_rewards`, `advantage_estimator`, `policy_loss` or "
+            "`kl_estimator` (e.g. from a YAML config). Packages can "
             "instead declare a `grpo_plus.plugins` entry point, which is loaded automatically."
         },
     )

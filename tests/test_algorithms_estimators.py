@@ -36,9 +36,8 @@ def rewards_and_lengths(seed: int, dtype=torch.float64, nan: bool = True, empty:
     """P groups of G: random rewards (some repeated, so ties occur), one all-equal group, one group with ties at the
     top, NaN rewards (one in a group, a whole group) and completions of 0..T tokens."""
     generator = torch.Generator().manual_seed(seed)
-    rewards = torch.randint(0, 4, (P * G,), generator=generator).to(dtype) / 2 + torch.rand(
-        P * G, generator=generator, dtype=dtype
-    ) * (torch.arange(P * G) % 3 == 0)
+    halves = torch.randint(0, 4, (P * G,), generator=generator).to(dtype) / 2  # ties inside groups
+    rewards = halves + torch.rand(P * G, generator=generator, dtype=dtype) * (torch.arange(P * G) % 3 == 0)
     rewards[4:8] = 0.7  # zero-variance group
     rewards[8:12] = torch.tensor([2.0, 2.0, 0.5, 1.0], dtype=dtype)  # a tie at the top
     low = 0 if empty else 1
