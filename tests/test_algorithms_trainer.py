@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +263,15 @@ def test_list_shows_every_method_with_its_formula_and_paper(capsys):
 @pytest.mark.parametrize("preset", ["rloo", "reinforce_plus_plus", "gmpo", "clip_cov", "kl_cov", "remax", "cispo"])
 def test_compare_presets_for_the_new_methods_are_valid_configs(preset):
     check_configuration(preset, PRESETS[preset])
+
+
+def test_remax_cost_benchmark_smoke(tmp_path, capsys):
+    """benchmarks/remax_cost.py runs (in process: the tiny model, 2 rounds) and reports both estimators and the ratio."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import remax_cost
+
+    assert remax_cost.main(["--smoke", "--json", str(tmp_path / "remax.json")]) == 0
+    report = json.loads((tmp_path / "remax.json").read_text())
+    assert [len(report["rounds"][name]["wall"]) for name in ("grpo", "remax")] == [2, 2]
+    assert report["summary"]["remax_over_grpo_cpu"] > 0
+    assert "remax / grpo: wall" in capsys.readouterr().out
