@@ -24,6 +24,7 @@ def _compare(args: argparse.Namespace) -> int:
     for name, overrides in configurations:
         check_configuration(name, overrides)
     results = []
+    title = f"GRPO configurations on {args.task_level} ({args.model}, {args.max_steps} steps)"
     for name, overrides in configurations:
         for seed in args.seeds:
             print(f"== {name} (seed {seed}): {overrides}", flush=True)
@@ -42,8 +43,8 @@ def _compare(args: argparse.Namespace) -> int:
                     lora_r=args.lora_r,
                 )
             )
-    title = f"GRPO configurations on {args.task_level} ({args.model}, {args.max_steps} steps)"
-    files = write_report(results, args.output_dir, title)
+            # After every run, so a comparison stopped part-way keeps what it measured.
+            files = write_report(results, args.output_dir, title)
     print("\n" + markdown_table(summary_rows(results)))
     print(f"\nReport: {files['markdown']}  curves: {files['png']}")
     return 0
