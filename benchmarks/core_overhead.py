@@ -4,7 +4,7 @@ Run from the repo root:  .venv/bin/python benchmarks/core_overhead.py [--quick] 
 
 Contestants, each timed as forward + backward of the loss w.r.t. a (B, T) log-prob leaf, alternated within every
 repetition (rotating the order) so drift in machine load hits them alike; the table shows medians:
-  trl            TRL's own `GRPOTrainer._compute_loss`, called on the test suite's stand-in trainer (tests/trl_oracle)
+  trl            TRL's own `GRPOTrainer._compute_loss`, called on the stand-in trainer of grpo_plus.app.testing
                  with the inputs dict prebuilt: TRL's exact inline math including the metrics it always computes.
   trl_math       TRL's loss lines alone, re-typed without metrics: the floor for any implementation.
   ours           compute_policy_loss(...).loss.backward(): loss only (metrics are lazy).
@@ -17,19 +17,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+import torch
+from trl import GRPOTrainer
 
-import torch  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
-from trl_oracle import _StandInTrainer  # noqa: E402
-
-import grpo_plus  # noqa: E402
-from grpo_plus.losses import _is_binary, compute_policy_loss  # noqa: E402
+import grpo_plus
+from grpo_plus.app.testing import StandInTrainer
+from grpo_plus.losses import _is_binary, compute_policy_loss
 
 
 def make_inputs(batch: int, length: int, device: str, seed: int = 0):
@@ -48,7 +43,7 @@ def contestants(logps, old_logps, advantages, mask, loss_type: str):
     settings = dict(loss_type=loss_type, importance_sampling_level="token", epsilon=0.2, epsilon_high=0.28, beta=0.0)
     leaf = logps.clone().requires_grad_()
     batch, length = mask.shape
-    stand_in = _StandInTrainer(leaf, **settings, max_completion_length=length)
+    stand_in = StandInTrainer(leaf, **settings, max_completion_length=length)
     trl_inputs = {
         "prompt_ids": torch.zeros(batch, 1, dtype=torch.long, device=mask.device),
         "prompt_mask": torch.ones(batch, 1, dtype=torch.long, device=mask.device),

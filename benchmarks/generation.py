@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 SIDES = ("trl", "ours")
 PROMPT_LENGTHS = (56, 256, 1024)
@@ -39,10 +37,12 @@ GENERATIONS = (4, 8, 16)
 
 
 class ForwardTimer:
-    """Times every forward of a causal LM (its base model under PEFT): (input shape, seconds) per call."""
+    """Times every forward of a causal LM (its base model under PEFT): (input shape, seconds) per call, by `clock`
+    (wall time by default; `time.thread_time`: the calling thread's CPU time)."""
 
-    def __init__(self, model):
+    def __init__(self, model, clock=time.perf_counter):
         self.calls: list[tuple[tuple[int, ...], float]] = []
+        self.clock = clock
         self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
         self.handles = [
             self.model.register_forward_pre_hook(self._start, with_kwargs=True),
@@ -51,10 +51,10 @@ class ForwardTimer:
 
     def _start(self, module, args, kwargs):
         self.shape = tuple(kwargs.get("input_ids", args[0] if args else None).shape)
-        self.started = time.perf_counter()
+        self.started = self.clock()
 
     def _stop(self, module, args, kwargs, output):
-        self.calls.append((self.shape, time.perf_counter() - self.started))
+        self.calls.append((self.shape, self.clock() - self.started))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -62,15 +62,15 @@ class ForwardTimer:
 
 
 def instrument_generation(trainer, timer: ForwardTimer, eos_token_ids, record: list[dict]) -> None:
-    """Record every `_generate_single_turn` call: wall time, its model forwards (prefill, decode steps) and their
-    positions, the completion ids, and the decode time spent on rows that had already ended."""
+    """Record every `_generate_single_turn` call: its time, its model forwards (prefill, decode steps) and their
+    positions, the completion ids, and the decode time spent on rows that had already ended (times by `timer.clock`)."""
     original = trainer._generate_single_turn
 
     def timed(prompt_ids, *args, **kwargs):
         calls_before = len(timer.calls)
-        start = time.perf_counter()
+        start = timer.clock()
         completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
-        seconds = time.perf_counter() - start
+        seconds = timer.clock() - start
         (prefill_shape, prefill), *decode = timer.calls[calls_before:]
         lengths = [next((i + 1 for i, t in enumerate(ids) if t in eos_token_ids), len(ids)) for ids in completion_ids]
         rows = len(completion_ids)
@@ -137,7 +137,7 @@ def run_steps(steps: int, warmup: int) -> dict:
 def generation_inputs(tokenizer, questions, prompt_length: int, num_generations: int):
     """Left-padded chat prompts for `questions`, about `prompt_length` tokens each (worked examples in the system
     prompt lengthen them), each repeated `num_generations` times."""
-    from grpo_plus import tasks
+    from grpo_plus.app import tasks
 
     def encode(examples: int):
         system = "".join(

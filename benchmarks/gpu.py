@@ -47,10 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from shapes import (  # noqa: E402
+from shapes import (  # benchmarks/shapes.py: the script's own folder is on the path
     QWEN25_SHAPES,
     markdown_table,
     prompt_text,
@@ -59,6 +56,8 @@ from shapes import (  # noqa: E402
     synthetic_micro_batch,
     word_tokenizer,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SIDES = ("trl", "ours", "ours_off")  # stock TRL; grpo_plus with zero_waste_pass on; and off
 GIB = 2**30

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 
 
 class Baton:
@@ -58,6 +59,24 @@ class RngStates:
         np.random.set_state(numpy_state)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+class StepTimer(TrainerCallback):
+    """Times each optimizer step of trainer `name` (on_step_begin -> on_step_end, into `step`), then hands the baton
+    on, its random state saved and restored when its turn comes back."""
+
+    def __init__(self, name: str, baton: Baton, rng: RngStates):
+        self.name, self.baton, self.rng, self.step, self.start = name, baton, rng, [], 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step.append(time.perf_counter() - self.start)
+        self.rng.save(self.name)
+        self.baton.pass_on(self.name)
+        self.baton.wait(self.name)
+        self.rng.restore(self.name)
 
 
 def run_threads(targets: dict) -> None:

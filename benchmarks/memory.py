@@ -48,21 +48,18 @@ import argparse
 import contextlib
 import json
 import math
-import sys
 import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from shapes import markdown_table, qwen2_config, recipe, synthetic_micro_batch, word_tokenizer  # benchmarks/shapes.py
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-
-from shapes import markdown_table, qwen2_config, recipe, synthetic_micro_batch, word_tokenizer  # noqa: E402
 
 SIDES = ("trl", "ours")
 GIB = 2**30

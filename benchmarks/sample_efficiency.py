@@ -33,14 +33,11 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from grpo_plus.app import tasks  # noqa: E402
-from grpo_plus.app.compare import BASE_SETTINGS, run_configuration  # noqa: E402
+from grpo_plus.app import tasks
+from grpo_plus.app.compare import BASE_SETTINGS, run_configuration
 
 _GRPO_PLUS = dict(loss_type="dapo", epsilon_high=0.28)
 SIDES = {

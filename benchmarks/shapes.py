@@ -58,21 +58,13 @@ def word_tokenizer(vocab_size: int):
     Any id a random model samples decodes to a word, and a prompt written as "w5 w17 ..." encodes to those ids, one
     token per word, so prompt lengths are exact.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import pre_tokenizers
+
+    from grpo_plus.app.testing import word_level_tokenizer
 
     vocab = {"<pad>": PAD, "<eos>": EOS, "<bos>": BOS}
     vocab.update({f"w{i}": i for i in range(FIRST_WORD, vocab_size)})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<pad>",
-        model_input_names=["input_ids", "attention_mask"],
-    )
+    return word_level_tokenizer(vocab, pre_tokenizers.WhitespaceSplit())
 
 
 def prompt_text(length: int, vocab_size: int, seed: int) -> str:

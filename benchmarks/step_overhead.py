@@ -40,7 +40,7 @@ TIMES = ("step_time", "wall", "cpu")
 MIB = 1024 * 1024
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
-# Per case: GRPOConfig overrides (on top of helpers.models.tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
+# Per case: GRPOConfig overrides (on top of grpo_plus.app.testing.tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
 # the warm-up steps excluded from the timings, and the optimizer steps of a memory run.
 CASES = {
     "tiny": dict(
@@ -152,13 +152,11 @@ def run_child(spec: dict) -> None:
     from lockstep import Baton, RngStates, run_threads
 
     torch.set_num_threads(spec["threads"])
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import trl
-    from helpers.models import make_tokenizer, prompt_dataset, tiny_run_kwargs
-    from helpers.rewards import digit_reward, length_reward
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
 
     import grpo_plus
+    from grpo_plus.app.testing import digit_reward, length_reward, make_tokenizer, prompt_dataset, tiny_run_kwargs
 
     case, device = CASES[spec["case"]], spec["device"]
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
@@ -536,8 +534,7 @@ def main() -> None:
                 if model_path is None:
                     continue
             else:
-                sys.path[:0] = [str(ROOT / "tests")]
-                from helpers.models import save_tiny_model
+                from grpo_plus.app.testing import save_tiny_model
 
                 transformers.utils.logging.disable_progress_bar()
                 model_path = str(save_tiny_model(Path(tmp) / "tiny-model"))

@@ -21,12 +21,10 @@ Targets (issue 9): training pass <= 0.5x TRL's time on the demo config, whole st
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 SIDES = ("trl", "ours")
 DEMO_CONFIG = ROOT / "recipes" / "configs" / "demo_cpu.yaml"
@@ -46,69 +44,60 @@ def demo_settings(steps: int) -> dict:
     return settings
 
 
-def build_trainers(steps: int, baton, rng):
-    """Stock TRL's and grpo_plus's trainer on the demo config, each timing its steps and passing the baton."""
+def build_trainers(steps: int, baton, rng, settings=None, dataset=None, reward_funcs=None, model_path=None):
+    """Stock TRL's and grpo_plus's trainer, each timing its steps and passing the baton: on the demo config unless
+    given GRPOConfig `settings`, a `dataset`, `reward_funcs` and a model directory (`model_path`, with its tokenizer)."""
     import torch
     import trl
-    from helpers.probes import ForwardLog
+    from lockstep import StepTimer
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     import grpo_plus
     from grpo_plus.app import tasks
     from grpo_plus.app.embedded import resolve_model
+    from grpo_plus.app.testing import ForwardLog
 
-    path = resolve_model("smollm2-135m-instruct")
+    path = model_path or resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    dataset = tasks.make_dataset("train", "add-1d", seed=0)
+    dataset = tasks.make_dataset("train", "add-1d", seed=0) if dataset is None else dataset
+    settings = demo_settings(steps) if settings is None else settings
+    reward_funcs = [tasks.correctness_reward, tasks.format_reward] if reward_funcs is None else reward_funcs
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
-
-    class StepTimer(TrainerCallback):
-        def __init__(self, name):
-            self.name, self.step, self.start = name, [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step.append(time.perf_counter() - self.start)
-            rng.save(self.name)
-            baton.pass_on(self.name)
-            baton.wait(self.name)
-            rng.restore(self.name)
 
     built = {}
     for name in SIDES:
         set_seed(0)  # the LoRA init draws random numbers: the same for both
         config_cls, trainer_cls = classes[name]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        timer = StepTimer(name)
+        timer = StepTimer(name, baton, rng)
         trainer = trainer_cls(
             model=model,
-            reward_funcs=[tasks.correctness_reward, tasks.format_reward],
-            args=config_cls(**demo_settings(steps)),
+            reward_funcs=reward_funcs,
+            args=config_cls(**settings),
             train_dataset=dataset,
             processing_class=tokenizer,
             peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
             callbacks=[timer],
         )
         built[name] = dict(trainer=trainer, timer=timer, forwards=ForwardLog(trainer.model), prepare=[])
-        wrap_prepare_inputs(trainer, built[name]["prepare"])
+        wrap_timed(trainer, "_prepare_inputs", built[name]["prepare"])
     return built
 
 
-def wrap_prepare_inputs(trainer, seconds: list[float]) -> None:
-    """Record the wall time of every `_prepare_inputs` call (generation and scoring, when a batch is generated)."""
-    original = trainer._prepare_inputs
+def wrap_timed(trainer, method: str, seconds: list[float], clock=time.perf_counter) -> None:
+    """Record the time of every call of `trainer.<method>` by `clock` (wall time by default; `time.thread_time`: the
+    calling thread's CPU time). `_prepare_inputs`: generation and scoring, when a batch is generated."""
+    original = getattr(trainer, method)
 
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        start = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            seconds.append(time.perf_counter() - start)
+            seconds.append(clock() - start)
 
-    trainer._prepare_inputs = timed
+    setattr(trainer, method, timed)
 
 
 def run_steps(steps: int, warmup: int) -> dict:
@@ -144,8 +133,9 @@ def run_steps(steps: int, warmup: int) -> dict:
 
 def run_sweep(trainers: dict, repeats: int) -> list[dict]:
     """Part 2: `_compute_loss` forward + backward, TRL vs ours on the same weights, alternated; medians."""
-    from helpers.probes import ForwardLog
     from shapes import synthetic_micro_batch
+
+    from grpo_plus.app.testing import ForwardLog
 
     trl_trainer, our_trainer = trainers["trl"], trainers["ours"]
     our_trainer.model.load_state_dict(trl_trainer.model.state_dict())

@@ -8,11 +8,9 @@ The formulas are the core's (`grpo_plus.objective`); this module holds what the 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -236,40 +234,19 @@ class KLCoefficient:
         self.controller.update(kl_sum / max(kl_tokens, 1.0), int(completions))
         metrics["beta"].append(self.controller.value)
 
-    def save(self, checkpoint: str | Path) -> None:
-        if self.controller is not None:
-            save_state(self.controller, checkpoint)
+    # The stateful-part protocol (grpo_plus.training_state): the adaptive coefficient is saved in checkpoints and
+    # restored on resume; a fixed beta has no state (checkpoint_name None opts out).
+    @property
+    def checkpoint_name(self) -> str | None:
+        return None if self.controller is None else self.controller.checkpoint_name
 
-    def load(self, checkpoint: str | Path) -> bool:
-        """Restore the controller from a checkpoint; False when the checkpoint holds no controller state."""
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.controller is None else self.controller.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self._window = None
-        return self.controller is None or load_state(self.controller, checkpoint)
-
-
-def state_file(stateful: Any) -> str:
-    return f"{stateful.checkpoint_name}.json"
-
-
-def save_state(stateful: Any, checkpoint: str | Path) -> None:
-    """Write `stateful.state_dict()` into a checkpoint folder as JSON, atomically (a kill leaves the old file or the
-    new one), named by its `checkpoint_name`."""
-    folder = Path(checkpoint)
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = folder / f"{state_file(stateful)}.partial"
-    partial.write_text(json.dumps(stateful.state_dict()))
-    partial.replace(folder / state_file(stateful))
-
-
-def load_state(stateful: Any, checkpoint: str | Path) -> bool:
-    """Restore `stateful` from its file in a checkpoint folder; False when the checkpoint holds none."""
-    path = Path(checkpoint) / state_file(stateful)
-    if not path.is_file():
-        return False
-    try:
-        stateful.load_state_dict(json.loads(path.read_text()))
-    except ValueError as error:  # JSONDecodeError included
-        raise ValueError(f"{path} cannot be loaded: {error}") from error
-    return True
+        if self.controller is not None:
+            self.controller.load_state_dict(state)
 
 
 # ---- what the estimators read besides rewards --------------------------------------------------------------------

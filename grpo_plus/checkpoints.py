@@ -18,8 +18,11 @@ logger = logging.getLogger(__name__)
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # transformers' Trainer writes trainer_state.json last, after weights, optimizer, scheduler and RNG states.
 _WRITTEN_LAST = "trainer_state.json"
-# What torch.save writes (a zip archive since torch 1.6): optimizer, scheduler, RNG states, scaler, training args.
-_TORCH_FILES = re.compile(r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|.*\.bin)$")
+# What torch.save writes (a zip archive since torch 1.6): optimizer, scheduler, RNG states, scaler, training args,
+# grpo_plus's training state (grpo_plus.training_state).
+_TORCH_FILES = re.compile(
+    r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|grpo_plus_state(_\d+)?\.pt|.*\.bin)$"
+)
 # The adapter settings that decide the shape and placement of the trained weights.
 _ADAPTER_SHAPE_KEYS = ("peft_type", "r", "lora_alpha", "target_modules", "modules_to_save", "use_dora", "use_rslora")
 # Hub cache layout: .../models--{org}--{name}/snapshots/{revision}

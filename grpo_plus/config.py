@@ -22,6 +22,7 @@ from .algorithms import (
     DEFAULT_POLICY_LOSS,
     AlgorithmSettings,
 )
+from .health import HealthSettings
 from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
 from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
@@ -29,14 +30,23 @@ from .registry import did_you_mean
 from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
 from .settings import ConfigError, not_allowed
-from .trl_compat import TRL_IMPORTANCE_SAMPLING_LEVELS, TRL_NATIVE_LOSS_TYPES, TRL_SCALE_REWARDS
+from .trl_compat import (
+    TRL_IMPORTANCE_SAMPLING_LEVELS,
+    TRL_NATIVE_LOSS_TYPES,
+    TRL_SCALE_REWARDS,
+    ignore_renames_trl_still_uses,
+)
 
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
+
+# Before any GRPOConfig is built: TRL's own defaults and calls set off transformers' renaming warnings (see trl_compat).
+ignore_renames_trl_still_uses()
 
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
 _DYNAMIC_DEFAULTS = DynamicSamplingSettings()
 _CLIP_COV, _KL_COV = POLICY_LOSSES.entry("clip_cov").trait(OPTIONS), POLICY_LOSSES.entry("kl_cov").trait(OPTIONS)
+_HEALTH_DEFAULTS = HealthSettings()
 
 
 def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
@@ -277,8 +287,9 @@ class GRPOConfig(trl.GRPOConfig):
             "after each completion, and (see zero_waste_shared_prompt) compute each group's prompt once. The "
             "gradient is TRL's; where it would not be (beta > 0, entropy bonus or top_entropy_quantile < 1, router aux "
             "loss, a user mode that did not declare zero_advantage_rows_contribute_nothing), that part falls back to "
-            "the full pass and says why once in the log. With rows skipped, the `entropy` metric covers the rows "
-            "that were computed."
+            "the full pass and says why once in the log. With rows skipped, `entropy` (TRL's, every row) is left "
+            "unknown unless zero_waste_exact_entropy=True, and `zero_waste/entropy_trained_rows` covers the rows "
+            "trained."
         },
     )
     zero_waste_shared_prompt: bool = field(
@@ -359,6 +370,53 @@ class GRPOConfig(trl.GRPOConfig):
         default=_KL_COV["kl_cov_coef"],
         metadata={
             "help": "policy_loss='kl_cov': coefficient of |logp - old_logp| on those tokens (verl: ppo_kl_coef)."
+        },
+    )
+    zero_waste_exact_entropy: bool = field(
+        default=False,
+        metadata={
+            "help": "With rows skipped by the zero-waste pass, also run the skipped rows through a no-grad forward so "
+            "the logged `entropy` is TRL's (every completion token), at the cost of that forward. Off: `entropy` is "
+            "logged only for logging windows in which no row was skipped (else None), and "
+            "`zero_waste/entropy_trained_rows` gives the entropy of the rows trained. Never changes the training."
+        },
+    )
+    health_check: str = field(
+        default=_HEALTH_DEFAULTS.check,
+        metadata={
+            "help": "Training-health guard (grpo_plus.health), reading only what the run logs: 'warn' logs one "
+            "warning per problem (every group zero-variance, most completions truncated, gradient norm 0 or "
+            "non-finite, loss or rewards NaN, entropy collapse), saying what it saw and what to change; 'stop' "
+            "ends the run at that step instead, saving its checkpoint and raising TrainingHealthError; 'off'."
+        },
+    )
+    health_patience_steps: int = field(
+        default=_HEALTH_DEFAULTS.patience_steps,
+        metadata={
+            "help": "How many consecutive optimizer steps a condition (zero variance, truncation, zero gradient, "
+            "entropy collapse) must hold before the guard reports it. Non-finite values and unscorable rewards are "
+            "reported at once (non-finite gradients under fp16 after this many steps: the loss scaler skips some)."
+        },
+    )
+    health_zero_std_frac: float | None = field(
+        default=_HEALTH_DEFAULTS.zero_std_frac,
+        metadata={
+            "help": "Report when frac_reward_zero_std (the share of groups whose rewards were all equal, so their "
+            "advantages 0) is at least this. 1.0: every group. None turns the check off."
+        },
+    )
+    health_truncated_frac: float | None = field(
+        default=_HEALTH_DEFAULTS.truncated_frac,
+        metadata={
+            "help": "Report when completions/clipped_ratio (the share of completions cut off at "
+            "max_completion_length) is at least this. None turns the check off."
+        },
+    )
+    health_entropy_collapse_frac: float | None = field(
+        default=_HEALTH_DEFAULTS.entropy_collapse_frac,
+        metadata={
+            "help": "Report entropy collapse when the logged mean token entropy falls below this fraction of its first "
+            "logged value. None turns the check off."
         },
     )
     plugins: list[str] | None = field(
@@ -451,6 +509,8 @@ class PlusSettings:
     zero_waste_pass: bool
     zero_waste_shared_prompt: bool
     zero_waste_generation: bool
+    zero_waste_exact_entropy: bool
+    health: HealthSettings
     plugins: tuple[str, ...]
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
@@ -467,6 +527,8 @@ class PlusSettings:
             zero_waste_pass=own.zero_waste_pass,
             zero_waste_shared_prompt=own.zero_waste_shared_prompt,
             zero_waste_generation=own.zero_waste_generation,
+            zero_waste_exact_entropy=own.zero_waste_exact_entropy,
+            health=HealthSettings.from_args(own),
             plugins=tuple(own.plugins or ()),
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
@@ -488,3 +550,4 @@ class PlusSettings:
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
         self.algorithms.validate(args, trl_native)
+        self.health.validate()

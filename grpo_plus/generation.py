@@ -36,6 +36,7 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 
+from .multi_turn import TurnCache, keep_blocker
 from .train_pass import dropout_blocker
 
 # Model inputs the loop splits by row; generate also passes the cache, use_cache and logits_to_keep.
@@ -54,12 +55,20 @@ class GenerationStats:
 
     positions: int = 0
     full_positions: int = 0  # what model.generate computes for the same batch (every copy, every row every step)
+    prefill_positions: int = 0  # the prefill's share of `positions`
+    full_prefill_positions: int = 0  # the prefill's share of `full_positions`: every row, every column
     fallback: str | None = None  # why model.generate ran unchanged, or None
+    turns_blocker: str | None = None  # why the rows' caches could not be kept for the next tool turn, or None
 
     @property
     def positions_frac(self) -> float:
         """Share of model.generate's token positions computed (1.0 when it ran unchanged)."""
         return self.positions / self.full_positions if self.full_positions else 1.0
+
+    @property
+    def prefill_positions_frac(self) -> float:
+        """Share of model.generate's prefill positions computed (1.0 when it ran unchanged)."""
+        return self.prefill_positions / self.full_prefill_positions if self.full_prefill_positions else 1.0
 
 
 def transformers_blocker() -> str | None:
@@ -73,7 +82,7 @@ def transformers_blocker() -> str | None:
     )
 
 
-def generation_blocker(*, use_vllm: bool, continuous_batching: bool, multimodal: bool, tools: bool) -> str | None:
+def generation_blocker(*, use_vllm: bool, continuous_batching: bool, multimodal: bool) -> str | None:
     """Why a trainer's generation must be TRL's own, or None when `generate` here may run it."""
     if use_vllm:
         return "vLLM generates (its prefix caching is vLLM's)"
@@ -81,8 +90,6 @@ def generation_blocker(*, use_vllm: bool, continuous_batching: bool, multimodal:
         return "continuous batching generates (use_transformers_continuous_batching=True)"
     if multimodal:
         return "the prompts have images or other multimodal inputs"
-    if tools:
-        return "tools make generation multi-turn"
     return transformers_blocker()
 
 
@@ -96,25 +103,27 @@ def processes_in_lockstep(model) -> bool:
     return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and world_size > 1
 
 
-def generate(model, **generate_kwargs) -> tuple[torch.Tensor, GenerationStats]:
+def generate(model, turns: TurnCache | None = None, **generate_kwargs) -> tuple[torch.Tensor, GenerationStats]:
     """`model.generate(**generate_kwargs)` (ids only) with shared prefills and finished rows out of the decode batch.
 
     Returns the sequences `model.generate` returns and what was computed; where the loop does not apply,
-    `model.generate` runs unchanged and `stats.fallback` says why.
+    `model.generate` runs unchanged and `stats.fallback` says why. With `turns`, the call keeps every row's cache
+    there and starts from what an earlier call kept (grpo_plus.multi_turn).
     """
-    return _generate(model, model.generate, generate_kwargs)
+    return _generate(model, model.generate, generate_kwargs, turns)
 
 
 @contextlib.contextmanager
-def generate_patched(model, on_call):
-    """Within the block, `model.generate(...)` runs `generate` here; `on_call(stats)` sees every call's stats."""
+def generate_patched(model, on_call, turns: TurnCache | None = None):
+    """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given);
+    `on_call(stats)` sees every call's stats."""
     previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
     model_generate = model.generate
 
     def patched(*args, **kwargs):
         if args:
             kwargs["inputs"] = args[0]
-        sequences, stats = _generate(model, model_generate, kwargs)
+        sequences, stats = _generate(model, model_generate, kwargs, turns)
         on_call(stats)
         return sequences
 
@@ -128,7 +137,7 @@ def generate_patched(model, on_call):
             model.generate = previous
 
 
-def _generate(model, model_generate, generate_kwargs: dict) -> tuple[torch.Tensor, GenerationStats]:
+def _generate(model, model_generate, generate_kwargs: dict, turns=None) -> tuple[torch.Tensor, GenerationStats]:
     stats = GenerationStats()
     reason = transformers_blocker()
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the model
@@ -145,7 +154,7 @@ def _generate(model, model_generate, generate_kwargs: dict) -> tuple[torch.Tenso
 
         def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
             return _decode(
-                model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats
+                model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns
             )
 
         try:
@@ -213,8 +222,9 @@ def select_rows(model_kwargs: dict, index: torch.Tensor) -> dict:
     return selected
 
 
-def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats):
-    """transformers' `_sample` loop with one prefill per distinct prompt and only unfinished rows in the forwards."""
+def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns):
+    """transformers' `_sample` loop with one prefill per distinct prompt and only unfinished rows in the forwards;
+    with `turns`, the prefill starts from the columns an earlier call kept, and every row's cache is kept."""
     reason = _decode_blocker(model, generation_config, model_kwargs)
     if reason is not None:
         raise _NotApplicable(reason)
@@ -223,11 +233,20 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
 
     prompts, prompt_of_row = distinct_rows(input_ids, model_kwargs.get("attention_mask"))
     prompt_kwargs = select_rows(model_kwargs, prompts)
+    reused = 0
+    if turns is not None and _restorable(prompt_kwargs, generation_config, prompt_width):
+        reused = turns.restore(
+            prompt_kwargs["past_key_values"], input_ids[prompts], prompt_kwargs.get("attention_mask")
+        )
     outputs = model._prefill(input_ids[prompts], generation_config, prompt_kwargs)
     prompt_kwargs = model._update_model_kwargs_for_generation(outputs, prompt_kwargs)
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
     del outputs
-    stats.positions += len(prompts) * prompt_width
+    if turns is not None:
+        stats.turns_blocker = keep_blocker(prompt_kwargs["past_key_values"])
+    stats.prefill_positions += len(prompts) * (prompt_width - reused)
+    stats.full_prefill_positions += batch_size * prompt_width
+    stats.positions += len(prompts) * (prompt_width - reused)
     stats.full_positions += batch_size * prompt_width
     model_kwargs = prompt_kwargs  # every prompt distinct: `prompts` is every row, in order
     if len(prompts) < batch_size:
@@ -243,11 +262,16 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
                 input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config
             )
             if not bool(unfinished.any()):
+                if turns is not None:
+                    _keep(turns, model_kwargs, torch.arange(len(live), device=live.device), input_ids[live])
                 return input_ids
             # A row that ended leaves the batch, unless no stopping criterion pads it (transformers' loop then
             # keeps sampling real tokens for it, e.g. after a stop string without an EOS token).
             rows = unfinished.nonzero().squeeze(1) if has_eos_stopping_criteria else live
             if len(rows) < len(live):
+                if turns is not None:  # the leaving rows' caches, for the next tool turn
+                    leaving = torch.isin(live, rows, invert=True).nonzero().squeeze(1)
+                    _keep(turns, model_kwargs, leaving, input_ids[live[leaving]])
                 model_kwargs = select_rows(model_kwargs, torch.searchsorted(live, rows))
                 live = rows
             stats.positions += len(live)
@@ -257,6 +281,18 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
             del outputs
+
+
+def _restorable(model_kwargs: dict, generation_config, width: int) -> bool:
+    """Whether `_prefill` slices its input to the columns a filled cache lacks (it does when the attention mask, or the
+    all-ones mask generate dropped, spans the whole input)."""
+    mask = model_kwargs.get("attention_mask")
+    return (mask.shape[1] if mask is not None else getattr(generation_config, "_mask_length", -1)) == width
+
+
+def _keep(turns: TurnCache, model_kwargs: dict, cache_rows: torch.Tensor, sequences: torch.Tensor) -> None:
+    mask = model_kwargs.get("attention_mask")
+    turns.keep(model_kwargs["past_key_values"], cache_rows, sequences, None if mask is None else mask[cache_rows])
 
 
 def _next_tokens(input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config):

@@ -135,8 +135,12 @@ class DynamicSampling:
 
     The trainer supplies the rounds (TRL's generation and scoring) and the collectives; this class holds the refill
     stream, which every process iterates alike (same seed) taking its own slice, and whose position is training
-    state (`refill_draws_made`, checkpointed so a resumed run continues the stream).
+    state (`refill_draws_made`, checkpointed through the stateful-part protocol of grpo_plus.training_state, so a
+    resumed run continues the stream).
     """
+
+    checkpoint_name = "dynamic_sampling"
+    version = 1
 
     def __init__(self, settings: DynamicSamplingSettings, dataset_size: int, num_generations: int, seed: int):
         self.settings, self.dataset_size, self.num_generations, self.seed = (
@@ -148,9 +152,20 @@ class DynamicSampling:
         self.refill_draws_made = 0
         self._draws: Iterator[list[int]] | None = None
 
-    def restart_at(self, refill_draws_made: int) -> None:
-        """Continue the refill stream where a checkpointed run stood (after `refill_draws_made` draws)."""
-        self._draws, self.refill_draws_made = None, refill_draws_made
+    def state_dict(self) -> dict[str, Any]:
+        """Where the refill stream stands (the stream itself is a function of the seed)."""
+        return {"version": self.version, "refill_draws": self.refill_draws_made}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the refill stream where a checkpointed run stood."""
+        if state.get("version") != self.version:
+            raise ValueError(
+                f"unknown dynamic-sampling state version {state.get('version')!r} (this grpo_plus reads 1)"
+            )
+        refill_draws = state.get("refill_draws")
+        if not isinstance(refill_draws, int) or isinstance(refill_draws, bool) or refill_draws < 0:
+            raise ValueError(f"refill_draws must be an integer >= 0, found {refill_draws!r}")
+        self._draws, self.refill_draws_made = None, refill_draws
 
     def refill_rows(self, prompts_per_draw: int) -> list[int]:
         """Dataset rows of the next refill draw over all processes, each prompt `num_generations` times."""

@@ -13,10 +13,8 @@ the same history make the same decisions, and the state is a handful of numbers 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +30,6 @@ MIN_KEEP_PROBABILITY = 0.01
 # start solving a hard prompt than to start failing an easy one, so all-wrong prompts are explored more.
 TARGET_SHARE = {SOLVED: 1 / 3, UNSOLVED: 2 / 3}
 STATE_VERSION = 1
-STATE_FILE = "selective_rollout_state.json"  # in every checkpoint folder
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, pass) pairs over the generator's seed space
 
 
@@ -107,7 +104,10 @@ class _Tally:
 
 
 class SelectiveRollout:
-    """Per-prompt dead-streak history and GRESO's probabilistic skipping over a dataset of `dataset_size` rows."""
+    """Per-prompt dead-streak history and GRESO's probabilistic skipping over a dataset of `dataset_size` rows.
+    A stateful part (grpo_plus.training_state): checkpoints hold its `state_dict`."""
+
+    checkpoint_name = "selective_rollout"
 
     def __init__(self, dataset_size: int, settings: SelectiveRolloutSettings, seed: int, shuffle: bool = True):
         if dataset_size < 1:
@@ -280,25 +280,6 @@ class SelectiveRollout:
         self.explore = {kind: float(state["explore"][kind]) for kind in KINDS}
         self.reward_range = tuple(state["reward_range"]) if state["reward_range"] is not None else None
         self._tally, self._pass_cache = _Tally(), None
-
-    def save(self, checkpoint: str | Path) -> None:
-        """Write the state into a checkpoint folder, atomically (a kill leaves the old file or the new one)."""
-        folder = Path(checkpoint)
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / f"{STATE_FILE}.partial"
-        partial.write_text(json.dumps(self.state_dict()))
-        partial.replace(folder / STATE_FILE)
-
-    def load(self, checkpoint: str | Path) -> bool:
-        """Restore the state from a checkpoint folder; False if it holds none (a run without selective rollout)."""
-        path = Path(checkpoint) / STATE_FILE
-        if not path.is_file():
-            return False
-        try:
-            self.load_state_dict(json.loads(path.read_text()))
-        except ValueError as error:  # JSONDecodeError included
-            raise ValueError(f"{path} cannot be loaded: {error}") from error
-        return True
 
 
 def state_problem(state: Any) -> str | None:

@@ -316,16 +316,26 @@ def dropout_blocker(model: torch.nn.Module) -> str | None:
 
     Dropout masks are drawn per position from the global RNG: a forward over fewer rows, fewer columns or one
     prompt copy per group draws different masks than TRL's full forward, so no saving is exact while it is active.
+    The reason names the setting that keeps the savings: in RL, dropout also makes the policy that trains differ from
+    the one that generated (and from the old / reference passes), so RL recipes usually turn it off anyway.
     """
     if not model.training:
         return None
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0:
-            return f"dropout is active in the training forward ({name or 'model'}: p={module.p})"
+            return (
+                f"dropout is active in the training forward ({name or 'model'}: p={module.p}). "
+                f"To keep the savings, train without dropout: disable_dropout=True (TRL's GRPOConfig field, "
+                f"--disable_dropout true; it sets every dropout to 0, LoRA's included) or lora_dropout=0.0"
+            )
     config = getattr(model, "config", None)
     attention_dropout = getattr(config, "attention_dropout", 0.0)  # functional dropout inside attention (Llama family)
     if isinstance(attention_dropout, (int, float)) and attention_dropout > 0:
-        return f"dropout is active in the training forward (attention_dropout={attention_dropout})"
+        return (
+            f"dropout is active in the training forward (attention_dropout={attention_dropout} in the model config). "
+            f"To keep the savings, load the model with attention_dropout=0.0 (TRL's disable_dropout does not reach "
+            f"it: it is not a dropout module)"
+        )
     return None
 
 
@@ -358,6 +368,30 @@ def forward_rows(
     no_entropy = torch.zeros_like(fill)
     entropies = None if entropies is None else scatter_rows(entropies, rows, no_entropy)
     return scatter_rows(logps, rows, fill), entropies, None
+
+
+def fill_skipped_entropies(
+    forward: Forward,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    width: int,
+    live: torch.Tensor,
+    entropies: torch.Tensor,
+    bridge: slice,
+) -> torch.Tensor:
+    """`entropies` (B, `width`) with the rows `forward_rows` skipped (not `live`) filled in by a no-grad `forward` of
+    just those rows, so they hold every row's entropy as TRL's full forward computes it.
+
+    Exactly one `forward` call whatever `live` holds (when no row was skipped, one position at the `bridge` columns),
+    so every process calls the model equally often.
+    """
+    skipped = (~live).nonzero().squeeze(1)
+    with torch.no_grad():
+        if skipped.numel() == 0:
+            forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+            return entropies
+        _, skipped_entropies, _ = forward(input_ids[skipped], attention_mask[skipped], width)
+    return scatter_rows(skipped_entropies, skipped, entropies)
 
 
 def shared_prompt_logps(

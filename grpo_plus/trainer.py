@@ -2,14 +2,15 @@
 
 Each override is a few lines that call the module holding the capability: the objective (`objective`), what the
 published algorithms need around it (`algorithms`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste
-generation (`generation`), dynamic sampling (`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`), input checks
-(`validation`, `distributed`). Everything else (TRL's generation around `model.generate`, vLLM, reward functions,
-PEFT, logging, checkpoints) is TRL's own code. Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo,
-vespo) run through TRL's `_compute_loss`.
+generation (`generation`), dynamic sampling (`sampling`), selective rollout (`selective_rollout`), crashes and
+resuming (`faults`, `checkpoints`, `training_state`), input checks (`validation`, `distributed`). Everything else
+(TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
+types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -24,19 +25,24 @@ from .algorithms import KLCoefficient, first_of_each_group, greedy_decoding, mas
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
-from .faults import CrashCheckpoint, finish_without_training, load_sampling_state, prepare_resume, save_sampling_state
+from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .generation import GenerationStats, generate_patched, generation_blocker
+from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
+from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
+from .multi_turn import TurnCache
 from .objective import combine_rewards, compute_advantages, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
+from .training_state import TrainingState, stateful_parts
 from .trl_compat import (
     TRL_NATIVE_LOSS_TYPES,
     TRL_SCALE_REWARDS,
     TRLCompatibilityError,
     check_trl_compatibility,
     entropy_bonus,
+    environment_routing,
     get_soft_overlong_punishment,
     is_async_callable,
     logps_unavailable_reason,
@@ -62,7 +68,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
-        check_dataset(self.train_dataset)  # no 'prompt' column or no rows: fail now, not at the first step
+        prompt_required, environment_names = environment_routing(self)
+        # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
+        check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
         self.plus = PlusSettings.from_args(self.args)
         self.dual_clip = self.plus.dual_clip
         self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
@@ -71,13 +79,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._dynamic_sampling = self._make_dynamic_sampling()
         self._selective_rollout = self._make_selective_rollout()
         self._selective_draw = None  # the draw whose completions are being generated and scored
+        self._turn_cache: TurnCache | None = None  # the caches of a round's tool turns (grpo_plus.multi_turn)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
         if self.plus.overlong_buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
             self._add_reward(punishment, weight=self.plus.overlong_penalty)
-        self._zero_waste = ZeroWastePass(self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt)
-        self._crash_checkpoint = CrashCheckpoint(self)
+        self._zero_waste = ZeroWastePass(
+            self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt, self.plus.zero_waste_exact_entropy
+        )
+        parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
+        self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
+        self._crash_checkpoint = CrashCheckpoint(self, parts)
+        self.add_callback(self._training_state)
         self.add_callback(self._crash_checkpoint)
+        self._health = TrainingHealthGuard(self.plus.health)  # reads each log; with "stop", ends train() (below)
+        self.add_callback(self._health)
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""
@@ -94,21 +110,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         error or Ctrl-C writes the last completed step as a checkpoint (grpo_plus.faults)."""
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint)
         if resume_from_checkpoint:
-            if self._selective_rollout is not None and not self._selective_rollout.load(resume_from_checkpoint):
-                logger.warning("%s holds no selective-rollout history: it starts afresh.", resume_from_checkpoint)
-            if self._dynamic_sampling is not None:
-                self._dynamic_sampling.restart_at(load_sampling_state(resume_from_checkpoint))
-            if not self._kl_coefficient.load(resume_from_checkpoint):
-                logger.warning(
-                    "%s holds no adaptive KL coefficient: it starts again from beta.", resume_from_checkpoint
-                )
             if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
                 return finished
+            self._training_state.restore_from(resume_from_checkpoint)  # what transformers does not restore
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         except (Exception, KeyboardInterrupt):
             self._crash_checkpoint.save()
             raise
+        self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
+        return output
 
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # After the optimizer step, before it is logged and saved: the adaptive KL coefficient moves once per step.
@@ -125,14 +136,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
-        # complete: a complete checkpoint always holds the sampling state its step left behind.
+        # complete: a complete checkpoint always holds the training state its step left behind.
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self._selective_rollout is not None and self.args.should_save:
-            self._selective_rollout.save(folder)
-        if self._dynamic_sampling is not None and self.args.should_save:
-            save_sampling_state(folder, refill_draws=self._dynamic_sampling.refill_draws_made)
-        if self.args.should_save:
-            self._kl_coefficient.save(folder)
+        self._training_state.save(folder, self.args.should_save, self.accelerator.wait_for_everyone)
         super()._save_checkpoint(model, trial)
 
     # ---- generation, rewards, advantages ---------------------------------------------------------------------------
@@ -160,7 +166,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if normalizer not in TRL_SCALE_REWARDS:
             self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
         try:
-            with self._zero_waste.generation_step() as record_placeholders:
+            with self._zero_waste.generation_step() as record_placeholders, self._tool_turns():
                 output = super()._generate_and_score_completions(inputs)
                 record_placeholders(output)
         finally:
@@ -306,9 +312,20 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- zero-waste generation (grpo_plus.generation) -------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _tool_turns(self):
+        """A round of TRL's generation; with tools, its tool turns continue each row's cache instead of prefilling
+        the history again (grpo_plus.multi_turn): TRL's tool loop calls `_generate_single_turn` once per turn."""
+        self._turn_cache = TurnCache() if getattr(self, "tools", None) and self.plus.zero_waste_generation else None
+        try:
+            yield
+        finally:
+            self._turn_cache = None
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
-        """TRL's generation, its `model.generate` call prefilling each distinct prompt once and decoding only
-        unfinished rows (grpo_plus.generation) where that samples what transformers' own loop samples."""
+        """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
+        the previous turn did not compute) and decoding only unfinished rows (grpo_plus.generation) where that
+        samples what transformers' own loop samples."""
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
         if not self.plus.zero_waste_generation:
             return trl_generation(*args, **kwargs)
@@ -316,19 +333,22 @@ class GRPOTrainer(trl.GRPOTrainer):
             use_vllm=self.use_vllm,
             continuous_batching=uses_continuous_batching(self),
             multimodal=bool(multimodal_fields) or any(image is not None for image in images or ()),
-            tools=bool(getattr(self, "tools", None)),
         )
         if reason is not None:
             self._zero_waste.note_fallback("generation", reason)
             return trl_generation(*args, **kwargs)
-        with generate_patched(self.accelerator.unwrap_model(self.model_wrapped), self._log_generation):
+        model = self.accelerator.unwrap_model(self.model_wrapped)
+        with generate_patched(model, self._log_generation, self._turn_cache):
             return trl_generation(*args, **kwargs)
 
     def _log_generation(self, stats: GenerationStats) -> None:
         if stats.fallback is not None:
             self._zero_waste.note_fallback("generation", stats.fallback)
+        if stats.turns_blocker is not None:
+            self._zero_waste.note_fallback("each tool turn's history in generation", stats.turns_blocker)
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["zero_waste/generation_positions_frac"].append(stats.positions_frac)
+        self._metrics[mode]["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste) -----------------------------------------------------------------
 
@@ -429,5 +449,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * policy.aux_loss / accumulation_steps
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss).mean().item())
-        log_loss_metrics(self._metrics[mode], self.accelerator, out, entropies, policy.computed_rows)
+        log_loss_metrics(
+            self._metrics[mode], self.accelerator, out, entropies, policy.trained_rows, policy.entropies_of_every_row
+        )
         return loss

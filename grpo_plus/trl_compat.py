@@ -32,15 +32,18 @@ __all__ = [
     "TRLCompatibilityError",
     "UntestedTRLVersionWarning",
     "check_hooked_methods",
+    "check_state_attributes",
     "check_trl_compatibility",
     "TRL_IMPORTANCE_SAMPLING_LEVELS",
     "TRL_NATIVE_LOSS_TYPES",
     "TRL_SCALE_REWARDS",
     "disable_gradient_checkpointing",
     "entropy_bonus",
+    "environment_routing",
     "fused_lm_head_forward",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
+    "ignore_renames_trl_still_uses",
     "is_async_callable",
     "is_tested_trl_version",
     "logps_unavailable_reason",
@@ -52,6 +55,29 @@ __all__ = [
     "tested_trl_versions_text",
     "unwrap_model_for_generation",
 ]
+
+# transformers 5.2x renamed gradient checkpointing to activation checkpointing and warns (FutureWarning) on the old
+# names, which TRL 1.14-1.16 and PEFT still use: TRL's GRPOConfig defaults `gradient_checkpointing=True` (so every
+# GRPOConfig warns), `model.is_gradient_checkpointing` is read by TRL at every generation step
+# (`unwrap_model_for_generation`, `disable_gradient_checkpointing`) and by PEFT's `get_peft_model`, and TRL turns
+# checkpointing off and on around generation with `gradient_checkpointing_disable` / `_enable`; a checkpoint save
+# re-arms the warnings, so `make demo` printed one after every save. Neither is the user's to fix (transformers 4.x,
+# which grpo_plus supports, has no activation_checkpointing field), nor grpo_plus's: only these messages, only from
+# the transformers modules that raise them, are silenced.
+RENAMES_TRL_STILL_USES = (
+    (
+        r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is deprecated",
+        r"transformers\.modeling_utils",
+    ),
+    (r"`gradient_checkpointing(_kwargs)?` is deprecated", r"transformers\.training_args"),
+)
+
+
+def ignore_renames_trl_still_uses() -> None:
+    """Silence transformers' FutureWarnings about the old gradient-checkpointing names that TRL and PEFT read."""
+    for message, module in RENAMES_TRL_STILL_USES:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+
 
 # The TRL minors `make test-matrix` runs the parity tests against (every patch release of each). pyproject.toml caps
 # TRL below the next minor; tests/test_trl_compat.py checks that the cap, this list and the Makefile agree.
@@ -132,6 +158,25 @@ HOOKED_METHODS = (
     # tool_mask, completions, ...), with TRL's generation_config switched to greedy for the call.
     HookedMethod("_generate", ("prompts",), check="accepts", overridden=False),
 )
+
+
+# TRL trainer attributes holding training state that grpo_plus checkpoints (grpo_plus.training_state); TRL 1.14-1.16
+# all set them in GRPOTrainer.__init__ (the adaptive-entropy ones with use_adaptive_entropy).
+TRL_STATE_ATTRIBUTES = ("_step", "_buffered_inputs", "_metrics", "_logs")
+TRL_ADAPTIVE_ENTROPY_ATTRIBUTES = ("entropy_coef", "_last_world_entropy", "_entropy_window_stats")
+
+
+def check_state_attributes(trainer: trl.GRPOTrainer) -> None:
+    """Raise TRLCompatibilityError if TRL no longer keeps the training state grpo_plus checkpoints where it looks."""
+    names = TRL_STATE_ATTRIBUTES + (
+        TRL_ADAPTIVE_ENTROPY_ATTRIBUTES if getattr(trainer, "use_adaptive_entropy", False) else ()
+    )
+    missing = [name for name in names if not hasattr(trainer, name)]
+    if missing:
+        raise TRLCompatibilityError(
+            f"grpo_plus cannot checkpoint this TRL {trl.__version__}'s training state: GRPOTrainer has no "
+            f"{', '.join(missing)}. grpo_plus works with TRL {tested_trl_versions_text()}."
+        )
 
 
 def tested_trl_versions_text() -> str:
@@ -281,6 +326,19 @@ def has_fused_lm_head() -> bool:
     returns `.log_probs` / `.entropy`); False if it computes full logits (1.14). The zero-waste pass scores its
     packed shared-prompt rows through that head (`shift_labels=...`), so on 1.14 it recomputes prompts per row."""
     return hasattr(trl_utils, "add_fused_lm_head")
+
+
+def environment_routing(trainer) -> tuple[bool, tuple | None]:
+    """(whether TRL reads each row's prompt from a 'prompt' column, the environment names a row's 'environment'
+    column selects from, or None where rows are not routed).
+
+    TRL 1.14-1.16 keep `environment_factory` as `environment_factories` ({None: factory} for a single one) and
+    `_multi_environment` (a dict was passed: each row's 'environment' picks one); with environments, a row without a
+    'prompt' starts from an empty user message that `reset()` completes."""
+    factories = getattr(trainer, "environment_factories", None)
+    if factories is None:
+        return True, None
+    return False, tuple(factories) if getattr(trainer, "_multi_environment", False) else None
 
 
 def uses_continuous_batching(trainer) -> bool:

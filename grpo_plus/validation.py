@@ -1,6 +1,10 @@
 """What the user hands the trainer, checked: the train dataset when the trainer is built, every reward function's
 output when it is called. A mistake names the dataset column or the reward function and what is allowed.
 
+Each check refuses only what stock TRL would fail on too (then at its first step, or with a less telling error):
+a dataset without a 'prompt' column trains in TRL when an `environment_factory` supplies the prompt from `reset()`,
+and a reward function may return any iterable TRL can turn into a list of numbers.
+
 A reward function that raises keeps its exception type (stock TRL raises the original, and scripts catch it by type):
 the error is re-raised as a subclass of both its own type and `RewardFunctionError`, with the function's name and the
 completion it failed on added as a note.
@@ -15,7 +19,7 @@ import math
 import numbers
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,22 +38,38 @@ class RewardOutputError(RewardFunctionError, TypeError, ValueError):
 
 
 class DatasetError(ValueError):
-    """The train dataset cannot be trained on (no 'prompt' column, no rows)."""
+    """The train dataset cannot be trained on (no 'prompt' column, no 'environment' column to route rows, no rows)."""
 
 
 # ---- dataset ---------------------------------------------------------------------------------------------------------
 
 
-def check_dataset(dataset: Any, name: str = "train_dataset") -> None:
-    """Raise DatasetError unless `dataset` has a 'prompt' column and at least one row (when it can tell)."""
+def check_dataset(
+    dataset: Any,
+    name: str = "train_dataset",
+    *,
+    prompt_required: bool = True,
+    environment_names: Sequence[Any] | None = None,
+) -> None:
+    """Raise DatasetError where TRL could not train on `dataset` (when the columns are known): no 'prompt' column
+    while `prompt_required` (no `environment_factory`: TRL reads `row["prompt"]`), no 'environment' column while
+    `environment_names` lists the environments of a dict `environment_factory` (TRL routes every row by it), or no
+    rows (TRL would run zero steps without a word)."""
     if dataset is None:
         return
     columns = getattr(dataset, "column_names", None)  # None for an IterableDataset of unknown features
-    if columns is not None and "prompt" not in columns:
+    if columns is not None and prompt_required and "prompt" not in columns:
         raise DatasetError(
             f"{name} has no 'prompt' column (columns: {list(columns)}). GRPO needs one: a string, or a list of chat "
             "messages [{'role': 'user', 'content': ...}]. Rename your column, e.g. "
-            "dataset.rename_column('question', 'prompt')."
+            "dataset.rename_column('question', 'prompt'), or pass an environment_factory whose reset() returns the "
+            "prompt."
+        )
+    routed = environment_names is not None and None not in environment_names
+    if columns is not None and routed and "environment" not in columns:
+        raise DatasetError(
+            f"{name} has no 'environment' column (columns: {list(columns)}). With a dict environment_factory, every "
+            f"row names its environment there: one of {list(environment_names)}."
         )
     if hasattr(dataset, "__len__") and len(dataset) == 0:
         raise DatasetError(f"{name} is empty (0 rows): there is nothing to train on.")
@@ -79,8 +99,7 @@ class GuardedReward:
             rewards = self.func(prompts=prompts, completions=completions, **kwargs)
         except Exception as error:
             raise _keeping_type(error, self._context(error, completions, kwargs)) from error.__cause__
-        self._check(rewards, completions)
-        return rewards
+        return self._check(rewards, completions)
 
     def _context(self, error: Exception, completions, kwargs) -> str:
         columns = sorted(k for k in kwargs if k not in _NOT_DATASET_COLUMNS)
@@ -91,11 +110,18 @@ class GuardedReward:
             f"{', '.join(columns)} (every dataset column is passed; accept **kwargs for the ones you do not use)."
         )
 
-    def _check(self, rewards: Any, completions: Sequence[Any] | None) -> None:
+    def _check(self, rewards: Any, completions: Sequence[Any] | None) -> Any:
+        """`rewards` as TRL will read them (an iterator, which TRL reads once, as a list); raises what TRL cannot
+        turn into one number (or None) per completion."""
         expected = len(completions or [])
         what = f"Reward function {self.__name__!r} must return a list of {expected} rewards (one float or None per "
+        returned = rewards
         if isinstance(rewards, torch.Tensor):
             rewards = rewards.tolist() if rewards.dim() == 1 else rewards
+        elif isinstance(rewards, Iterable) and not isinstance(
+            rewards, (str, bytes, Mapping, Sequence, _ndarray_type())
+        ):
+            returned = rewards = list(rewards)  # a generator, a pandas Series, ...: TRL iterates it into a list
         if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, (Sequence, _ndarray_type())):
             raise RewardOutputError(f"{what}completion); it returned {_describe(rewards)}.")
         if len(rewards) != expected:
@@ -114,6 +140,7 @@ class GuardedReward:
                 non_finite,
                 expected,
             )
+        return returned
 
 
 def _is_reward(value: Any) -> bool:

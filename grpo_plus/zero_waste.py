@@ -23,6 +23,7 @@ from .train_pass import (
     additive_mask,
     completion_width,
     dropout_blocker,
+    fill_skipped_entropies,
     forward_rows,
     row_skip_blocker,
     rows_with_gradient,
@@ -50,15 +51,23 @@ class PolicyForward:
     logps: torch.Tensor
     entropies: torch.Tensor | None
     aux_loss: torch.Tensor | None
-    computed_rows: torch.Tensor | None  # (B,) bool when rows were skipped, else None
+    trained_rows: torch.Tensor | None = None  # (B,) bool, the rows with gradient, when rows may be skipped, else None
+    entropies_of_every_row: bool = True  # False when skipped rows hold 0 instead of their entropy
+
+    @property
+    def computed_rows(self) -> torch.Tensor | None:
+        """(B,) bool: the rows whose log-probs were computed, when some were skipped, else None."""
+        live = self.trained_rows
+        return None if live is None or bool(live.all()) else live
 
 
 class ZeroWastePass:
-    """One run's zero-waste pass. `enabled` / `shared_prompt` are GRPOConfig's `zero_waste_pass` /
-    `zero_waste_shared_prompt`."""
+    """One run's zero-waste pass. `enabled` / `shared_prompt` / `exact_entropy` are GRPOConfig's `zero_waste_pass` /
+    `zero_waste_shared_prompt` / `zero_waste_exact_entropy`."""
 
-    def __init__(self, trainer: trl.GRPOTrainer, enabled: bool, shared_prompt: bool):
+    def __init__(self, trainer: trl.GRPOTrainer, enabled: bool, shared_prompt: bool, exact_entropy: bool = False):
         self.trainer, self.enabled, self.shared_prompt = trainer, enabled, shared_prompt
+        self.exact_entropy = exact_entropy
         self._notes: set[tuple[str, str]] = set()
         self.positions = 0  # token positions the model computed since the training forward began
         self.deferring = False  # inside TRL's generation step: old/ref passes get placeholders
@@ -110,8 +119,9 @@ class ZeroWastePass:
 
     def micro_batch_logps(self, model, inputs: dict[str, Any], compute_entropy: bool) -> PolicyForward:
         """Log-probs of one micro-batch, computing only rows that can carry gradient (the others get their old
-        log-probs, so their ratio is 1, and entropy 0). The training forward and the deferred no-grad passes both
-        come here, so equal weights give bit-equal log-probs (same rows, same packs, same model calls)."""
+        log-probs, so their ratio is 1, and entropy 0, or with `exact_entropy` their entropy from a no-grad forward).
+        The training forward and the deferred no-grad passes both come here, so equal weights give bit-equal
+        log-probs (same rows, same packs, same model calls)."""
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
@@ -131,10 +141,13 @@ class ZeroWastePass:
             **{key: inputs.get(key) for key in FORWARD_INPUT_KEYS},
         )
         bridge = slice(prompt_ids.size(1) - 1, prompt_ids.size(1) + 1)
-        logps, entropies, aux_loss = forward_rows(
-            forward, input_ids, attention_mask, completion_ids.size(1), live, fill, bridge
-        )
-        return PolicyForward(logps, entropies, aux_loss, None if live is None or bool(live.all()) else live)
+        width = completion_ids.size(1)
+        logps, entropies, aux_loss = forward_rows(forward, input_ids, attention_mask, width, live, fill, bridge)
+        every_row = live is None or bool(live.all())
+        if entropies is not None and live is not None and self.exact_entropy:
+            entropies = fill_skipped_entropies(forward, input_ids, attention_mask, width, live, entropies, bridge)
+            every_row = True
+        return PolicyForward(logps, entropies, aux_loss, live, every_row)
 
     def policy_forward(self, model, inputs: dict[str, Any], metrics: dict[str, list]) -> PolicyForward:
         """The micro-batch's training forward; logs the share of rows and token positions it computed."""

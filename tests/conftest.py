@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers.models import save_tiny_model  # noqa: E402
 from helpers.probes import kept_unchanged  # noqa: E402
+from helpers.tool_model import save_tool_model  # noqa: E402
 
 
 def pytest_report_header(config) -> str:
@@ -69,4 +70,12 @@ def tiny_model_dir_bnb(tmp_path_factory):
     """Like tiny_model_dir, but wide enough (64) for bitsandbytes' 4-bit CPU kernels (block size 64)."""
     path = save_tiny_model(tmp_path_factory.mktemp("tiny-model-64"), hidden_size=64)
     with kept_unchanged(path, "the session's 64-wide tiny model"):
+        yield str(path)
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory):
+    """A tiny Qwen3 with TRL's Qwen3 chat template, trained to make tool calls, built once per session (read only)."""
+    path = save_tool_model(tmp_path_factory.mktemp("tool-model"))
+    with kept_unchanged(path, "the session's tool-calling model"):
         yield str(path)

@@ -118,7 +118,7 @@ def test_gpu_parity_plugin_patches_what_the_parity_tests_import(monkeypatch):
     ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     on_cuda = trl_compat.logps_unavailable_reason("cuda")
-    spec = importlib.util.spec_from_file_location("gpu_parity_under_test", BENCHMARKS / "gpu_parity.py")
+    spec = importlib.util.spec_from_file_location("gpu_parity_under_test", ROOT / "tests" / "gpu_parity.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     assert models.tiny_run_kwargs("out")["use_cpu"] is False
     assert trl_compat.logps_unavailable_reason("cpu") == on_cuda

@@ -35,6 +35,12 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "zero_waste_pass",
         "zero_waste_shared_prompt",
         "zero_waste_generation",
+        "zero_waste_exact_entropy",
+        "health_check",
+        "health_patience_steps",
+        "health_zero_std_frac",
+        "health_truncated_frac",
+        "health_entropy_collapse_frac",
         "selective_rollout",
         "selective_rollout_explore_solved",
         "selective_rollout_explore_unsolved",
@@ -250,11 +256,17 @@ def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_c
     assert settings.zero_waste_shared_prompt is False
     read = {"dynamic_sampling", "dynamic_sampling_min_std", "max_sampling_rounds"}
     read |= {f"selective_rollout_{f.name}" for f in dataclasses.fields(settings.selective) if f.name != "min_std"}
-    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {"dynamic_sampling", "selective", "algorithms"}
+    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {
+        "dynamic_sampling",
+        "selective",
+        "algorithms",
+        "health",
+    }
     read |= {f.name for f in dataclasses.fields(settings.algorithms)} - {"policy_loss_options"}
     for loss in ("clip_cov", "kl_cov"):  # a policy loss's options are read from the fields of the same names
         options = dict(clip_cov_ratio=1e-3, clip_cov_lb=0.5, clip_cov_ub=2.0, kl_cov_ratio=1e-3, kl_cov_coef=0.5)
         chosen = PlusSettings.from_args(make("unused", policy_loss=loss, **options))
         assert chosen.algorithms.policy_loss_options == {k: v for k, v in options.items() if k.startswith(loss)}
         read |= set(chosen.algorithms.policy_loss_options)
+    read |= {f"health_{f.name}" for f in dataclasses.fields(settings.health)}
     assert own == read, f"GRPOConfig fields PlusSettings does not read: {own - read}; unknown: {read - own}"

@@ -163,12 +163,14 @@ def test_zero3_bnpo_matches_stock_trl(tiny_model_dir, tmp_path):
         ("odd_dead", dict(selective_rollout=True, selective_rollout_explore_solved=0.05,
                           selective_rollout_explore_min=0.05, num_prompts=4, max_steps=6)),
         ("half_dead", dict(loss_type="dapo")),
+        ("half_dead", dict(loss_type="dapo", zero_waste_exact_entropy=True)),
     ],
-    ids=["selective-rollout", "all-dead-micro-batch"],
+    ids=["selective-rollout", "all-dead-micro-batch", "all-dead-micro-batch-exact-entropy"],
 )  # fmt: skip
 def test_zero3_features_match_one_process(tiny_model_dir, tmp_path, reward, overrides):
     """Selective rollout (same draws on every rank) and a rank whose whole micro-batch is dead (one anchor call keeps
-    it in step) finish under ZeRO-3 at one process's weights."""
+    it in step; with exact entropy, one more no-grad call on every rank) finish under ZeRO-3 at one process's
+    weights."""
     overrides = dict(overrides)
     num_prompts = overrides.pop("num_prompts", 16)
     extra = ["--row_seeded_sampling", "--reward", reward, "--num_prompts", str(num_prompts)]
@@ -188,6 +190,9 @@ def test_zero3_features_match_one_process(tiny_model_dir, tmp_path, reward, over
     else:
         assert any(entry.get("selective_rollout/skipped", 0) > 0 for entry in two["logs"]), "nothing was skipped"
     assert_same_weights(one, two, initial=initial_weights(tiny_model_dir, peft=False))
+    if overrides.get("zero_waste_exact_entropy"):  # every row's entropy, whichever rank skipped which rows
+        entropies = [[entry["entropy"] for entry in result["logs"] if "loss" in entry] for result in (one, two)]
+        assert None not in entropies[0] and entropies[1] == pytest.approx(entropies[0], rel=1e-5)
 
 
 def test_zero3_dynamic_sampling_matches_ddp(tiny_model_dir, tmp_path):

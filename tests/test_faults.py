@@ -13,12 +13,13 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from helpers.models import tiny_trainer
+from helpers.crashes import Crash, crash_in, same
+from helpers.models import saved_model_trainer
 from helpers.probes import SCRIPTS, kept_unchanged, logged, max_weight_diff, run_python
 from helpers.rewards import digit_reward, half_dead_reward, length_reward
 from peft import LoraConfig
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import TrainerCallback
 
 import grpo_plus
 from grpo_plus.checkpoints import CheckpointError, checkpoint_problem, last_complete_checkpoint
@@ -29,33 +30,12 @@ def build(
     model_dir, output_dir, rewards=(length_reward, digit_reward), package=grpo_plus, peft=None, data=None, **args
 ):
     """A trainer on the tiny model: 4 steps, checkpoints every 2, unless `args` say otherwise."""
-    return tiny_trainer(
-        output_dir,
-        list(rewards),
-        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        dataset=data,
-        peft_config=peft,
-        package=package,
-        **{"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **args},
-    )
+    settings = {"max_steps": 4, "save_strategy": "steps", "save_steps": 2, **args}
+    return saved_model_trainer(model_dir, output_dir, rewards, package, dataset=data, peft_config=peft, **settings)
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
-
-
-def same(a, b) -> bool:
-    """Equal to the bit, through nested dicts, lists and tuples of tensors, arrays and plain values."""
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if hasattr(a, "shape"):  # numpy's RNG state
-        return bool((a == b).all())
-    return a == b
 
 
 class StepCounter(TrainerCallback):
@@ -160,7 +140,8 @@ def test_all_infinite_rewards_warn_once_naming_the_function(tiny_model_dir, tmp_
     trainer = build(tiny_model_dir, tmp_path, rewards=[infinite_reward], save_strategy="no", max_steps=2)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.validation"):
         trainer.train()
-    warnings = [r.getMessage() for r in caplog.records if "infinite_reward" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_plus.validation"]
+    warnings = [message for message in warnings if "infinite_reward" in message]
     assert len(warnings) == 1 and "+-inf for 4 of 4 completions" in warnings[0] and "trains nothing" in warnings[0]
     assert logged(trainer, "loss") == [0.0, 0.0]
 
@@ -182,55 +163,6 @@ def test_a_dataset_that_cannot_train_fails_when_the_trainer_is_built(tiny_model_
 
 
 # ---- crash checkpoints: the state after the last finished step, or nothing (issue 16.4) -----------------------------
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def crash_in(phase: str, trainer, at_step: int):
-    """Make `trainer` fail in `phase` of the step after `at_step` finished steps."""
-
-    def now() -> bool:
-        return trainer.state.global_step == at_step
-
-    if phase == "generation":  # the completions are sampled (the RNG has moved), not yet scored
-        generate = trainer.model.generate
-
-        def crashing_generate(*args, **kwargs):
-            out = generate(*args, **kwargs)
-            if now():
-                raise Crash("in generation")
-            return out
-
-        trainer.model.generate = crashing_generate
-    elif phase in ("scoring", "scoring_ctrl_c"):
-        error = KeyboardInterrupt if phase == "scoring_ctrl_c" else Crash
-
-        def crashing_reward(completions, **kwargs):
-            if now():
-                raise error("in scoring")
-            return length_reward(completions)
-
-        trainer.reward_funcs[0].func = crashing_reward
-    elif phase == "training_pass":  # half-way through backward: part of the gradient accumulated
-        compute_loss = trainer._compute_loss
-
-        def crashing_compute_loss(model, inputs):
-            loss = compute_loss(model, inputs)
-            if now():
-                loss.register_hook(lambda grad: (_ for _ in ()).throw(Crash("in backward")))
-            return loss
-
-        trainer._compute_loss = crashing_compute_loss
-    elif phase == "optimizer":  # the weights are updated, the step is not counted, logged or saved yet
-
-        class CrashAfterUpdate(TrainerCallback):
-            def on_optimizer_step(self, args, state, control, **kwargs):
-                if now():
-                    raise Crash("after the optimizer update")
-
-        trainer.add_callback(CrashAfterUpdate())
 
 
 @pytest.fixture(scope="module")
@@ -315,10 +247,11 @@ def truncate(path: Path, keep: float = 0.5) -> None:
     [
         (lambda c: truncate(c / "adapter_model.safetensors"), "adapter_model.safetensors is cut short"),
         (lambda c: truncate(c / "optimizer.pt"), "optimizer.pt is cut short or damaged"),
+        (lambda c: truncate(c / "grpo_plus_state_0.pt"), "grpo_plus_state_0.pt is cut short or damaged"),
         (lambda c: (c / "selective_rollout_state.json").write_text(""), "selective_rollout_state.json is not valid"),
         (lambda c: (c / "trainer_state.json").unlink(), "trainer_state.json is missing or cut short"),
     ],
-    ids=["adapter", "optimizer", "selective_rollout_state", "trainer_state"],
+    ids=["adapter", "optimizer", "training_state", "legacy_selective_rollout_state", "trainer_state"],
 )
 def test_a_damaged_checkpoint_is_named_and_resume_falls_back(
     tiny_model_dir, tmp_path, lora_run, damage, problem, caplog

@@ -276,11 +276,10 @@ def test_installed_transformers_runs_the_loop():
         (dict(use_vllm=True), "vLLM"),
         (dict(continuous_batching=True), "continuous batching"),
         (dict(multimodal=True), "multimodal"),
-        (dict(tools=True), "tools"),
     ],
 )
 def test_generation_blocker_names_each_reason(flags, reason):
-    settings = dict(use_vllm=False, continuous_batching=False, multimodal=False, tools=False) | flags
+    settings = dict(use_vllm=False, continuous_batching=False, multimodal=False) | flags
     assert reason in generation_blocker(**settings)
 
 
@@ -365,7 +364,6 @@ def no_generation_outputs(trainer, prompt_ids):
         ("continuous_batching", "continuous batching"),
         ("multimodal_fields", "multimodal"),
         ("images", "multimodal"),
-        ("tools", "tools"),
         ("zero_waste_generation=False", None),
     ],
 )
@@ -392,8 +390,6 @@ def test_trainer_falls_back_to_trls_generation(tmp_path, monkeypatch, caplog, se
         fields = {"pixel_values": torch.zeros(1, 3, 4, 4)}
     elif setting == "images":
         images = [["an image"]]
-    elif setting == "tools":
-        trainer.tools = [len]
     prompt_ids = [[5, 6, 7]] * G
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
         for _ in range(2):
@@ -408,7 +404,6 @@ def test_trainer_falls_back_to_trls_generation(tmp_path, monkeypatch, caplog, se
     # control: with nothing in the way, TRL's method runs with grpo_plus's generate installed
     if reason is not None and transformers_blocker() is None:
         trainer.use_vllm = trainer.use_transformers_continuous_batching = False
-        trainer.tools = None
         trainer._generate_single_turn(prompt_ids, None, {}, G)
         assert patched_during_trl_call[-1] is True
     assert "generate" not in model.__dict__  # removed again after the call

@@ -1,10 +1,11 @@
-"""The package layout: the library (grpo_plus.*) never imports the app kit (grpo_plus.app), and the app modules' old
-paths still import, as the very same module objects."""
+"""The package layout: the library (grpo_plus.*) never imports the app kit (grpo_plus.app), and each app module has one
+path (the aliases kept for the old paths grpo_plus.tasks / recipe / hub are gone: no released user had them)."""
 
 import ast
 import importlib
 import importlib.resources
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -16,14 +17,8 @@ import pytest
 import grpo_plus
 
 PACKAGE = Path(grpo_plus.__file__).parent
-# Old path -> new path of the app modules users import (the README's grpo_plus.tasks, the recipes' grpo_plus.recipe,
-# grpo_plus.hub's public push / merge / card helpers).
-OLD_PATHS = {
-    "grpo_plus.tasks": "grpo_plus.app.tasks",
-    "grpo_plus.recipe": "grpo_plus.app.recipe",
-    "grpo_plus.hub": "grpo_plus.app.hub",
-}
-ALIAS_FILES = {f"{old.rsplit('.', 1)[1]}.py" for old in OLD_PATHS}
+# The app modules' paths before they moved into grpo_plus.app; nothing may answer to them now.
+OLD_PATHS = ("grpo_plus.tasks", "grpo_plus.recipe", "grpo_plus.hub")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -46,7 +41,6 @@ def test_the_library_never_imports_the_app():
     offenders = {
         path.name: sorted(name for name in imported_modules(path) if name.startswith("grpo_plus.app"))
         for path in sorted(PACKAGE.glob("*.py"))
-        if path.name not in ALIAS_FILES
     }
     assert {name: found for name, found in offenders.items() if found} == {}
 
@@ -57,23 +51,12 @@ def test_import_grpo_plus_loads_no_app_module():
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize(("old", "new"), OLD_PATHS.items())
-def test_an_old_app_path_is_the_moved_module(old, new):
-    moved = importlib.import_module(new)
-    assert importlib.import_module(old) is moved
-    parent, name = old.rsplit(".", 1)
-    assert getattr(importlib.import_module(parent), name) is moved  # `from grpo_plus import tasks` too
-
-
-def test_old_paths_import_first_in_a_fresh_process():
-    """Before anything imported grpo_plus.app (a user's script on the old path): the old path alone loads it."""
-    code = (
-        "from grpo_plus.hub import push_adapter\n"
-        "from grpo_plus import tasks\n"
-        "import grpo_plus.app.hub, grpo_plus.app.tasks\n"
-        "assert tasks is grpo_plus.app.tasks and push_adapter is grpo_plus.app.hub.push_adapter\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_an_app_module_has_one_path(old):
+    """A newcomer should not wonder which of two modules is the real one."""
+    name = old.rsplit(".", 1)[1]
+    assert not (PACKAGE / f"{name}.py").exists() and not (PACKAGE / name).exists()
+    assert not hasattr(grpo_plus, name)
 
 
 @pytest.mark.skipif(
@@ -82,13 +65,15 @@ def test_old_paths_import_first_in_a_fresh_process():
 )
 def test_the_wheel_ships_the_model_card_template(tmp_path):
     """A wheel built from pyproject.toml holds templates/model_card.md (setuptools leaves non-Python files out unless
-    they are declared package data), and the installed package reads it through importlib.resources."""
+    they are declared package data), and the installed package reads it through importlib.resources; the build warns
+    about nothing in pyproject.toml."""
     source = tmp_path / "source"
     shutil.copytree(PACKAGE, source / "grpo_plus", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(PACKAGE.parent / name, source / name)
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
-    subprocess.run([*build, str(source)], check=True, capture_output=True)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", str(tmp_path)]
+    result = subprocess.run([*build, str(source)], check=True, capture_output=True, text=True)
+    assert "deprecated" not in result.stdout + result.stderr  # e.g. setuptools on `project.license` as a table
     (wheel,) = tmp_path.glob("grpo_plus-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         shipped = archive.read("grpo_plus/app/templates/model_card.md")
@@ -125,3 +110,16 @@ def test_the_old_core_paths_give_the_objective_packages_objects():
         assert getattr(grpo_plus.losses, name) is getattr(objective, name), name
     for name in ("ADVANTAGE_NORMALIZERS", "compute_advantages", "register_advantage_normalizer", "combine_rewards"):
         assert getattr(grpo_plus.advantages, name) is getattr(objective, name), name
+
+
+def test_benchmarks_reach_shared_code_without_editing_sys_path():
+    """What the benchmarks share with the tests (tiny models, rewards, the forward-position counter, TRL's loss on a
+    stand-in) lives in grpo_plus.app.testing; a script that edited sys.path to reach tests/ would break when run from
+    anywhere else."""
+    scripts = sorted((PACKAGE.parent / "benchmarks").glob("*.py"))
+    assert scripts
+    edits = [path.name for path in scripts if "sys.path" in path.read_text()]
+    reaching_into_tests = [
+        path.name for path in scripts if re.search(r"^\s*from (helpers|trl_oracle)\b", path.read_text(), re.M)
+    ]
+    assert (edits, reaching_into_tests) == ([], [])

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from grpo_plus.app.plotting import plot_comparison, plot_training_curves, series  # noqa: E402
-from grpo_plus.app.recipe import held_out_accuracy_points  # noqa: E402
+from grpo_plus.app.plotting import BeforeAfter, plot_comparison, plot_training_curves, series  # noqa: E402
+from grpo_plus.app.recipe import held_out_accuracy  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -69,8 +69,7 @@ def test_training_curves_png_with_labels_and_legend(tmp_path):
 
 def demo_log_history(steps: int = 6) -> list[dict]:
     """What the demo logs: one optimizer step per generation batch, so every clip fraction is exactly 0 (ratio 1),
-    while the fraction of groups with equal rewards moves; plus held-out accuracy before and after, as the recipe
-    adds it."""
+    while the fraction of groups with equal rewards moves."""
     dead_groups = [0.0, 0.0, 0.25, 0.5, 0.25, 0.5]
     history = [
         {
@@ -85,19 +84,38 @@ def demo_log_history(steps: int = 6) -> list[dict]:
         }
         for step in range(1, steps + 1)
     ]
-    return history + held_out_accuracy_points({"accuracy": 0.556}, {"accuracy": 1.0}, steps)
+    return history
 
 
 def test_flat_clip_panel_gives_way_to_panels_that_move(tmp_path):
     fig = plot_training_curves(demo_log_history(), tmp_path / "reward_curve.png")
     assert_png(tmp_path / "reward_curve.png")
     axes = {ax.get_title(): ax for ax in visible_axes(fig)}
-    assert set(axes) == {"reward", "completions/mean_length", "frac_reward_zero_std", "eval_accuracy"}
+    assert set(axes) == {"reward", "completions/mean_length", "frac_reward_zero_std"}
     for title, ax in axes.items():
         assert len(set(ax.lines[0].get_ydata())) > 1, f"panel {title} is flat"
     assert axes["frac_reward_zero_std"].get_ylabel() == "fraction of groups with equal rewards"
-    xs, ys = axes["eval_accuracy"].lines[0].get_data()
-    assert list(xs) == [0, 6] and list(ys) == [0.556, 1.0]
+
+
+def test_held_out_before_and_after_are_two_bars_not_a_line(tmp_path):
+    """The recipe measures held-out accuracy twice (before and after training): the panel shows two labelled bars
+    with their values, and no line between them that would read as a curve over the steps."""
+    measured = held_out_accuracy({"accuracy": 0.556}, {"accuracy": 1.0}, steps=30)
+    fig = plot_training_curves(demo_log_history(), tmp_path / "reward_curve.png", before_after=measured)
+    assert_png(tmp_path / "reward_curve.png")
+    axes = {ax.get_title(): ax for ax in visible_axes(fig)}
+    panel = axes["held-out accuracy: before / after"]
+    assert len(panel.lines) == 0
+    assert [bar.get_height() for bar in panel.patches] == [0.556, 1.0]
+    assert [tick.get_text() for tick in panel.get_xticklabels()] == ["before training", "after 30 steps"]
+    assert [text.get_text() for text in panel.texts] == ["0.556", "1.000"]
+    assert panel.get_ylim() == (0, 1.12) and panel.get_ylabel() == "held-out accuracy"
+    assert "eval_accuracy" not in axes
+
+
+def test_before_after_alone_is_drawn(tmp_path):
+    fig = plot_training_curves([], tmp_path / "r.png", before_after=BeforeAfter("held-out accuracy", 0.2, 0.5, 4))
+    assert [ax.get_title() for ax in visible_axes(fig)] == ["held-out accuracy: before / after"]
 
 
 def test_clip_panel_is_kept_where_clipping_happens(tmp_path):
@@ -107,9 +125,9 @@ def test_clip_panel_is_kept_where_clipping_happens(tmp_path):
     assert "clip_ratio/region_mean" in [ax.get_title() for ax in visible_axes(fig)]
 
 
-def test_held_out_points_need_both_evaluations():
-    assert held_out_accuracy_points(None, {"accuracy": 1.0}, 5) == []
-    assert held_out_accuracy_points({"format_rate": 0.1}, {"format_rate": 0.2}, 5) == []
+def test_held_out_accuracy_needs_both_evaluations():
+    assert held_out_accuracy(None, {"accuracy": 1.0}, 5) is None
+    assert held_out_accuracy({"format_rate": 0.1}, {"format_rate": 0.2}, 5) is None
 
 
 def test_training_curves_missing_keys_are_skipped(tmp_path):

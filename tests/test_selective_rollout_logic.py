@@ -9,15 +9,16 @@ from helpers.models import tiny_run_kwargs
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig
+from grpo_plus.checkpoints import CheckpointError
 from grpo_plus.config import ConfigError
 from grpo_plus.selective_rollout import (
     MIN_KEEP_PROBABILITY,
     SOLVED,
-    STATE_FILE,
     UNSOLVED,
     SelectiveRollout,
     SelectiveRolloutSettings,
 )
+from grpo_plus.training_state import LEGACY_SELECTIVE_ROLLOUT_FILE, SHARED_FILE, TrainingState
 
 G = 4
 
@@ -160,9 +161,12 @@ def test_same_history_gives_same_decisions_and_state_survives_a_checkpoint_round
     assert run(one, 40, 3, dead) == run(two, 40, 3, dead)  # e.g. two DDP processes
 
     restored = SelectiveRollout(12, settings, seed=0)
-    assert not restored.load(tmp_path / "checkpoint-1"), "loaded a state that was never saved"
-    one.save(tmp_path / "checkpoint-1")
-    assert restored.load(tmp_path / "checkpoint-1")
+    (tmp_path / "checkpoint-1").mkdir()
+    restore(restored, tmp_path / "checkpoint-1")
+    assert restored.state_dict() != one.state_dict(), "loaded a state that was never saved"
+    TrainingState(lambda: [one], 0, 1).save(tmp_path / "checkpoint-1", writes_shared=True, wait_for_everyone=lambda: 0)
+    assert (tmp_path / "checkpoint-1" / SHARED_FILE).is_file()
+    restore(restored, tmp_path / "checkpoint-1")
     assert restored.state_dict() == one.state_dict()
     continued = run(one, 40, 3, dead)
     assert any(skipped for appearances in continued.values() for _, skipped in appearances)
@@ -200,21 +204,26 @@ def test_before_two_different_rewards_are_seen_zero_is_unsolved_and_a_positive_r
         (dict(reward_range=[1.0, 0.0]), "reward_range must be null or [low, high] with finite low <= high"),
     ],
 )
-def test_out_of_range_state_is_refused_naming_the_file_and_the_field(tmp_path, change, fragment):
-    selector = SelectiveRollout(5, fixed(), seed=0)
-    selector.save(tmp_path)
-    state = {**json.loads((tmp_path / STATE_FILE).read_text()), **change}
-    (tmp_path / STATE_FILE).write_text(json.dumps(state))
-    with pytest.raises(ValueError) as error:
-        SelectiveRollout(5, fixed(), seed=0).load(tmp_path)
-    assert str(error.value).startswith(f"{tmp_path / STATE_FILE} cannot be loaded: out-of-range values: ")
+def test_out_of_range_state_is_refused_naming_the_checkpoint_and_the_field(tmp_path, change, fragment):
+    """Also from the JSON file checkpoints held before grpo_plus's training-state files (still read)."""
+    state = {**SelectiveRollout(5, fixed(), seed=0).state_dict(), **change}
+    (tmp_path / LEGACY_SELECTIVE_ROLLOUT_FILE).write_text(json.dumps(state))
+    with pytest.raises(CheckpointError) as error:
+        restore(SelectiveRollout(5, fixed(), seed=0), tmp_path)
+    expected = f"{tmp_path}: the saved state of 'selective_rollout' cannot be loaded: out-of-range values: "
+    assert str(error.value).startswith(expected)
     assert fragment in str(error.value)
 
 
 def test_a_corrupt_state_file_is_named(tmp_path):
-    (tmp_path / STATE_FILE).write_text('{"version": 1, "dataset_si')
-    with pytest.raises(ValueError, match=f"{tmp_path / STATE_FILE} cannot be loaded: "):
-        SelectiveRollout(5, fixed(), seed=0).load(tmp_path)
+    (tmp_path / LEGACY_SELECTIVE_ROLLOUT_FILE).write_text('{"version": 1, "dataset_si')
+    with pytest.raises(CheckpointError, match=f"{tmp_path / LEGACY_SELECTIVE_ROLLOUT_FILE} cannot be loaded: "):
+        restore(SelectiveRollout(5, fixed(), seed=0), tmp_path)
+
+
+def restore(selector: SelectiveRollout, checkpoint) -> None:
+    """Load `selector`'s state from a checkpoint folder as a resumed trainer does."""
+    TrainingState(lambda: [selector], 0, 1).restore_from(checkpoint)
 
 
 def test_record_rejects_rewards_of_another_batch():

@@ -11,7 +11,7 @@ from helpers.probes import TRAIN_TINY, accelerate_launch, kill_after_checkpoint,
 from helpers.rewards import dead_rows
 
 from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.selective_rollout import STATE_FILE
+from grpo_plus.training_state import SHARED_FILE
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_kill_and_resume_reproduces_the_uninterrupted_decisions(tiny_model_dir, 
     kill_after_checkpoint(first, out / "checkpoint-6")
     killed_step = int(last_complete_checkpoint(out).rsplit("-", 1)[1])
     assert 6 <= killed_step < 14
-    assert (out / f"checkpoint-{killed_step}" / STATE_FILE).is_file()
+    assert (out / f"checkpoint-{killed_step}" / SHARED_FILE).is_file()
 
     run_python(TRAIN_TINY, *flags("killed"), "--resume", "--record_draws", tmp_path / "resumed")
     resumed = draw_lines(tmp_path / "resumed.rank0")

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus import GRPOTrainer
+from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
 from grpo_plus.train_pass import pack_shared_prompts, rows_with_gradient
 from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
 from grpo_plus.zero_waste import ZeroWastePass
@@ -349,25 +350,61 @@ def test_all_dead_micro_batch_still_backpropagates_a_zero_gradient():
 
 
 def test_sequence_level_tensors_and_metrics_match_full_pass():
-    """Clip fractions (TRL's metrics) are unchanged by skipping; entropy covers the computed rows."""
+    """Clip fractions (TRL's metrics) are unchanged by skipping; TRL's `entropy` (every row) is unknown, the trained
+    rows' entropy is logged apart; with exact_entropy the skipped rows' entropies are computed and `entropy` is TRL's."""
     trainer = make_trainer(importance_sampling_level="sequence", epsilon=0.05, epsilon_high=0.05)
+    with torch.no_grad():  # peaked next-token distributions: entropies that differ from row to row
+        trainer.model.lm_head.weight.mul_(30.0)
     inputs = micro_batch(trainer, off_policy=1.0)
     metrics = {}
-    for on in (False, True):
-        set_zero_waste(trainer, on=on)
+    for on, exact in ((False, False), (True, False), (True, True)):
+        trainer._zero_waste = ZeroWastePass(trainer, enabled=on, shared_prompt=True, exact_entropy=exact)
         trainer._metrics["train"].clear()
         trainer._compute_loss(trainer.model, inputs)
-        metrics[on] = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-    assert metrics[False]["clip_ratio/region_mean"] > 0, "nothing was clipped: the comparison would be vacuous"
+        metrics[on, exact] = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    full, skipped, exact = metrics[False, False], metrics[True, False], metrics[True, True]
+    assert full["clip_ratio/region_mean"] > 0, "nothing was clipped: the comparison would be vacuous"
     for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/high_max"):
-        assert metrics[True][name] == pytest.approx(metrics[False][name], abs=1e-9), name
+        assert skipped[name] == pytest.approx(full[name], abs=1e-9), name
     live = rows_with_gradient(inputs["advantages"], inputs["completion_mask"])
-    assert metrics[True]["zero_waste/rows_computed_frac"] == pytest.approx(live.float().mean().item())
+    assert skipped["zero_waste/rows_computed_frac"] == pytest.approx(live.float().mean().item())
+    assert not live.all()
     parts = [inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
     _, entropies, _ = trl_full_pass(trainer, *parts)
-    mask = inputs["completion_mask"][live]
-    expected = (entropies[live] * mask).sum() / mask.sum()
-    assert metrics[True]["entropy"] == pytest.approx(expected.item(), rel=1e-6)
+    mask = inputs["completion_mask"]
+    trls = (entropies * mask).sum() / mask.sum()
+    trained = (entropies[live] * mask[live]).sum() / mask[live].sum()
+    assert abs(trained - trls) > 1e-3, "the trained rows' entropy is TRL's: the test would not tell them apart"
+    assert full["entropy"] == pytest.approx(trls.item(), rel=1e-6) and TRAINED_ROWS_ENTROPY not in full
+    assert math.isnan(skipped["entropy"]) and skipped[TRAINED_ROWS_ENTROPY] == pytest.approx(trained.item(), rel=1e-6)
+    assert exact["entropy"] == pytest.approx(trls.item(), rel=1e-6)
+    assert exact[TRAINED_ROWS_ENTROPY] == pytest.approx(trained.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dead_groups", [(), (0, 2), range(GROUPS)], ids=["none_dead", "half_dead", "all_dead"])
+def test_exact_entropy_makes_one_more_no_grad_call_whatever_the_rows(dead_groups):
+    """Under ZeRO-3 / FSDP every model call gathers parameters collectively: with exact_entropy the training forward
+    makes exactly two calls (the trained rows with gradient, the skipped rows without) whatever rows are dead, and
+    the gradient stays the full pass's."""
+    trainer = make_trainer()
+    inputs = micro_batch(trainer, dead_groups=dead_groups)
+    if len(dead_groups) == GROUPS:
+        inputs["advantages"].zero_()
+    if not dead_groups:  # micro_batch leaves one unscorable row: score it, so that every row is live
+        inputs["advantages"][G + 1] = 0.5
+    trainer._metrics["train"].clear()
+    set_zero_waste(trainer, on=False)
+    full = loss_and_grads(trainer, inputs)
+    trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True, exact_entropy=True)
+    log = ForwardLog(trainer.model)
+    saved = loss_and_grads(trainer, inputs)
+    assert [call["grad"] for call in log.calls] == [True, False]
+    if dead_groups == range(GROUPS):
+        assert saved[0] == 0.0 and all(g.abs().max() == 0 for g in saved[1].values())
+    else:
+        assert_same_gradient(full, saved)
+    full_entropy, exact_entropy = trainer._metrics["train"]["entropy"]  # TRL's mean over every row, both times
+    assert exact_entropy == pytest.approx(full_entropy, rel=1e-6)
 
 
 # ---- fallbacks ------------------------------------------------------------------------------------------------------
@@ -504,3 +541,18 @@ def test_config_field_turns_it_off():
     assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [
         ((G * GROUPS, PROMPT_WIDTH + COMPLETION_WIDTH), 2)
     ]
+
+
+def test_exact_entropy_benchmark_smoke(tmp_path):
+    """benchmarks/exact_entropy.py --smoke, in process: every case runs, the three sides' losses are equal, exact
+    entropy is TRL's, and without it `entropy` is not logged where groups were dead."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import exact_entropy
+
+    rows = exact_entropy.run_cases(exact_entropy.build_trainers(smoke=True, output_dir=str(tmp_path)), repeats=1)
+    assert [row["dead_share"] for row in rows] == list(exact_entropy.DEAD_SHARES)
+    assert all(row["max_loss_difference"] <= 1e-6 and row["exact_entropy_difference"] <= 1e-5 for row in rows), rows
+    assert [row["default_entropy_logged"] for row in rows] == [share == 0 for share in exact_entropy.DEAD_SHARES]

@@ -14,14 +14,15 @@ import math
 import pytest
 import torch
 import trl
-from helpers.models import prompt_dataset, tiny_run_kwargs
+from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
 from helpers.probes import ForwardLog, max_weight_diff
-from helpers.rewards import constant_reward, digit_reward, half_dead_reward, length_reward
+from helpers.rewards import constant_reward, digit_reward, half_dead_or_none_reward, half_dead_reward, length_reward
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus.generation import transformers_blocker
+from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
 from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
 
 pytestmark = [
@@ -30,8 +31,6 @@ pytestmark = [
     # against (tests/test_losses_parity.py still checks its _compute_loss against the core).
     pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
 ]
-# Metrics the zero-waste pass computes over the rows it computed (documented); TRL averages every row.
-COMPUTED_ROWS_ONLY = ("entropy",)
 
 
 def train(
@@ -80,13 +79,13 @@ def assert_same_run(
         assert generated and max(generated) < 1.0, "grpo_plus's zero-waste generation did not run"
     elif dropout:  # logged as 1.0 where the trainer saw the dropout; absent where transformers 4.x decided first
         assert all(value == 1.0 for value in generated), "zero-waste generation ran with dropout on"
-    rows_skipped = any(entry.get("zero_waste/rows_computed_frac", 1.0) < 1.0 for entry in our_logs)
     for trl_entry, our_entry in zip(trl_logs, our_logs, strict=True):
         for key, value in trl_entry.items():
             if key in ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"):
                 continue
             assert key in our_entry, f"grpo_plus did not log TRL's metric {key!r}"
-            if rows_skipped and key in COMPUTED_ROWS_ONLY:
+            if key == "entropy" and our_entry[key] is None:  # unknown (documented): rows were skipped in the window
+                assert our_entry["zero_waste/rows_computed_frac"] < 1.0, "entropy missing though no row was skipped"
                 continue
             if isinstance(value, float) and not math.isnan(value):
                 assert our_entry[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
@@ -165,6 +164,44 @@ def test_zero_waste_pass_matches_stock_trl_where_it_skips(tiny_model_dir, tmp_pa
         saved.training_positions,
         full.training_positions,
     )
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory):
+    """The tiny model with its output logits scaled up 30x: its next-token distributions are peaked and differ from
+    row to row (entropy ~1.5-2 nats, where the plain random model's are all near-uniform, ~4.44)."""
+    path = save_tiny_model(tmp_path_factory.mktemp("peaked"))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_entropy_is_stock_trls_or_absent_and_trls_everywhere_with_exact_entropy(peaked_model_dir, tmp_path):
+    """Issue 27.3, as a TRL user met it: LoRA, rewards returning None, zero-advantage rows skipped. The logged
+    `entropy` is stock TRL's number in every window where no row was skipped and None in the others (never the mean of
+    the computed rows, now `zero_waste/entropy_trained_rows`, which is another number); with
+    zero_waste_exact_entropy=True it is TRL's in every window. Neither changes the training (assert_same_run: the
+    weights and every other metric are TRL's)."""
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    rewards, settings = (half_dead_or_none_reward,), dict(max_steps=8)
+    trl_logs, our_logs, _, _ = assert_same_run(peaked_model_dir, tmp_path, rewards, lora, **settings)
+    steps = [(trl_entry, entry) for trl_entry, entry in zip(trl_logs, our_logs, strict=True) if "loss" in entry]
+    skipped = [entry["zero_waste/rows_computed_frac"] < 1 for _, entry in steps]
+    assert any(skipped) and not all(skipped), "the run needs windows with and without skipped rows"
+    assert [entry["entropy"] is None for _, entry in steps] == skipped
+    # What `entropy` showed before with rows skipped (the computed rows' mean) is not TRL's number:
+    apart = [abs(e[TRAINED_ROWS_ENTROPY] - t["entropy"]) for t, e in steps if e[TRAINED_ROWS_ENTROPY] is not None]
+    assert max(apart) > 1e-2, apart
+
+    _, exact_logs, _ = train(
+        peaked_model_dir, tmp_path / "exact", grpo_plus, rewards, lora, zero_waste_exact_entropy=True, **settings
+    )
+    for key in ("entropy", "loss", "grad_norm", "reward"):  # TRL's entropy, TRL's (unchanged) training
+        ours = [entry[key] for entry in exact_logs if "loss" in entry]
+        assert ours == pytest.approx([entry[key] for entry in trl_logs if "loss" in entry], rel=1e-6), key
+    assert any(entry["zero_waste/rows_computed_frac"] < 1 for entry in exact_logs if "loss" in entry)
 
 
 def assert_zero_waste_run_unchanged(tiny_model_dir, tmp_path, **overrides):

@@ -255,3 +255,23 @@ def test_trainer_construction_fails_where_trl_cannot_compute_log_probs(tiny_mode
     monkeypatch.setattr("grpo_plus.trainer.logps_unavailable_reason", lambda device_type: reason)
     with pytest.raises(TRLCompatibilityError, match=re.escape(f"grpo_plus cannot train here: {reason}.")):
         build_trainer(tiny_model_dir, tmp_path)
+
+
+def test_transformers_renames_that_trl_and_peft_still_use_are_silenced_and_nothing_else(tmp_path):
+    """transformers 5.2x warns on the old gradient-checkpointing names, which TRL's GRPOConfig default and TRL's /
+    PEFT's calls use at every generation step (the demo printed it after every checkpoint save); grpo_plus silences
+    exactly those messages (on older transformers there is nothing to silence)."""
+    from helpers.models import make_model, make_tokenizer
+
+    import grpo_plus.config  # noqa: F401  (imported first: importing it installs the filters under test)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trl_compat.ignore_renames_trl_still_uses()  # what importing grpo_plus.config does
+        grpo_plus.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)  # TRL's default gradient_checkpointing=True
+        model = make_model(make_tokenizer())
+        model.gradient_checkpointing_enable()
+        assert model.is_gradient_checkpointing
+        model.gradient_checkpointing_disable()
+        warnings.warn("another deprecation", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["another deprecation"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from collections import defaultdict
 from types import SimpleNamespace
 
 import torch
@@ -19,63 +18,7 @@ import trl.trainer.grpo_trainer as grpo_module
 from trl import GRPOTrainer
 from trl.trainer.utils import nanstd
 
-
-class _Accelerator:
-    num_processes = 1
-    sync_gradients = True
-
-    @staticmethod
-    def reduce(x, reduction="sum"):
-        return x
-
-    @staticmethod
-    def gather(x):
-        return x
-
-    gather_for_metrics = gather
-
-    @staticmethod
-    def pad_across_processes(x, dim=0, pad_index=0):
-        return x
-
-
-class _StandInTrainer:
-    """Just the attributes `GRPOTrainer._compute_loss` reads."""
-
-    get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
-    get_high_entropy_mask = GRPOTrainer.get_high_entropy_mask
-
-    def __init__(self, logps, entropies=None, **settings):
-        self._logps = logps
-        self._entropies = torch.zeros_like(logps.detach()) if entropies is None else entropies
-        self.loss_type = settings.get("loss_type", "dapo")
-        self.importance_sampling_level = settings.get("importance_sampling_level", "token")
-        self.epsilon_low = settings.get("epsilon", 0.2)
-        eps_high = settings.get("epsilon_high")
-        self.epsilon_high = self.epsilon_low if eps_high is None else eps_high
-        self.beta = settings.get("beta", 0.0)
-        self.max_completion_length = settings.get("max_completion_length")
-        self.current_gradient_accumulation_steps = settings.get("gradient_accumulation_steps", 1)
-        self.top_entropy_quantile = settings.get("top_entropy_quantile", 1.0)
-        self.off_policy_mask_threshold = settings.get("off_policy_mask_threshold")
-        self.use_vllm = False
-        self.vllm_importance_sampling_correction = False
-        self.aux_loss_enabled = False
-        self._entropy_bonus_enabled = False
-        self.accelerator = _Accelerator()
-        self.accelerator.num_processes = settings.get("num_processes", 1)
-        self.model = SimpleNamespace(training=settings.get("training", True))
-        self.args = SimpleNamespace(
-            delta=settings.get("delta"),
-            use_bias_correction_kl=settings.get("use_bias_correction_kl", True),
-            steps_per_generation=settings.get("steps_per_generation", settings.get("gradient_accumulation_steps", 1)),
-            sapo_temperature_pos=settings.get("sapo_temperature_pos", 1.0),
-            sapo_temperature_neg=settings.get("sapo_temperature_neg", 1.05),
-        )
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        return self._logps, self._entropies, None
+from grpo_plus.app.testing import StandInTrainer
 
 
 def trl_policy_loss(
@@ -85,7 +28,7 @@ def trl_policy_loss(
 
     `entropies` (B, T) feed TRL's entropy mask when `top_entropy_quantile` < 1 is among the settings.
     """
-    stand_in = _StandInTrainer(logps, entropies=entropies, **settings)
+    stand_in = StandInTrainer(logps, entropies=entropies, **settings)
     batch, length = mask.shape
     inputs = {
         "prompt_ids": torch.zeros(batch, 1, dtype=torch.long),
@@ -106,7 +49,7 @@ def trl_policy_loss(
 
 def trl_entropy_mask(entropies, mask, top_entropy_quantile):
     """The mask TRL's `get_high_entropy_mask` gives `_compute_loss` for this `top_entropy_quantile` (one process)."""
-    stand_in = _StandInTrainer(entropies, entropies=entropies, top_entropy_quantile=top_entropy_quantile)
+    stand_in = StandInTrainer(entropies, entropies=entropies, top_entropy_quantile=top_entropy_quantile)
     return stand_in.get_high_entropy_mask(entropies, mask, 1 - top_entropy_quantile)
 
 

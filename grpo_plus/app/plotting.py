@@ -10,13 +10,21 @@ import fnmatch
 import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-__all__ = ["DEFAULT_COMPARE_METRICS", "DEFAULT_TRAINING_KEYS", "plot_comparison", "plot_training_curves", "series"]
+__all__ = [
+    "DEFAULT_COMPARE_METRICS",
+    "DEFAULT_TRAINING_KEYS",
+    "BeforeAfter",
+    "plot_comparison",
+    "plot_training_curves",
+    "series",
+]
 
 # One panel per entry; a tuple puts several series (glob patterns allowed) in the same panel.
 DEFAULT_TRAINING_KEYS: tuple[str | tuple[str, ...], ...] = (
@@ -44,6 +52,17 @@ _LABELS = {
     "eval_accuracy": "held-out accuracy",
     "learning_rate": "learning rate",
 }
+
+
+@dataclass(frozen=True)
+class BeforeAfter:
+    """A metric measured once before and once after training (the recipes' held-out accuracy): two measurements,
+    drawn as two bars, never as a line that would suggest a curve between them."""
+
+    label: str  # e.g. "held-out accuracy"
+    before: float
+    after: float
+    steps: int  # optimizer steps between the two measurements
 
 
 def series(log_history: Sequence[Mapping[str, Any]], key: str, x: str = "step") -> tuple[list[float], list[float]]:
@@ -114,23 +133,28 @@ def plot_training_curves(
     hidden_when_zero: Sequence[str] = DEFAULT_HIDDEN_WHEN_ZERO,
     title: str | None = "GRPO training",
     x: str = "step",
+    before_after: BeforeAfter | None = None,
 ) -> Figure:
     """Plot logged training metrics (one panel per entry of `keys`, missing keys skipped) to a PNG; return the Figure.
 
-    A panel whose keys all match a pattern of `hidden_when_zero` and never leave 0 is skipped too.
+    A panel whose keys all match a pattern of `hidden_when_zero` and never leave 0 is skipped too. `before_after`
+    adds a last panel with its two measurements as bars.
     """
     panels = [
         found
         for patterns in keys
         if (found := _expand(log_history, patterns)) and not _flat_zero(log_history, found, hidden_when_zero, x)
     ]
-    if not panels:
+    if not panels and before_after is None:
         fig = _empty_figure(title, "no metrics logged")
         _save(fig, path)
         return fig
-    axes = _grid(len(panels), ncols=2 if len(panels) > 1 else 1, title=title)
-    for ax, panel in zip(axes, panels, strict=True):
+    count = len(panels) + (before_after is not None)
+    axes = _grid(count, ncols=2 if count > 1 else 1, title=title)
+    for ax, panel in zip(axes, panels, strict=False):
         _plot_panel(ax, log_history, panel, x)
+    if before_after is not None:
+        _plot_before_after(axes[-1], before_after)
     fig = axes[0].figure
     _save(fig, path)
     return fig
@@ -155,6 +179,18 @@ def _plot_panel(ax: Axes, log_history: Sequence[Mapping[str, Any]], keys: list[s
     ax.set_ylabel(_label(keys[0]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+
+
+def _plot_before_after(ax: Axes, measured: BeforeAfter) -> None:
+    """Two bars, before and after training, each with its value written on it."""
+    labels = ["before training", f"after {measured.steps} steps"]
+    bars = ax.bar(labels, [measured.before, measured.after], color=["0.65", "C0"], width=0.55)
+    ax.bar_label(bars, fmt="%.3f", padding=2)
+    top = max(measured.before, measured.after)
+    ax.set_ylim(0, 1.12 if 0 <= min(measured.before, measured.after) and top <= 1 else top * 1.12 or 1)
+    ax.set_title(f"{measured.label}: before / after")
+    ax.set_ylabel(measured.label)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def _std_band(ax: Axes, log_history: Sequence[Mapping[str, Any]], x: str, color: str) -> None:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 from trl import ModelConfig, TrlParser
@@ -23,6 +23,9 @@ from ..registry import quoted_with_hint
 from ..validation import check_dataset
 from . import tasks
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
+
+if TYPE_CHECKING:
+    from .plotting import BeforeAfter  # matplotlib (the plot extra) is imported only when a plot is drawn
 
 logger = logging.getLogger(__name__)
 
@@ -322,13 +325,14 @@ def eval_table(before: dict[str, Any] | None, after: dict[str, Any] | None) -> s
     return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
-def held_out_accuracy_points(
-    before: dict[str, Any] | None, after: dict[str, Any] | None, final_step: int
-) -> list[dict[str, Any]]:
-    """The held-out accuracy before (step 0) and after training as log entries, so the reward plot shows it."""
+def held_out_accuracy(before: dict[str, Any] | None, after: dict[str, Any] | None, steps: int) -> BeforeAfter | None:
+    """The held-out accuracy before and after training, for the reward plot's before / after panel (None without
+    both evaluations)."""
+    from .plotting import BeforeAfter
+
     if not before or not after or "accuracy" not in before or "accuracy" not in after:
-        return []
-    return [{"step": 0, "eval_accuracy": before["accuracy"]}, {"step": final_step, "eval_accuracy": after["accuracy"]}]
+        return None
+    return BeforeAfter("held-out accuracy", before["accuracy"], after["accuracy"], steps)
 
 
 def task_description(args: ScriptArguments) -> dict[str, Any] | str:
@@ -364,9 +368,13 @@ def finish_run(
         print(table)
     if not trainer.accelerator.is_main_process:
         return
-    history = trainer.state.log_history + held_out_accuracy_points(before, after, trainer.state.global_step)
     base_model = public_model_name(base_model_path)  # a Hub id or a folder name, never a local path
-    plot_training_curves(history, output_dir / "reward_curve.png", title=f"GRPO on {base_model}")
+    plot_training_curves(
+        trainer.state.log_history,
+        output_dir / "reward_curve.png",
+        title=f"GRPO on {base_model}",
+        before_after=held_out_accuracy(before, after, trainer.state.global_step),
+    )
     write_model_card(
         output_dir,
         base_model=base_model,

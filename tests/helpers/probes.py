@@ -4,7 +4,6 @@ training processes (tests/scripts/train_tiny.py, accelerate launch) and kill the
 from __future__ import annotations
 
 import hashlib
-import math
 import signal
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_plus.app.testing import ForwardLog  # noqa: F401  (shared with the benchmarks)
 from grpo_plus.checkpoints import is_complete_checkpoint
 
 from . import models
@@ -23,39 +23,6 @@ TRAIN_TINY = str(SCRIPTS / "train_tiny.py")
 
 
 # ---- in-process probes ---------------------------------------------------------------------------------------------
-
-
-class ForwardLog:
-    """Records what every call of a model's backbone received (generation, no-grad passes and training forwards)."""
-
-    def __init__(self, model):
-        self.calls: list[dict] = []
-        backbone = model.get_base_model() if hasattr(model, "get_base_model") else model
-        backbone.base_model.register_forward_pre_hook(self._record, with_kwargs=True)
-
-    def _record(self, module, args, kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        mask = kwargs.get("attention_mask")
-        self.calls.append(
-            {
-                "shape": tuple(input_ids.shape),
-                "mask_dims": None if mask is None else mask.dim(),
-                "grad": torch.is_grad_enabled(),
-            }
-        )
-
-    @property
-    def positions(self) -> int:
-        """Token positions computed over all recorded calls."""
-        return sum(math.prod(call["shape"]) for call in self.calls)
-
-    @property
-    def training_positions(self) -> int:
-        """Token positions of the forwards that carried gradient (the training pass)."""
-        return sum(math.prod(call["shape"]) for call in self.calls if call["grad"])
-
-    def clear(self) -> None:
-        self.calls.clear()
 
 
 class GroupRecorder:
@@ -77,6 +44,21 @@ class GroupRecorder:
         for batch in self.batches:
             for start in range(0, batch["prompt_ids"].shape[0], g):
                 yield batch["prompt_ids"][start : start + g], batch["advantages"][start : start + g]
+
+
+def record_trained_batches(trainer) -> list[tuple[int, dict]]:
+    """Wraps the trainer's `_compute_loss`: the returned list receives (optimizer step being trained, the micro-batch's
+    tensors, on CPU) for every micro-batch of the training pass."""
+    trained = []
+    compute_loss = trainer._compute_loss
+
+    def recording_compute_loss(model, inputs):
+        batch = {k: v.detach().cpu().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        trained.append((trainer.state.global_step + 1, batch))
+        return compute_loss(model, inputs)
+
+    trainer._compute_loss = recording_compute_loss
+    return trained
 
 
 def record_score_rounds(trainer) -> list[list[dict]]:

@@ -4,26 +4,12 @@ Recipes load them by name (`--reward_funcs helpers.rewards:length_reward`) with 
 
 from __future__ import annotations
 
-
-def text_of(message) -> str:
-    """A prompt or completion as text (standard: the string; conversational: the last message's content)."""
-    return message if isinstance(message, str) else message[-1]["content"]
+from grpo_plus.app.testing import digit_reward, length_reward, text_of  # noqa: F401  (shared with the benchmarks)
 
 
 def starts_odd(prompt) -> bool:
     """The prompts the dead-group rewards below make constant: those starting with an odd digit."""
     return int(text_of(prompt)[0]) % 2 == 1
-
-
-def length_reward(completions, **kwargs) -> list[float]:
-    """Longer completions score higher, with ties: some groups have zero variance, others do not."""
-    return [float(min(len(text_of(c)), 8) // 4) for c in completions]
-
-
-def digit_reward(completions, **kwargs) -> list[float]:
-    """Fraction of characters that are digits."""
-    texts = [text_of(c) for c in completions]
-    return [sum(ch.isdigit() for ch in t) / max(len(t), 1) for t in texts]
 
 
 def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
@@ -34,6 +20,14 @@ def odd_prompts_constant_reward(completions, prompts, **kwargs) -> list[float]:
 def half_dead_reward(completions, prompts, **kwargs) -> list[float]:
     """1 for prompts starting with an odd digit (dead groups), the digit fraction otherwise (rarely tied)."""
     return [1.0 if starts_odd(p) else d for p, d in zip(prompts, digit_reward(completions), strict=True)]
+
+
+def half_dead_or_none_reward(completions, prompts, answer, **kwargs) -> list[float | None]:
+    """`half_dead_reward`, but None (unscorable: advantage 0, the row skipped) for the last completion of each group
+    of a live prompt whose answer is even."""
+    rewards = half_dead_reward(completions, prompts)
+    rows = enumerate(zip(prompts, answer, rewards, strict=True))
+    return [None if row % 4 == 3 and a % 2 == 0 and not starts_odd(p) else r for row, (p, a, r) in rows]
 
 
 def constant_reward(completions, **kwargs) -> list[float]:

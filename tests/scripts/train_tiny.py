@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from helpers.models import prompt_dataset  # noqa: E402
-from helpers.probes import GroupRecorder, record_draws, use_row_seeded_sampling  # noqa: E402
+from helpers.probes import GroupRecorder, record_draws, record_trained_batches, use_row_seeded_sampling  # noqa: E402
 from helpers.rewards import (  # noqa: E402
     constant_reward,
     digit_reward,
@@ -58,6 +58,9 @@ class TinyArgs:
     )
     count_forwards: str | None = field(
         default=None, metadata={"help": "Write how often this rank called the model outside generation (json)."}
+    )
+    record_batches: str | None = field(
+        default=None, metadata={"help": "Write every micro-batch trained on, with its step, here (torch, per rank)."}
     )
 
 
@@ -160,6 +163,7 @@ def main() -> None:
         use_row_seeded_sampling(model, training_args.seed, row_offset=trainer.accelerator.process_index * local_rows)
     forwards = count_forwards(model) if tiny_args.count_forwards else None
     recorder = GroupRecorder(trainer, training_args.num_generations) if tiny_args.record_groups else None
+    trained = record_trained_batches(trainer) if tiny_args.record_batches else None
     if tiny_args.record_draws:
         record_selective_draws(trainer, f"{tiny_args.record_draws}.rank{trainer.accelerator.process_index}")
     trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)
@@ -169,6 +173,8 @@ def main() -> None:
             for ids, adv in recorder.groups()
         ]
         Path(f"{tiny_args.record_groups}.rank{trainer.accelerator.process_index}").write_text(json.dumps(groups))
+    if trained is not None:
+        torch.save(trained, f"{tiny_args.record_batches}.rank{trainer.accelerator.process_index}")
     if forwards is not None:
         Path(f"{tiny_args.count_forwards}.rank{trainer.accelerator.process_index}").write_text(json.dumps(forwards))
     weights = gathered_weights(trainer) if tiny_args.dump_weights else None

@@ -1,6 +1,6 @@
 """pytest plugin: the drop-in parity tests (tests/test_trainer_parity.py) on a CUDA GPU, e.g. against TRL 1.15.
 
-    PYTHONPATH=benchmarks python -m pytest -p gpu_parity tests/test_trainer_parity.py     (make test-gpu-parity)
+    PYTHONPATH=tests python -m pytest -p gpu_parity tests/test_trainer_parity.py     (make test-gpu-parity)
 
 TRL 1.15 computes log-probs only with a Triton kernel, so on CPU stock TRL cannot train and these tests skip there.
 This plugin, loaded before the tests are collected, makes the same tests train on the GPU: the tiny runs
@@ -11,17 +11,11 @@ same models, seeds, settings and tolerances as on CPU, in float32.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import models, probes  # tests/ is on PYTHONPATH: pytest loads -p plugins before conftest.py
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from helpers import models, probes  # noqa: E402
-
-import grpo_plus.trl_compat as trl_compat  # noqa: E402
+import grpo_plus.trl_compat as trl_compat
 
 _logps_unavailable_reason = trl_compat.logps_unavailable_reason
 _tiny_run_kwargs = models.tiny_run_kwargs

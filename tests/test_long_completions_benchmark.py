@@ -1,0 +1,67 @@
+"""benchmarks/long_completions.py cannot rot: its --smoke run (tiny random Llama, 8 and 16 tokens, 2 lock-step steps)
+trains both sides on the same completions, and what it reports per step adds up against an independent count of
+what stock TRL computes."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("generation", "scoring", "train_pass", "optimizer")
+
+
+def test_long_completions_smoke_reports_paired_steps_and_trl_positions(tmp_path):
+    output = tmp_path / "long.json"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import long_completions
+
+    threads = torch.get_num_threads()
+    try:  # in this process: a subprocess would spend most of the budget importing torch, transformers and TRL again
+        long_completions.main(["--smoke", "--json", str(output)])
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(output.read_text())
+    assert [run["max_completion_length"] for run in report["runs"]] == [8, 16]
+
+    for run in report["runs"]:
+        cap = run["max_completion_length"]
+        # lock-step with each side's own random state: the same completions, hence the same losses (float32)
+        assert run["same_completions_per_step"] == [True, True]
+        assert run["max_loss_difference"] <= 1e-6
+        trl_steps, our_steps = run["steps"]["trl"], run["steps"]["ours"]
+        assert len(trl_steps) == len(our_steps) == 2
+        for trl_step, our_step in zip(trl_steps, our_steps, strict=True):
+            rows, longest = trl_step["rows"], trl_step["max_length"]
+            assert rows == 16 and 1 <= longest <= cap and trl_step["mean_length"] <= longest
+            assert 0 <= trl_step["truncated"] <= 1 and 0 <= trl_step["dead_groups"] <= 1
+            assert (our_step["mean_length"], our_step["dead_groups"]) == (
+                trl_step["mean_length"],
+                trl_step["dead_groups"],
+            )
+            # TRL prefills every prompt copy, decodes every row until the longest ends, and trains every row at the
+            # padded prompt width + the longest completion: counted here from the prefill and the longest length
+            prompt_width = trl_step["prefill_positions"] // rows
+            assert trl_step["generation_positions"] == rows * prompt_width + rows * (longest - 1)
+            assert trl_step["train_positions"] == rows * (prompt_width + longest)
+            # the zero-waste side computed less in both, and every timed part was measured
+            assert our_step["generation_positions"] < trl_step["generation_positions"]
+            assert our_step["train_positions"] < trl_step["train_positions"]
+            for step in (trl_step, our_step):
+                for clock in ("wall", "cpu"):
+                    assert all(step[clock][part] > 0 for part in PARTS), (clock, step[clock])
+                # the trainer thread's CPU time cannot exceed the wall time it spent (one intra-op thread)
+                assert step["cpu"]["step"] <= step["wall"]["step"] * 1.05
+        summed, ratios = run["summed"], run["ratios"]
+        for clock in ("wall", "cpu"):
+            assert summed["trl"][clock]["step"] == sum(step[clock]["step"] for step in trl_steps)
+            assert (
+                ratios[clock]["train_pass"] == summed["ours"][clock]["train_pass"] / summed["trl"][clock]["train_pass"]
+            )
+        for key in ("generation_positions", "train_positions"):
+            assert ratios["positions"][key] == summed["ours"][key] / summed["trl"][key]
+
+    markdown = output.with_suffix(".md").read_text()
+    for length in (8, 16):
+        assert markdown.count(f"| {length} | stock TRL |") == 2 and f"| {length} | **ratio** |" in markdown
