@@ -24,6 +24,8 @@ from .algorithms import (
 )
 from .health import HealthSettings
 from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
+from .objective.common import WARNED_ONCE
+from .objective.loss import TRL_ACCEPTS, unusual_settings
 from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
 from .registry import did_you_mean
@@ -87,7 +89,7 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     _check_ranges(args)
     _check_combinations(args, trl_native, settings)
     settings.validate(args, trl_native)
-    _warn_about_clipping(args)
+    _warn_about_unusual_values(args)
 
 
 # What a scalar field's value must be, by its declared type (bool before int: a bool is an int in Python).
@@ -141,24 +143,23 @@ def _check_field_types(args: trl.GRPOConfig) -> None:
             raise ConfigError(problem)
 
 
-def _warn_about_clipping(args: trl.GRPOConfig) -> None:
-    """Settings TRL accepts that are most likely mistakes: a warning, once per config, saying what they do."""
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if epsilon_high < args.epsilon:
-        _warn_once(
-            args,
-            f"epsilon_high={epsilon_high} is below epsilon={args.epsilon}: the ratio is clipped to [1 - epsilon, "
-            f"1 + epsilon_high] = [{1 - args.epsilon:g}, {1 + epsilon_high:g}], so updates that make a token more "
-            "likely are cut off sooner than updates that make it less likely. Clip-higher (DAPO) is the opposite, "
-            "epsilon_high > epsilon (e.g. 0.28 with 0.2). TRL accepts this; training goes on.",
+def _warn_about_unusual_values(args: trl.GRPOConfig) -> None:
+    """Values TRL accepts and trains with that are most likely mistakes: a warning, once per config, saying what they
+    do (a check grpo_plus adds must never refuse what TRL accepts)."""
+    messages = unusual_settings(args.epsilon, args.epsilon_high, args.delta, args.beta)
+    if args.top_entropy_quantile > 1:
+        messages.append(
+            f"top_entropy_quantile={args.top_entropy_quantile} is above 1: like 1.0, every token keeps its gradient "
+            f"(the entropy mask applies below 1 only). It is the share of highest-entropy tokens trained, in (0, 1]. "
+            f"{TRL_ACCEPTS}"
         )
-    if args.epsilon >= 1:
-        _warn_once(
-            args,
-            f"epsilon={args.epsilon} is >= 1: the lower clip bound 1 - epsilon = {1 - args.epsilon:g} is not "
-            "positive, and the ratio always is, so nothing is ever clipped from below (no lower clip at all). The "
-            "usual value is 0.2 (GSPO: 3e-4). TRL accepts this; training goes on.",
+    if args.num_iterations == 0:
+        messages.append(
+            "num_iterations=0: each generation batch is trained on 0 times, so the run ends without a single "
+            f"optimizer step (the GRPO paper's mu is >= 1; 1 is the default). {TRL_ACCEPTS}"
         )
+    for message in messages:
+        _warn_once(args, message)
 
 
 def _warn_once(args: Any, message: str) -> None:
@@ -166,6 +167,7 @@ def _warn_once(args: Any, message: str) -> None:
     warned = args.__dict__.setdefault("_grpo_plus_warned", set())
     if message not in warned:
         warned.add(message)
+        WARNED_ONCE.add(message)  # the loss, which checks the same values, does not repeat it
         warnings.warn(message, UserWarning, stacklevel=_stacklevel_outside_grpo_plus())
 
 
@@ -184,18 +186,13 @@ def _check_ranges(args: trl.GRPOConfig) -> None:
     def fail(name: str, allowed: str) -> None:
         raise ConfigError(f"{name}={getattr(args, name)!r} is not allowed: {name} must be {allowed}.")
 
-    if args.epsilon < 0:
-        fail("epsilon", ">= 0 (the lower clipping range, 1 - epsilon)")
-    if args.epsilon_high is not None and args.epsilon_high < 0:
-        fail("epsilon_high", ">= 0 or None (None uses epsilon; DAPO's clip-higher uses 0.28)")
-    if args.delta is not None and not args.delta > 1:
-        fail("delta", "> 1 or None (the two-sided bound on the ratio, INTELLECT-2)")
-    if args.beta < 0:
-        fail("beta", ">= 0 (the KL coefficient; 0 disables the reference model)")
-    if args.num_iterations < 1:
-        fail("num_iterations", ">= 1")
-    if not 0.0 <= args.top_entropy_quantile <= 1.0:
-        fail("top_entropy_quantile", "in [0, 1]")
+    # Values TRL itself fails on (at its first step); those it trains with are warned about instead.
+    if args.num_iterations < 0:
+        fail("num_iterations", "a positive integer (1 by default; TRL's sampler fails on a negative count)")
+    if args.top_entropy_quantile < 0:
+        fail(
+            "top_entropy_quantile", "in [0, 1], the share of highest-entropy tokens trained (TRL's mask fails below 0)"
+        )
     if args.loss_type == "dr_grpo" and args.max_completion_length is None:
         fail("max_completion_length", "set for loss_type='dr_grpo' (it is Dr. GRPO's constant normalizer L)")
 
@@ -218,13 +215,6 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool, settings: PlusSe
             f"scale_rewards={args.scale_rewards!r} cannot be combined with "
             "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "
             "itself and ignores scale_rewards. Use multi_objective_aggregation='sum_then_normalize'."
-        )
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.delta is not None and args.delta <= 1 + epsilon_high:
-        warnings.warn(
-            f"delta={args.delta} is not above 1 + epsilon_high = {1 + epsilon_high}; INTELLECT-2 recommends "
-            "delta > 1 + epsilon_high so the bound only caps ratios the clip would not.",
-            stacklevel=3,
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 # Trait of policy losses, loss types and importance samplers: a row whose advantage is 0 adds nothing to the loss or its
@@ -12,6 +14,16 @@ ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING = "zero_advantage_rows_contribute_nothing
 SPLIT_INVARIANT = "split_invariant"
 # Trait of every built-in: the paper (or note) the formula comes from, shown by `grpo-plus list`.
 PAPER = "paper"
+
+# Messages already warned about in this process: the loss runs every micro-batch, its warnings are shown once.
+WARNED_ONCE: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """`warnings.warn(message)` the first time this process sees `message`."""
+    if message not in WARNED_ONCE:
+        WARNED_ONCE.add(message)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel + 1)
 
 
 def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

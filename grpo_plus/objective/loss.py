@@ -15,6 +15,7 @@ from types import MappingProxyType
 import torch
 
 from .aggregation import LOSS_TYPES, AggregationContext
+from .common import warn_once
 from .importance_sampling import IMPORTANCE_SAMPLERS
 from .kl import KL_ESTIMATORS
 from .policy_losses import (
@@ -156,20 +157,65 @@ def _is_binary(mask: torch.Tensor) -> bool:
     return bool(((mask == 0) | (mask == 1)).all())
 
 
+TRL_ACCEPTS = "TRL accepts this; training goes on."
+
+
+def unusual_settings(epsilon: float, epsilon_high: float | None, delta: float | None, beta: float) -> list[str]:
+    """Why each of these TRL settings is unusual (most likely a mistake), one message each; TRL trains with all of
+    them, so grpo_plus warns rather than refuses (its config, once per config; `compute_policy_loss`, once per
+    process). `epsilon_high` as given (None: epsilon)."""
+    high = epsilon if epsilon_high is None else epsilon_high
+    low_bound, high_bound = 1 - epsilon, 1 + high
+    messages = []
+    if epsilon < 0:
+        messages.append(
+            f"epsilon={epsilon} is negative: the lower clip bound 1 - epsilon = {low_bound:g} is above 1, so the clip "
+            f"range [1 - epsilon, 1 + epsilon_high] = [{low_bound:g}, {high_bound:g}] no longer holds the unchanged "
+            f"policy's ratio 1. The usual value is 0.2 (GSPO: 3e-4). {TRL_ACCEPTS}"
+        )
+    elif epsilon >= 1:
+        messages.append(
+            f"epsilon={epsilon} is >= 1: the lower clip bound 1 - epsilon = {low_bound:g} is not positive, and the "
+            f"ratio always is, so nothing is ever clipped from below (no lower clip at all). The usual value is 0.2 "
+            f"(GSPO: 3e-4). {TRL_ACCEPTS}"
+        )
+    if epsilon_high is not None and epsilon_high < 0 and epsilon_high != epsilon:  # (epsilon's: said above)
+        messages.append(
+            f"epsilon_high={epsilon_high} is negative: the upper clip bound 1 + epsilon_high = {high_bound:g} is "
+            f"below 1, so an update that makes a token more likely is clipped even at the unchanged policy. None uses "
+            f"epsilon; DAPO's clip-higher uses 0.28. {TRL_ACCEPTS}"
+        )
+    elif high < epsilon:
+        messages.append(
+            f"epsilon_high={high} is below epsilon={epsilon}: the ratio is clipped to [1 - epsilon, 1 + "
+            f"epsilon_high] = [{low_bound:g}, {high_bound:g}], so updates that make a token more likely are cut off "
+            f"sooner than updates that make it less likely. Clip-higher (DAPO) is the opposite, epsilon_high > "
+            f"epsilon (e.g. 0.28 with 0.2). {TRL_ACCEPTS}"
+        )
+    if delta is not None and not delta > 1:
+        messages.append(
+            f"delta={delta} is not above 1: the unclipped ratio is capped at delta (INTELLECT-2's two-sided "
+            f"clipping), below the unchanged policy's ratio 1, so the capped term bounds every token's update. The "
+            f"paper uses delta > 1 (e.g. 4); None turns it off. {TRL_ACCEPTS}"
+        )
+    elif delta is not None and delta <= high_bound:
+        messages.append(
+            f"delta={delta} is not above 1 + epsilon_high = {high_bound:g}; INTELLECT-2 recommends delta > 1 + "
+            f"epsilon_high so the bound only caps ratios the clip would not. {TRL_ACCEPTS}"
+        )
+    if beta < 0:
+        messages.append(
+            f"beta={beta} is negative: the KL term then rewards moving away from the reference model instead of "
+            f"penalizing it. beta >= 0 is the KL coefficient (0: no reference model). {TRL_ACCEPTS}"
+        )
+    return messages
+
+
 def _check_settings(
     loss_type: str,
-    epsilon: float,
-    epsilon_high: float,
-    delta: float | None,
     dual_clip: float | None,
     ctx: AggregationContext,
 ) -> None:
-    if epsilon < 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon}.")
-    if epsilon_high < 0:
-        raise ValueError(f"epsilon_high must be >= 0 (or None to use epsilon), got {epsilon_high}.")
-    if delta is not None and not delta > 1:
-        raise ValueError(f"delta (two-sided clipping bound) must be > 1 or None, got {delta}.")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip (the dual-clip constant c) must be > 1 or None, got {dual_clip}.")
     if ctx.S < 1:
@@ -250,7 +296,6 @@ def compute_policy_loss(
     log_weights_fn = IMPORTANCE_SAMPLERS.get(importance_sampling_level)
     loss_entry = POLICY_LOSSES.entry(policy_loss)
     kl_fn = KL_ESTIMATORS.get(kl_estimator)
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
     ctx = AggregationContext(
         mask=mask,
         num_sequences=logps.shape[0],
@@ -259,7 +304,9 @@ def compute_policy_loss(
         max_completion_length=max_completion_length,
         num_items_in_batch=num_items_in_batch,
     )
-    _check_settings(loss_type, epsilon, epsilon_high, delta, dual_clip, ctx)
+    for message in unusual_settings(epsilon, epsilon_high, delta, beta):
+        warn_once(message, stacklevel=2)
+    _check_settings(loss_type, dual_clip, ctx)
     problem = policy_loss_problem(
         loss_entry.name,
         IMPORTANCE_SAMPLERS.resolve(importance_sampling_level),
@@ -278,7 +325,7 @@ def compute_policy_loss(
         advantages=advantages,
         mask=mask,
         epsilon=epsilon,
-        epsilon_high=epsilon_high,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
         delta=delta,
         dual_clip=dual_clip,
         options=options,
