@@ -10,7 +10,7 @@ both estimators; which goes first alternates. remax adds one greedy completion p
 `_generate` (zero-waste generation included) and scored by the same reward functions. Printed: per estimator the
 median wall and CPU (process) seconds of a round, and the remax / grpo ratios of the medians. CPU time is less
 disturbed by other load on the machine than wall time.
---smoke: the random tiny model of tests/helpers/models.py, 2 rounds (checks the script runs; the numbers mean nothing).
+--smoke: the random tiny model of grpo_plus.app.testing, 2 rounds (checks the script runs; the numbers mean nothing).
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 ESTIMATORS = ("grpo", "remax")
 
@@ -92,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         if args.smoke:
-            from helpers.models import save_tiny_model
+            from grpo_plus.app.testing import save_tiny_model
 
             model_path, rounds = str(save_tiny_model(Path(scratch) / "tiny")), 2
         else:
