@@ -150,7 +150,7 @@ def _warn_about_unusual_values(args: trl.GRPOConfig) -> None:
     if args.top_entropy_quantile > 1:
         messages.append(
             f"top_entropy_quantile={args.top_entropy_quantile} is above 1: like 1.0, every token keeps its gradient "
-            f"(the entropy mask applies below 1 only). It is the share of highest-entropy tokens trained, in (0, 1]. "
+            f"(the entropy mask applies below 1 only). It is the share of highest-entropy tokens trained, in [0, 1]. "
             f"{TRL_ACCEPTS}"
         )
     if args.num_iterations == 0:

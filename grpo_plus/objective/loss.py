@@ -195,8 +195,8 @@ def unusual_settings(epsilon: float, epsilon_high: float | None, delta: float | 
     if delta is not None and not delta > 1:
         messages.append(
             f"delta={delta} is not above 1: the unclipped ratio is capped at delta (INTELLECT-2's two-sided "
-            f"clipping), below the unchanged policy's ratio 1, so the capped term bounds every token's update. The "
-            f"paper uses delta > 1 (e.g. 4); None turns it off. {TRL_ACCEPTS}"
+            f"clipping), at or below the unchanged policy's ratio 1, so the cap acts on every token that gains "
+            f"probability. The paper uses delta > 1 (e.g. 4); None turns it off. {TRL_ACCEPTS}"
         )
     elif delta is not None and delta <= high_bound:
         messages.append(
