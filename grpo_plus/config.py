@@ -338,7 +338,10 @@ class GRPOConfig(trl.GRPOConfig):
     )
     adaptive_kl_horizon: int = field(
         default=DEFAULT_KL_HORIZON,
-        metadata={"help": "Horizon of the adaptive KL coefficient: completions over which beta moves by up to 20%."},
+        metadata={
+            "help": "Horizon of the adaptive KL coefficient: the number of completions over which beta moves by a "
+            "factor of at most 1.2 (or 0.8)."
+        },
     )
     clip_cov_ratio: float = field(
         default=_CLIP_COV["clip_cov_ratio"],
