@@ -29,6 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
+from grpo_plus.trl_compat import completion_eos_token_ids
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SIDES = ("trl", "ours")
@@ -108,7 +110,9 @@ def run_steps(steps: int, warmup: int) -> dict:
     for side in built.values():
         side["generations"] = []
         trainer = side["trainer"]
-        instrument_generation(trainer, ForwardTimer(trainer.model), set(trainer.eos_token_ids), side["generations"])
+        instrument_generation(
+            trainer, ForwardTimer(trainer.model), set(completion_eos_token_ids(trainer)), side["generations"]
+        )
     train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
 
     result = {}

@@ -51,6 +51,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from grpo_plus.trl_compat import completion_eos_token_ids
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SIDES = ("trl", "ours")
@@ -147,7 +149,7 @@ def run_length(
         side["cpu"] = {"prepare": [], "training_step": [], "step": []}
         for clock, read in CLOCKS.items():
             timer = ForwardTimer(trainer.model, read)
-            instrument_generation(trainer, timer, set(trainer.eos_token_ids), side["generations"][clock])
+            instrument_generation(trainer, timer, set(completion_eos_token_ids(trainer)), side["generations"][clock])
         wrap_timed(trainer, "_prepare_inputs", side["cpu"]["prepare"], time.thread_time)
         wrap_timed(trainer, "training_step", side["cpu"]["training_step"], time.thread_time)
         trainer.add_callback(StepProbe(side["forwards"], side["train_positions"], side["loads"], side["cpu"]["step"]))

@@ -35,7 +35,7 @@ from .objective import combine_rewards, compute_advantages, compute_policy_loss
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
-from .training_state import TrainingState, stateful_parts
+from .training_state import TrainingState, carry_running_loss, stateful_parts
 from .trl_compat import (
     TRL_NATIVE_LOSS_TYPES,
     TRL_SCALE_REWARDS,
@@ -121,10 +121,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
         return output
 
-    def _maybe_log_save_evaluate(self, *args, **kwargs):
+    def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
+        carry_running_loss(self, tr_loss)  # transformers 4.x: a loss restored from inside a logging window
         # After the optimizer step, before it is logged and saved: the adaptive KL coefficient moves once per step.
         self._kl_coefficient.end_step(lambda t: self.accelerator.reduce(t, reduction="sum"), self._metrics["train"])
-        super()._maybe_log_save_evaluate(*args, **kwargs)
+        super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
         self._crash_checkpoint.step_finished()  # the state a checkpoint of this step holds, for a crash checkpoint
 
     def _save(self, output_dir: str | None = None, state_dict=None):

@@ -40,7 +40,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import CheckpointError, checkpoint_step
-from .trl_compat import check_state_attributes
+from .trl_compat import check_state_attributes, loop_keeps_running_loss_on_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -212,15 +212,19 @@ class LoggingWindow:
         trainer = self.trainer
         if state["loss"] is not None:
             # transformers' train() summary (train_loss) averages this call's steps: keep `_total_loss_scalar +
-            # _tr_loss` unchanged, so a loss carried over from before the checkpoint is not counted in it.
-            previous = getattr(trainer, "_tr_loss", None)
+            # running loss` unchanged, so a loss carried over from before the checkpoint is not counted in it.
             carried = state["loss"].to(trainer.args.device)
-            trainer._total_loss_scalar = (
-                getattr(trainer, "_total_loss_scalar", 0.0)
-                + (0.0 if previous is None else previous.item())
-                - carried.item()
-            )
-            trainer._tr_loss = carried
+            if loop_keeps_running_loss_on_trainer():
+                previous = getattr(trainer, "_tr_loss", None)
+                trainer._total_loss_scalar = (
+                    getattr(trainer, "_total_loss_scalar", 0.0)
+                    + (0.0 if previous is None else previous.item())
+                    - carried.item()
+                )
+                trainer._tr_loss = carried
+            else:  # transformers 4.x: the running loss is a local of its loop (0 here), see `carry_running_loss`
+                trainer._total_loss_scalar = getattr(trainer, "_total_loss_scalar", 0.0) - carried.item()
+                trainer._carried_running_loss = carried
         trainer._globalstep_last_logged = trainer.state.global_step - state["steps_since_logged"]
         metrics = trainer._metrics["train"]
         metrics.clear()
@@ -229,6 +233,19 @@ class LoggingWindow:
             if key in trainer._logs:  # a column another TRL version keeps is left out
                 _refill(trainer._logs[key], saved)
         trainer.state.num_input_tokens_seen = state["tokens_seen"]
+
+
+def carry_running_loss(trainer: Any, running_loss: torch.Tensor) -> None:
+    """transformers 4.x keeps the running loss in a local of its loop (`running_loss`, passed to
+    `_maybe_log_save_evaluate` at the end of every step, before it logs and saves): add a loss the logging window
+    restored into it, once, and keep it reachable as `trainer._tr_loss` (where transformers >= 5 keeps it) for the
+    logging window to save. Nothing to do on transformers >= 5."""
+    if loop_keeps_running_loss_on_trainer():
+        return
+    carried = trainer.__dict__.pop("_carried_running_loss", None)
+    if carried is not None:
+        running_loss += carried  # in place: the loop's own tensor
+    trainer._tr_loss = running_loss
 
 
 class RandomState:

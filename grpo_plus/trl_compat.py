@@ -10,6 +10,7 @@ or constant.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import transformers
 import trl
 import trl.trainer.utils as trl_utils
 from packaging.version import Version
@@ -339,6 +341,40 @@ def environment_routing(trainer) -> tuple[bool, tuple | None]:
     if factories is None:
         return True, None
     return False, tuple(factories) if getattr(trainer, "_multi_environment", False) else None
+
+
+def agentic_unavailable_reason(*, environments: bool = False) -> str | None:
+    """Why TRL refuses tools (or, with `environments`, an `environment_factory`) with this transformers, or None.
+
+    TRL 1.14-1.16 raise ImportError at construction below transformers 5.0 for `tools` and below 5.2 for
+    `environment_factory` (chat-template response parsing); grpo_plus adds nothing there and fails the same way."""
+    needed = "5.2.0" if environments else "5.0.0"
+    if Version(transformers.__version__) >= Version(needed):
+        return None
+    feature = "`environment_factory`" if environments else "`tools`"
+    return f"TRL trains with {feature} only on transformers >= {needed}; this is {transformers.__version__}"
+
+
+def completion_eos_token_ids(trainer) -> list[int]:
+    """The token ids that end a completion in TRL's generation.
+
+    TRL 1.14.2+ ends at every id of the model's `generation_config.eos_token_id` (kept as `eos_token_ids`); TRL 1.14.0
+    overrides the generation config with the tokenizer's one `eos_token_id`."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    return list(ids) if ids is not None else [trainer._tokenizer.eos_token_id]
+
+
+def ends_completions_at_generation_config_eos() -> bool:
+    """Whether TRL ends completions at every eos id of the model's generation config (see
+    `completion_eos_token_ids`)."""
+    return "self.eos_token_ids" in inspect.getsource(trl.GRPOTrainer.__init__)
+
+
+@functools.cache
+def loop_keeps_running_loss_on_trainer() -> bool:
+    """Whether transformers' training loop keeps its running loss on the trainer (`self._tr_loss`, transformers >= 5)
+    rather than in a local variable of `_inner_training_loop` (4.x), which it passes to `_maybe_log_save_evaluate`."""
+    return "self._tr_loss" in inspect.getsource(transformers.Trainer._inner_training_loop)
 
 
 def uses_continuous_batching(trainer) -> bool:

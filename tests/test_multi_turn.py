@@ -112,6 +112,7 @@ def test_a_history_that_does_not_extend_a_kept_row_shares_only_its_common_prefix
     assert mask[0].all() and stats.prefill_positions == len(ids) * (len(row) - 6)
 
 
+@needs_loop
 def test_kept_rows_keep_only_real_tokens_and_the_longest_prefix_wins():
     cache_type = pytest.importorskip("transformers.cache_utils").DynamicCache
     cache = cache_type()

@@ -21,6 +21,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 from trl.chat_template_utils import get_training_chat_template, qwen3_chat_template
 
+from .testing import tiny_run_kwargs
+
 __all__ = [
     "TurnRecorder",
     "completion_length_reward",
@@ -198,24 +200,8 @@ def completion_length_reward(completions, **kwargs) -> list[float]:
 
 def tool_run_settings(output_dir, **overrides) -> dict:
     """GRPOConfig fields for a float32 CPU run on the tool model: 8 rows (2 prompts x 4), SGD, sampled at temperature 1."""
-    settings = dict(
-        output_dir=str(output_dir),
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=128,
-        max_steps=2,
-        learning_rate=0.05,
-        optim="sgd",
-        temperature=1.0,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
-    )
-    return {**settings, **overrides}
+    tool_run = dict(per_device_train_batch_size=8, max_completion_length=128, optim="sgd", temperature=1.0)
+    return tiny_run_kwargs(output_dir, **{**tool_run, **overrides})
 
 
 def tool_trainer(
