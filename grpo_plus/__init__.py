@@ -1,19 +1,28 @@
 """grpo_plus: pluggable GRPO objectives on top of TRL's GRPOTrainer.
 
-The core (`grpo_plus.advantages`, `grpo_plus.losses`) imports only torch; the trainer and config are loaded
+The core (`grpo_plus.objective`: advantages, policy losses, KL, aggregation) imports only torch; the trainer and config are loaded
 lazily so `import grpo_plus` stays light. The demo kit the recipes use (task, embedded model, Hub push, plots,
 the `grpo-plus` command) is `grpo_plus.app`, which the library never imports.
 """
 
-from .advantages import available_advantage_normalizers, compute_advantages, register_advantage_normalizer
-from .losses import (
+from .objective import (
+    AdaptiveKLController,
     AggregationContext,
     PolicyLossOutput,
+    available_advantage_estimators,
+    available_advantage_normalizers,
     available_importance_sampling_levels,
+    available_kl_estimators,
     available_loss_types,
+    available_policy_losses,
+    compute_advantages,
     compute_policy_loss,
+    register_advantage_estimator,
+    register_advantage_normalizer,
     register_importance_sampling,
+    register_kl_estimator,
     register_loss_type,
+    register_policy_loss,
 )
 from .quantization import hide_bitsandbytes_kernel_notice
 
@@ -34,16 +43,23 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AdaptiveKLController",
     "AggregationContext",
     "GRPOConfig",
     "GRPOTrainer",
     "PolicyLossOutput",
+    "available_advantage_estimators",
     "available_advantage_normalizers",
     "available_importance_sampling_levels",
+    "available_kl_estimators",
     "available_loss_types",
+    "available_policy_losses",
     "compute_advantages",
     "compute_policy_loss",
+    "register_advantage_estimator",
     "register_advantage_normalizer",
     "register_importance_sampling",
+    "register_kl_estimator",
     "register_loss_type",
+    "register_policy_loss",
 ]

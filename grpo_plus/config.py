@@ -15,9 +15,18 @@ from typing import Any
 
 import trl
 
-from .advantages import ADVANTAGE_NORMALIZERS
+from .algorithms import (
+    DEFAULT_ESTIMATOR,
+    DEFAULT_KL_ESTIMATOR,
+    DEFAULT_KL_HORIZON,
+    DEFAULT_POLICY_LOSS,
+    AlgorithmSettings,
+)
 from .health import HealthSettings
-from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
+from .objective.common import WARNED_ONCE
+from .objective.loss import TRL_ACCEPTS, unusual_settings
+from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
 from .registry import did_you_mean
 from .sampling import DynamicSamplingSettings
@@ -40,6 +49,7 @@ ignore_renames_trl_still_uses()
 _BOOL_STRINGS = {"true": "group", "false": "none"}
 _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
 _DYNAMIC_DEFAULTS = DynamicSamplingSettings()
+_CLIP_COV, _KL_COV = POLICY_LOSSES.entry("clip_cov").trait(OPTIONS), POLICY_LOSSES.entry("kl_cov").trait(OPTIONS)
 _HEALTH_DEFAULTS = HealthSettings()
 
 
@@ -80,8 +90,8 @@ def validate_grpo_settings(args: trl.GRPOConfig) -> None:
 
     _check_ranges(args)
     _check_combinations(args, trl_native, settings)
-    settings.validate(args)
-    _warn_about_clipping(args)
+    settings.validate(args, trl_native)
+    _warn_about_unusual_values(args)
 
 
 # What a scalar field's value must be, by its declared type (bool before int: a bool is an int in Python).
@@ -135,24 +145,23 @@ def _check_field_types(args: trl.GRPOConfig) -> None:
             raise ConfigError(problem)
 
 
-def _warn_about_clipping(args: trl.GRPOConfig) -> None:
-    """Settings TRL accepts that are most likely mistakes: a warning, once per config, saying what they do."""
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if epsilon_high < args.epsilon:
-        _warn_once(
-            args,
-            f"epsilon_high={epsilon_high} is below epsilon={args.epsilon}: the ratio is clipped to [1 - epsilon, "
-            f"1 + epsilon_high] = [{1 - args.epsilon:g}, {1 + epsilon_high:g}], so updates that make a token more "
-            "likely are cut off sooner than updates that make it less likely. Clip-higher (DAPO) is the opposite, "
-            "epsilon_high > epsilon (e.g. 0.28 with 0.2). TRL accepts this; training goes on.",
+def _warn_about_unusual_values(args: trl.GRPOConfig) -> None:
+    """Values TRL accepts and trains with that are most likely mistakes: a warning, once per config, saying what they
+    do (a check grpo_plus adds must never refuse what TRL accepts)."""
+    messages = unusual_settings(args.epsilon, args.epsilon_high, args.delta, args.beta)
+    if args.top_entropy_quantile > 1:
+        messages.append(
+            f"top_entropy_quantile={args.top_entropy_quantile} is above 1: like 1.0, every token keeps its gradient "
+            f"(the entropy mask applies below 1 only). It is the share of highest-entropy tokens trained, in [0, 1]. "
+            f"{TRL_ACCEPTS}"
         )
-    if args.epsilon >= 1:
-        _warn_once(
-            args,
-            f"epsilon={args.epsilon} is >= 1: the lower clip bound 1 - epsilon = {1 - args.epsilon:g} is not "
-            "positive, and the ratio always is, so nothing is ever clipped from below (no lower clip at all). The "
-            "usual value is 0.2 (GSPO: 3e-4). TRL accepts this; training goes on.",
+    if args.num_iterations == 0:
+        messages.append(
+            "num_iterations=0: each generation batch is trained on 0 times, so the run ends without a single "
+            f"optimizer step (the GRPO paper's mu is >= 1; 1 is the default). {TRL_ACCEPTS}"
         )
+    for message in messages:
+        _warn_once(args, message)
 
 
 def _warn_once(args: Any, message: str) -> None:
@@ -160,6 +169,7 @@ def _warn_once(args: Any, message: str) -> None:
     warned = args.__dict__.setdefault("_grpo_plus_warned", set())
     if message not in warned:
         warned.add(message)
+        WARNED_ONCE.add(message)  # the loss, which checks the same values, does not repeat it
         warnings.warn(message, UserWarning, stacklevel=_stacklevel_outside_grpo_plus())
 
 
@@ -178,18 +188,13 @@ def _check_ranges(args: trl.GRPOConfig) -> None:
     def fail(name: str, allowed: str) -> None:
         raise ConfigError(f"{name}={getattr(args, name)!r} is not allowed: {name} must be {allowed}.")
 
-    if args.epsilon < 0:
-        fail("epsilon", ">= 0 (the lower clipping range, 1 - epsilon)")
-    if args.epsilon_high is not None and args.epsilon_high < 0:
-        fail("epsilon_high", ">= 0 or None (None uses epsilon; DAPO's clip-higher uses 0.28)")
-    if args.delta is not None and not args.delta > 1:
-        fail("delta", "> 1 or None (the two-sided bound on the ratio, INTELLECT-2)")
-    if args.beta < 0:
-        fail("beta", ">= 0 (the KL coefficient; 0 disables the reference model)")
-    if args.num_iterations < 1:
-        fail("num_iterations", ">= 1")
-    if not 0.0 <= args.top_entropy_quantile <= 1.0:
-        fail("top_entropy_quantile", "in [0, 1]")
+    # Values TRL itself fails on (at its first step); those it trains with are warned about instead.
+    if args.num_iterations < 0:
+        fail("num_iterations", "a positive integer (1 by default; TRL's sampler fails on a negative count)")
+    if args.top_entropy_quantile < 0:
+        fail(
+            "top_entropy_quantile", "in [0, 1], the share of highest-entropy tokens trained (TRL's mask fails below 0)"
+        )
     if args.loss_type == "dr_grpo" and args.max_completion_length is None:
         fail("max_completion_length", "set for loss_type='dr_grpo' (it is Dr. GRPO's constant normalizer L)")
 
@@ -213,13 +218,6 @@ def _check_combinations(args: trl.GRPOConfig, trl_native: bool, settings: PlusSe
             "multi_objective_aggregation='normalize_then_sum': that aggregation normalizes each reward function "
             "itself and ignores scale_rewards. Use multi_objective_aggregation='sum_then_normalize'."
         )
-    epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if args.delta is not None and args.delta <= 1 + epsilon_high:
-        warnings.warn(
-            f"delta={args.delta} is not above 1 + epsilon_high = {1 + epsilon_high}; INTELLECT-2 recommends "
-            "delta > 1 + epsilon_high so the bound only caps ratios the clip would not.",
-            stacklevel=3,
-        )
 
 
 @dataclass
@@ -228,7 +226,8 @@ class GRPOConfig(trl.GRPOConfig):
 
     `loss_type`, `importance_sampling_level` and `scale_rewards` also accept any name registered with
     `grpo_plus.register_loss_type`, `register_importance_sampling` and `register_advantage_normalizer`
-    (and the aliases `local` = `group`, `global` = `batch`). Bad values fail here, at construction.
+    (and the aliases `local` = `group`, `global` = `batch`); `advantage_estimator`, `policy_loss` and `kl_estimator`
+    pick the published algorithms (docs/guide/algorithms.md). Bad values fail here, at construction.
     """
 
     dual_clip: float | None = field(
@@ -331,6 +330,70 @@ class GRPOConfig(trl.GRPOConfig):
             "choices": ["warn", "error", "off"],
         },
     )
+    advantage_estimator: str = field(
+        default=DEFAULT_ESTIMATOR,
+        metadata={
+            "help": "How advantages are estimated from the rewards (verl's names): 'grpo' (group mean baseline, scaled "
+            "by scale_rewards: TRL's), 'rloo', 'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'grpo_passk', "
+            "'opo', 'gpg', 'remax' (one extra greedy generation per prompt), or one registered with "
+            "grpo_plus.register_advantage_estimator. scale_rewards divides rloo / grpo_passk / opo / gpg / remax by the "
+            "group or batch std (set it to 'none' for the papers' numbers); REINFORCE++ scales itself. "
+            "`grpo-plus list` shows each formula."
+        },
+    )
+    policy_loss: str = field(
+        default=DEFAULT_POLICY_LOSS,
+        metadata={
+            "help": "The per-token surrogate, aggregated by loss_type: 'ppo_clip' (TRL's clipped ratio, with epsilon, "
+            "epsilon_high, delta, dual_clip), 'gmpo' (geometric mean of clipped token ratios; verl's geo_mean), "
+            "'clip_cov', 'kl_cov' (arXiv 2505.22617), 'gpg' (no ratio), 'cispo' and 'sapo' (TRL's loss_type='cispo' "
+            "/ 'sapo', computed by grpo_plus), or one registered with grpo_plus.register_policy_loss."
+        },
+    )
+    kl_estimator: str = field(
+        default=DEFAULT_KL_ESTIMATOR,
+        metadata={
+            "help": "Estimator of the KL term (beta > 0): 'k1', 'k2', 'k3' (TRL's), 'abs', 'low_var_kl' (verl's clamped "
+            "k3), or any of them with '+' (its value, k2's gradient: straight-through, as verl's kl_penalty)."
+        },
+    )
+    adaptive_kl_target: float | None = field(
+        default=None,
+        metadata={
+            "help": "PPO's adaptive KL coefficient (Ziegler et al. 2019): after every optimizer step, beta *= 1 + "
+            "clip(KL / target - 1, -0.2, 0.2) * n / adaptive_kl_horizon (n = completions in the step, KL = the logged "
+            "token-mean `kl`), starting from beta. Its value is saved in checkpoints. None keeps beta fixed."
+        },
+    )
+    adaptive_kl_horizon: int = field(
+        default=DEFAULT_KL_HORIZON,
+        metadata={
+            "help": "Horizon of the adaptive KL coefficient: the number of completions over which beta moves by a "
+            "factor of at most 1.2 (or 0.8)."
+        },
+    )
+    clip_cov_ratio: float = field(
+        default=_CLIP_COV["clip_cov_ratio"],
+        metadata={"help": "policy_loss='clip_cov': share r of tokens whose gradient is cut (at least one)."},
+    )
+    clip_cov_lb: float = field(
+        default=_CLIP_COV["clip_cov_lb"],
+        metadata={"help": "policy_loss='clip_cov': lower bound of the covariance band tokens are cut from."},
+    )
+    clip_cov_ub: float = field(
+        default=_CLIP_COV["clip_cov_ub"],
+        metadata={"help": "policy_loss='clip_cov': upper bound of the covariance band tokens are cut from."},
+    )
+    kl_cov_ratio: float = field(
+        default=_KL_COV["kl_cov_ratio"],
+        metadata={"help": "policy_loss='kl_cov': share k of tokens (largest covariance) that get the KL penalty."},
+    )
+    kl_cov_coef: float = field(
+        default=_KL_COV["kl_cov_coef"],
+        metadata={
+            "help": "policy_loss='kl_cov': coefficient of |logp - old_logp| on those tokens (verl: ppo_kl_coef)."
+        },
+    )
     zero_waste_exact_entropy: bool = field(
         default=False,
         metadata={
@@ -382,7 +445,8 @@ class GRPOConfig(trl.GRPOConfig):
         default=None,
         metadata={
             "help": "Python modules to import before the config is validated, so modes they register can be named "
-            "in `loss_type`, `importance_sampling_level` or `scale_rewards` (e.g. from a YAML config). Packages can "
+            "in `loss_type`, `importance_sampling_level`, `scale_rewards`, `advantage_estimator`, `policy_loss` or "
+            "`kl_estimator` (e.g. from a YAML config). Packages can "
             "instead declare a `grpo_plus.plugins` entry point, which is loaded automatically."
         },
     )
@@ -476,6 +540,7 @@ class PlusSettings:
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
     selective: SelectiveRolloutSettings
+    algorithms: AlgorithmSettings
 
     @classmethod
     def from_args(cls, args: trl.GRPOConfig) -> PlusSettings:
@@ -496,9 +561,10 @@ class PlusSettings:
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
+            algorithms=AlgorithmSettings.from_args(own, args),
         )
 
-    def validate(self, args: trl.GRPOConfig) -> None:
+    def validate(self, args: trl.GRPOConfig, trl_native: bool) -> None:
         """Raise ConfigError for a value grpo_plus cannot use (the selective-rollout fields are checked whether or
         not it is on, so a typo in a YAML file surfaces)."""
         if self.dual_clip is not None and not self.dual_clip > 1:
@@ -517,4 +583,5 @@ class PlusSettings:
             raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
+        self.algorithms.validate(args, trl_native)
         self.health.validate()

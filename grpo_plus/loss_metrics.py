@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .losses import PolicyLossOutput
+from .objective import PolicyLossOutput
 from .trl_compat import nanmax, nanmin
 
 # The mean entropy of the rows the zero-waste pass trained (non-zero advantage), logged when it may skip rows.
@@ -22,7 +22,8 @@ def log_loss_metrics(
     trained_rows: torch.Tensor | None = None,
     entropies_of_every_row: bool = True,
 ) -> None:
-    """Append TRL's loss metrics (clip fractions, ratio, KL, entropy) and grpo_plus's (dual clip) to `metrics`.
+    """Append TRL's loss metrics (clip fractions, ratio, KL, entropy) and grpo_plus's (dual clip, the policy loss's
+    own) to `metrics`.
 
     `entropy` is TRL's: the mean entropy over every completion token. When the zero-waste pass skipped rows without
     computing their entropy (`entropies_of_every_row` False, on any process), this micro-batch's value is unknown and
@@ -51,9 +52,11 @@ def log_loss_metrics(
             metrics[name].append(math.nan)
         else:
             metrics[name].append(total / max(count, 1.0))
-    low, high = out.sequence_clip_fractions()
-    metrics["clip_ratio/low_min"].append(nanmin(accelerator.gather(low.float())).item())
-    metrics["clip_ratio/high_max"].append(nanmax(accelerator.gather(high.float())).item())
+    fractions = out.sequence_clip_fractions()
+    if fractions is not None:  # a policy loss that clips a ratio (TRL logs these for its clipping losses only)
+        low, high = fractions
+        metrics["clip_ratio/low_min"].append(nanmin(accelerator.gather(low.float())).item())
+        metrics["clip_ratio/high_max"].append(nanmax(accelerator.gather(high.float())).item())
 
 
 def append_for_whole_window(values: list[float], value: float) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .advantages import nanstd
+from .objective.common import nanstd
 from .settings import ConfigError, not_allowed
 
 # Generation-batch keys by how they pad when rounds of different lengths are concatenated.

@@ -64,6 +64,8 @@ def row_skip_blocker(
     importance_sampling_declared: bool,
     loss_type: str,
     importance_sampling_level: str,
+    policy_loss_declared: bool,
+    policy_loss: str,
 ) -> str | None:
     """Why zero-advantage rows must be computed after all, or None when skipping them is exact."""
     if beta != 0.0:
@@ -80,6 +82,11 @@ def row_skip_blocker(
         return (
             f"importance_sampling_level={importance_sampling_level!r} did not declare "
             "zero_advantage_rows_contribute_nothing=True at registration"
+        )
+    if not policy_loss_declared:
+        return (
+            f"policy_loss={policy_loss!r} reads zero-advantage rows too (it did not declare "
+            "zero_advantage_rows_contribute_nothing=True at registration)"
         )
     return None
 

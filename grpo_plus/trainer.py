@@ -1,11 +1,11 @@
 """GRPOTrainer: TRL's trainer with grpo_plus's capabilities wired in.
 
-Each override is a few lines that call the module holding the capability: the objective (`losses`, `advantages`),
-the zero-waste pass (`zero_waste`, `train_pass`), zero-waste generation (`generation`), dynamic sampling
-(`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`, `training_state`), input checks
-(`validation`, `distributed`). Everything else (TRL's generation around `model.generate`, vLLM, reward functions,
-PEFT, logging, checkpoints) is TRL's own code. Loss types TRL implements and grpo_plus does not (cispo, sapo, luspo,
-vespo) run through TRL's `_compute_loss`.
+Each override is a few lines that call the module holding the capability: the objective (`objective`), what the
+published algorithms need around it (`algorithms`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste
+generation (`generation`), dynamic sampling (`sampling`), selective rollout (`selective_rollout`), crashes and
+resuming (`faults`, `checkpoints`, `training_state`), input checks (`validation`, `distributed`). Everything else
+(TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
+types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import trl
 from datasets import IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .advantages import combine_rewards, compute_advantages
+from .algorithms import KLCoefficient, first_of_each_group, greedy_decoding, mask_from_lengths, unlogged
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
@@ -31,8 +31,8 @@ from .generation import GenerationStats, generate_patched, generation_blocker
 from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
 from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
-from .losses import compute_policy_loss
 from .multi_turn import TurnCache
+from .objective import combine_rewards, compute_advantages, compute_policy_loss
 from .offloading import training_step_context
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
@@ -76,6 +76,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
         self.plus = PlusSettings.from_args(self.args)
         self.dual_clip = self.plus.dual_clip
+        self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None  # the last round's rewards, gathered from all processes
         self._dynamic_sampling = self._make_dynamic_sampling()
@@ -145,6 +146,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _maybe_log_save_evaluate(self, tr_loss, *args, **kwargs):
         carry_running_loss(self, tr_loss)  # transformers 4.x: a loss restored from inside a logging window
+        # After the optimizer step, before it is logged and saved: the adaptive KL coefficient moves once per step.
+        self._kl_coefficient.end_step(lambda t: self.accelerator.reduce(t, reduction="sum"), self._metrics["train"])
         super()._maybe_log_save_evaluate(tr_loss, *args, **kwargs)
         self._crash_checkpoint.step_finished()  # the state a checkpoint of this step holds, for a crash checkpoint
 
@@ -196,23 +199,60 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._selective_rollout.record(self._selective_draw, self._round_rewards(), self.num_generations)
             self._selective_draw = None
         if self.multi_objective_aggregation == "sum_then_normalize":
-            output["advantages"] = self._local_advantages(len(inputs))
+            estimator_inputs = self._estimator_inputs(inputs, output)
+            output["advantages"] = self._local_advantages(
+                len(inputs), output["completion_ids"].shape[1], **estimator_inputs
+            )
         return output
 
     def _round_rewards(self) -> torch.Tensor:
         """The last round's weighted rewards, every process's completions, NaN where no function scored."""
         return combine_rewards(self._rewards_per_func, self.reward_weights)
 
-    def _local_advantages(self, local_batch_size: int) -> torch.Tensor:
-        """Advantages from the gathered rewards, sliced to this process; the completions log gets them too."""
+    def _local_advantages(self, local_batch_size: int, width: int, **estimator_inputs) -> torch.Tensor:
+        """Advantages from the gathered rewards, sliced to this process (per-token ones to its `width` completion
+        columns); the completions log gets them too."""
         num_generations = self.num_generations if self.model.training else self.num_generations_eval
-        advantages = compute_advantages(self._round_rewards(), num_generations, self.scale_rewards)
+        advantages = compute_advantages(
+            self._round_rewards(),
+            num_generations,
+            self.scale_rewards,
+            estimator=self.plus.algorithms.advantage_estimator,
+            **estimator_inputs,
+        )
         logged = self._logs["advantages"]
         for _ in range(min(len(advantages), len(logged))):
             logged.pop()
-        logged.extend(advantages.tolist())
+        logged.extend((advantages if advantages.dim() == 1 else advantages.mean(dim=1)).tolist())
         start = self.accelerator.process_index * local_batch_size
-        return advantages[start : start + local_batch_size]
+        local = advantages[start : start + local_batch_size]
+        if local.dim() == 2:  # per token: every process's completions were padded to its own width
+            local = torch.nn.functional.pad(local[:, :width], (0, max(width - local.shape[1], 0)))
+        return local
+
+    def _estimator_inputs(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """What the advantage estimator reads besides the rewards, over every process's completions."""
+        algorithms, estimator_inputs = self.plus.algorithms, {}
+        if algorithms.needs("completion_mask"):
+            lengths = (output["completion_mask"] * output.get("tool_mask", 1)).sum(dim=1)
+            estimator_inputs["completion_mask"] = mask_from_lengths(self.accelerator.gather(lengths))
+        if algorithms.needs("reward_baselines"):
+            estimator_inputs["reward_baselines"] = self._greedy_rewards(inputs)
+        return estimator_inputs
+
+    def _greedy_rewards(self, inputs: list[dict[str, Any]]) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy completion per prompt, generated and scored by TRL's own
+        `_generate` and `_calculate_rewards` (zero-waste generation included), every process's prompts in order."""
+        mode = "train" if self.model.training else "eval"
+        firsts = first_of_each_group(inputs, self.num_generations if mode == "train" else self.num_generations_eval)
+        prompts = [row["prompt"] for row in firsts]
+        # TRL's _generate logs lengths and counts tokens as training samples; the baseline is neither.
+        with greedy_decoding(self), unlogged(self._metrics[mode], self.state):
+            _, completion_ids, _, completions, *_ = self._generate(prompts)
+        rewards_per_func = super()._calculate_rewards(firsts, prompts, completions, completion_ids)
+        rewards = combine_rewards(rewards_per_func, self.reward_weights)
+        self._metrics[mode]["remax/greedy_reward"].append(torch.nanmean(rewards).item())
+        return rewards
 
     def _prepare_inputs(self, generation_batch):
         if self._dynamic_sampling is not None and self.model.training:
@@ -398,6 +438,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         num_items = inputs["num_items_in_batch"]
         if mode == "train":  # TRL's count spans the generation batch; rescale it to one accumulation window
             num_items = num_items * accumulation_steps / self.args.steps_per_generation
+        algorithms = self.plus.algorithms
         out = compute_policy_loss(
             logps,
             old_logps,
@@ -405,11 +446,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             mask,
             loss_type=self.loss_type,
             importance_sampling_level=self.importance_sampling_level,
+            policy_loss=algorithms.policy_loss,
+            kl_estimator=algorithms.kl_estimator,
+            policy_loss_options=algorithms.policy_loss_options,
             epsilon=self.epsilon_low,
             epsilon_high=self.epsilon_high,
             delta=self.args.delta,
             dual_clip=self.dual_clip,
-            beta=self.beta,
+            beta=self._kl_coefficient.value,
             ref_logps=inputs.get("ref_per_token_logps"),
             use_bias_correction_kl=self.args.use_bias_correction_kl,
             max_completion_length=self.max_completion_length,
@@ -419,6 +463,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             policy_weights=policy_weights,
         )
         loss = out.loss
+        if mode == "train":
+            self._kl_coefficient.record(out)
         if self._entropy_bonus_enabled:
             loss = loss - entropy_bonus(self, entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
             # TRL logs grpo/bnpo/dr_grpo's policy loss before the 1/S accumulation scaling, dapo's as is.

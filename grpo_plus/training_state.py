@@ -144,7 +144,7 @@ class GenerationBuffer:
 
     def state_dict(self) -> dict[str, Any]:
         buffered = self.trainer._buffered_inputs
-        if self.trainer._step % self.generate_every == 0:  # used up: the next micro-step generates a new batch
+        if not self._inside_batch(self.trainer._step):  # used up: the next micro-step generates a new batch
             buffered = None
         return {
             "version": self.version,
@@ -174,7 +174,11 @@ class GenerationBuffer:
     def inside_generation_batch(self, global_step: int) -> bool:
         """Whether a checkpoint of optimizer step `global_step` lies inside a generation batch (TRL regenerates there
         when the buffer is not restored)."""
-        return (global_step * self.gradient_accumulation_steps) % self.generate_every != 0
+        return self._inside_batch(global_step * self.gradient_accumulation_steps)
+
+    def _inside_batch(self, micro_step: int) -> bool:
+        # num_iterations=0 (TRL accepts it and trains no step): no batch is ever trained on, none is inside one
+        return self.generate_every != 0 and micro_step % self.generate_every != 0
 
 
 class LoggingWindow:

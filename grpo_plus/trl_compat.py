@@ -156,6 +156,9 @@ HOOKED_METHODS = (
     HookedMethod("_save_checkpoint", ("model", "trial")),  # TRL's, over transformers': extra training state
     HookedMethod("_save", ("output_dir", "state_dict")),  # transformers': no Hub token, no local base-model path
     HookedMethod("_maybe_log_save_evaluate", check="exists"),  # transformers': a step is complete after it
+    # ReMax's greedy baseline generates through TRL's own _generate (1.9-1.16: returns prompt_ids, completion_ids,
+    # tool_mask, completions, ...), with TRL's generation_config switched to greedy for the call.
+    HookedMethod("_generate", ("prompts",), check="accepts", overridden=False),
 )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import trl
 
-from .losses import IMPORTANCE_SAMPLERS, LOSS_TYPES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
+from .objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 from .train_pass import (
     PackedBatch,
     additive_mask,
@@ -92,6 +92,7 @@ class ZeroWastePass:
                 LOSS_TYPES.entry(trainer.loss_type),
                 IMPORTANCE_SAMPLERS.entry(trainer.importance_sampling_level),
             )
+            policy_loss = POLICY_LOSSES.entry(trainer.plus.algorithms.policy_loss)
             reason = row_skip_blocker(
                 beta=trainer.beta,
                 entropy_bonus=trainer._entropy_bonus_enabled,
@@ -99,6 +100,8 @@ class ZeroWastePass:
                 aux_loss=trainer.aux_loss_enabled,
                 loss_type_declared=loss_type.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
                 importance_sampling_declared=level.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
+                policy_loss_declared=policy_loss.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
+                policy_loss=policy_loss.name,
                 loss_type=trainer.loss_type,
                 importance_sampling_level=trainer.importance_sampling_level,
             )

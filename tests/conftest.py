@@ -49,10 +49,8 @@ def restore_environment():
 @pytest.fixture(autouse=True)
 def restore_registries():
     """Undo modes a test registered (plugins, user modes): later tests see the built-in registries."""
-    from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
-    from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+    from grpo_plus.objective import REGISTRIES as registries
 
-    registries = (ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES)
     saved = [(registry, dict(registry._entries), dict(registry._aliases)) for registry in registries]
     yield
     for registry, entries, aliases in saved:

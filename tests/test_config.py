@@ -13,6 +13,7 @@ from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_t
 from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
 from grpo_plus.config import ConfigError
 from grpo_plus.losses import LOSS_TYPES
+from grpo_plus.trl_compat import logps_unavailable_reason
 
 
 def make(tmp_path, **kwargs) -> GRPOConfig:
@@ -49,6 +50,16 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "selective_rollout_explore_step",
         "selective_rollout_target_dead_frac",
         "selective_rollout_history",
+        "advantage_estimator",
+        "policy_loss",
+        "kl_estimator",
+        "adaptive_kl_target",
+        "adaptive_kl_horizon",
+        "clip_cov_ratio",
+        "clip_cov_lb",
+        "clip_cov_ub",
+        "kl_cov_ratio",
+        "kl_cov_coef",
         "selective_rollout_solved_reward",
         "activation_offloading",
         "tiled_mlp_tokens",
@@ -82,13 +93,10 @@ def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
             "importance_sampling_level='sequense' is not registered. Did you mean 'sequence'?",
         ),
         (dict(scale_rewards="groups"), "scale_rewards='groups' is not registered. Did you mean 'group'?"),
-        (dict(epsilon=-0.1), "epsilon=-0.1 is not allowed"),
-        (dict(epsilon_high=-1.0), "epsilon_high=-1.0 is not allowed"),
-        (dict(delta=1.0), "delta=1.0 is not allowed"),
         (dict(dual_clip=0.5), "dual_clip=0.5 is not allowed"),
-        (dict(beta=-0.01), "beta=-0.01 is not allowed"),
-        (dict(num_iterations=0), "num_iterations=0 is not allowed"),
-        (dict(top_entropy_quantile=1.5), "top_entropy_quantile=1.5 is not allowed"),
+        # what TRL itself fails on (TRL 1.16: its sampler's negative length; torch.quantile's q = 1.5)
+        (dict(num_iterations=-1), "num_iterations=-1 is not allowed"),
+        (dict(top_entropy_quantile=-0.5), "top_entropy_quantile=-0.5 is not allowed"),
         (dict(loss_type="dr_grpo", max_completion_length=None), "max_completion_length=None is not allowed"),
         (dict(loss_type="cispo", dual_clip=3.0), "dual_clip cannot be combined with loss_type='cispo'"),
         (
@@ -175,10 +183,29 @@ def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path
             "epsilon_high=0.1 is below epsilon=0.2: the ratio is clipped to [1 - epsilon, 1 + epsilon_high] = [0.8, 1.1]",
         ),
         (dict(epsilon=1.0), "epsilon=1.0 is >= 1: the lower clip bound 1 - epsilon = 0 is not positive"),
+        # grpo_plus refused these before issue 26; TRL 1.16 trains with each (tests/test_trainer_parity.py)
+        (dict(epsilon=-0.1), "epsilon=-0.1 is negative: the lower clip bound 1 - epsilon = 1.1 is above 1"),
+        (dict(epsilon_high=-1.0), "epsilon_high=-1.0 is negative: the upper clip bound 1 + epsilon_high = 0 is"),
+        (dict(delta=1.0), "delta=1.0 is not above 1: the unclipped ratio is capped at delta"),
+        (dict(delta=1.1, epsilon_high=0.28), "delta=1.1 is not above 1 + epsilon_high = 1.28; INTELLECT-2 recommends"),
+        (dict(beta=-0.01), "beta=-0.01 is negative: the KL term then rewards moving away from the reference model"),
+        (dict(top_entropy_quantile=1.5), "top_entropy_quantile=1.5 is above 1: like 1.0, every token keeps its"),
+        (dict(num_iterations=0), "num_iterations=0: each generation batch is trained on 0 times, so the run ends"),
     ],
-    ids=["epsilon_high_below_epsilon", "epsilon_at_least_1"],
+    ids=[
+        "epsilon_high_below_epsilon",
+        "epsilon_at_least_1",
+        "negative_epsilon",
+        "negative_epsilon_high",
+        "delta_not_above_1",
+        "delta_inside_the_clip_range",
+        "negative_beta",
+        "top_entropy_quantile_above_1",
+        "zero_iterations",
+    ],
 )
-def test_clip_settings_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs, fragment):
+@pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu")))
+def test_values_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs, fragment):
     from helpers.models import prompt_dataset
     from helpers.rewards import length_reward
     from transformers import AutoModelForCausalLM
@@ -196,7 +223,7 @@ def test_clip_settings_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path,
                 train_dataset=prompt_dataset(4),
             )
         messages = [
-            str(w.message) for w in caught if issubclass(w.category, UserWarning) and "epsilon" in str(w.message)
+            str(w.message) for w in caught if issubclass(w.category, UserWarning) and "TRL accepts" in str(w.message)
         ]
         assert len(messages) == 1 and fragment in messages[0] and "TRL accepts this" in messages[0], messages
         assert caught[[str(w.message) for w in caught].index(messages[0])].filename == __file__  # points at the caller
@@ -249,6 +276,17 @@ def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_c
     assert settings.zero_waste_shared_prompt is False
     read = {"dynamic_sampling", "dynamic_sampling_min_std", "max_sampling_rounds"}
     read |= {f"selective_rollout_{f.name}" for f in dataclasses.fields(settings.selective) if f.name != "min_std"}
+    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {
+        "dynamic_sampling",
+        "selective",
+        "algorithms",
+        "health",
+    }
+    read |= {f.name for f in dataclasses.fields(settings.algorithms)} - {"policy_loss_options"}
+    for loss in ("clip_cov", "kl_cov"):  # a policy loss's options are read from the fields of the same names
+        options = dict(clip_cov_ratio=1e-3, clip_cov_lb=0.5, clip_cov_ub=2.0, kl_cov_ratio=1e-3, kl_cov_coef=0.5)
+        chosen = PlusSettings.from_args(make("unused", policy_loss=loss, **options))
+        assert chosen.algorithms.policy_loss_options == {k: v for k, v in options.items() if k.startswith(loss)}
+        read |= set(chosen.algorithms.policy_loss_options)
     read |= {f"health_{f.name}" for f in dataclasses.fields(settings.health)}
-    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {"dynamic_sampling", "selective", "health"}
     assert own == read, f"GRPOConfig fields PlusSettings does not read: {own - read}; unknown: {read - own}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers.losses import PolicyLossInputs, policy_loss_and_grad, policy_loss_inputs
@@ -15,6 +17,7 @@ from grpo_plus import (
     register_loss_type,
 )
 from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from grpo_plus.objective.common import WARNED_ONCE
 
 B, T = 3, 5
 
@@ -57,10 +60,6 @@ def test_valid_call_passes():
         (dict(mask=2 * torch.ones(B, T, dtype=torch.long)), r"^mask must contain only 0 and 1"),
         (dict(mask=-torch.ones(B, T, dtype=torch.int32)), r"^mask must contain only 0 and 1"),
         (dict(mask=torch.full((B, T), 1.0 + 1e-6, dtype=torch.float64)), r"^mask must contain only 0 and 1"),
-        (dict(epsilon=-0.1), r"^epsilon must be >= 0, got -0.1"),
-        (dict(epsilon_high=-0.1), r"^epsilon_high must be >= 0"),
-        (dict(delta=1.0), r"^delta \(two-sided clipping bound\) must be > 1 or None, got 1.0"),
-        (dict(delta=0.5), r"^delta .* must be > 1"),
         (dict(dual_clip=1.0), r"^dual_clip \(the dual-clip constant c\) must be > 1 or None, got 1.0"),
         (dict(dual_clip=-3.0), r"^dual_clip .* must be > 1"),
         (dict(gradient_accumulation_steps=0), r"^gradient_accumulation_steps must be >= 1, got 0"),
@@ -74,6 +73,35 @@ def test_valid_call_passes():
 def test_bad_arguments_name_the_argument(overrides, match):
     with pytest.raises(ValueError, match=match):
         call(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(epsilon=-0.1), r"^epsilon=-0.1 is negative: the lower clip bound 1 - epsilon = 1.1 is above 1"),
+        (dict(epsilon_high=-0.1), r"^epsilon_high=-0.1 is negative: the upper clip bound 1 \+ epsilon_high = 0.9"),
+        (dict(delta=1.0), r"^delta=1.0 is not above 1: the unclipped ratio is capped at delta"),
+        (dict(delta=0.5), r"^delta=0.5 is not above 1"),
+        (
+            dict(beta=-0.1, ref_logps=torch.zeros(B, T)),
+            r"^beta=-0.1 is negative: the KL term then rewards moving away",
+        ),
+    ],
+    ids=lambda value: (
+        "-".join(f"{k}={v}" for k, v in value.items() if k != "ref_logps") if isinstance(value, dict) else None
+    ),
+)
+def test_values_trl_trains_with_warn_once_and_compute(overrides, match):
+    """TRL 1.16 trains with these (a check grpo_plus adds must never refuse what TRL accepts): the core warns once per
+    process, saying what is unusual, and computes (test_losses_parity.py: TRL's numbers)."""
+    WARNED_ONCE.clear()
+    with pytest.warns(UserWarning, match=match) as caught:
+        out = call(**overrides)
+    assert torch.isfinite(out.loss) and "TRL accepts this; training goes on." in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the caller of compute_policy_loss
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(**overrides)  # once per process: the loss runs every micro-batch
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ import pytest
 import torch
 from helpers.losses import PolicyLossInputs, policy_loss_inputs
 
+from grpo_plus import available_policy_losses
 from grpo_plus.losses import compute_policy_loss
+from grpo_plus.objective import POLICY_LOSSES, SPLIT_INVARIANT
 
 B, T = 16, 12
 L = 15  # max_completion_length
@@ -95,3 +97,32 @@ def test_bnpo_is_not_split_invariant(k, num_processes):
     torch.testing.assert_close(
         split_gradient(even, k, num_processes, loss_type="bnpo"), split_gradient(even, 1, 1, loss_type="bnpo")
     )
+
+
+@pytest.mark.parametrize(("k", "num_processes"), [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("policy_loss", available_policy_losses())
+def test_policy_losses_are_split_invariant_exactly_where_declared(policy_loss, loss_type, k, num_processes):
+    """Row-local losses (ppo_clip, gmpo, gpg, cispo, sapo; any KL estimator) give the full batch's gradient under any
+    split. Clip-Cov and KL-Cov pick their tokens per micro-batch (covariance centered on it, a share of its tokens),
+    so the split changes the gradient: declared, and documented."""
+    options = {"clip_cov": {"clip_cov_ratio": 0.3, "clip_cov_lb": 0.0}, "kl_cov": {"kl_cov_ratio": 0.3}}.get(
+        policy_loss
+    )
+    settings = dict(
+        loss_type=loss_type,
+        policy_loss=policy_loss,
+        policy_loss_options=options,
+        beta=0.04,
+        kl_estimator="low_var_kl+",
+    )
+    inputs = make_inputs(seed=100 + k * 10 + num_processes)
+    torch.manual_seed(0)
+    full = split_gradient(inputs, 1, 1, **settings)
+    torch.manual_seed(0)
+    split = split_gradient(inputs, k, num_processes, **settings)
+    assert full.abs().max() > 1e-3
+    if POLICY_LOSSES.entry(policy_loss).trait(SPLIT_INVARIANT):
+        torch.testing.assert_close(split, full, atol=1e-6, rtol=0)
+    else:
+        assert (split - full).norm() / full.norm() > 1e-3

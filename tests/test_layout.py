@@ -81,6 +81,37 @@ def test_the_wheel_ships_the_model_card_template(tmp_path):
     assert shipped == template.read_bytes()
 
 
+def test_the_objective_core_imports_only_torch_and_the_registry():
+    """grpo_plus.objective (estimators, policy losses, KL, aggregation, importance sampling) and the registry it shares
+    import torch and the standard library only: any training loop can use them without TRL."""
+    outside = {}
+    for path in sorted([*(PACKAGE / "objective").glob("*.py"), PACKAGE / "registry.py"]):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = f"{'.' * node.level}{node.module or ''}"
+                allowed = node.level == 1 or (node.level == 2 and node.module == "registry")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module]
+                target = ", ".join(names)
+                allowed = all(name.split(".")[0] in (*sys.stdlib_module_names, "torch") for name in names)
+            else:
+                continue
+            if not allowed:
+                outside.setdefault(path.name, []).append(target)
+    assert outside == {}
+
+
+def test_the_old_core_paths_give_the_objective_packages_objects():
+    import grpo_plus.advantages
+    import grpo_plus.losses
+    import grpo_plus.objective as objective
+
+    for name in grpo_plus.losses.__all__:
+        assert getattr(grpo_plus.losses, name) is getattr(objective, name), name
+    for name in ("ADVANTAGE_NORMALIZERS", "compute_advantages", "register_advantage_normalizer", "combine_rewards"):
+        assert getattr(grpo_plus.advantages, name) is getattr(objective, name), name
+
+
 def test_benchmarks_reach_shared_code_without_editing_sys_path():
     """What the benchmarks share with the tests (tiny models, rewards, the forward-position counter, TRL's loss on a
     stand-in) lives in grpo_plus.app.testing; a script that edited sys.path to reach tests/ would break when run from

@@ -150,3 +150,17 @@ def test_entropy_mask_as_policy_weights_equals_trl(loss_type, level, beta):
     # ... and without the weights the numbers differ: the entropy mask did something.
     unweighted, _ = run_both(logps, old_logps, ref_logps, advantages, mask, **settings)
     assert (unweighted["grad"] - theirs["grad"]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(epsilon=-0.1), dict(epsilon_high=-0.1), dict(delta=0.5), dict(delta=1.0), dict(beta=-0.04)],
+    ids=["negative_epsilon", "negative_epsilon_high", "delta_0.5", "delta_1", "negative_beta"],
+)
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.filterwarnings("ignore:.*TRL accepts this")
+def test_values_trl_trains_with_and_grpo_plus_warns_about_give_trls_loss(loss_type, settings):
+    """Settings TRL trains with, however unusual (grpo_plus warns, never refuses them): TRL's loss, gradient and
+    metrics."""
+    ours, theirs = run_both(*make_inputs(300), loss_type=loss_type, **{"beta": 0.0, **settings})
+    assert_parity(ours, theirs, settings.get("beta", 0.0))

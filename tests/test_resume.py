@@ -258,6 +258,33 @@ def test_a_reference_model_that_training_moves_is_restored(tiny_model_dir, tmp_p
     assert_same_trajectory(resumed, whole, from_step=1)
 
 
+# beta moves every step toward a target the run's KL is far from (PPO's adaptive KL coefficient, grpo_plus.algorithms)
+ADAPTIVE_KL = dict(beta=0.05, adaptive_kl_target=1e-4, adaptive_kl_horizon=64, kl_estimator="k2", learning_rate=0.5)
+
+
+def test_the_adaptive_kl_coefficient_is_a_part_and_resumes_exactly(tiny_model_dir, tmp_path, caplog):
+    """The moving beta is saved through the stateful-part protocol; a run resumed from checkpoint-1 ends on the
+    uninterrupted run's weights, logs (the logged `beta` included) and beta. Without it (the part's state removed
+    from the checkpoint) beta restarts from 0.05 and the run ends elsewhere."""
+    settings = dict(**ADAPTIVE_KL, max_steps=3)
+    whole = train(tiny_model_dir, tmp_path / "whole", save_strategy="steps", save_steps=1, **settings)
+    betas = [entry["beta"] for entry in whole.log_history if "beta" in entry]
+    assert len(set(betas)) == 3 and 0.05 not in betas, "beta did not move every step: the test would be vacuous"
+    checkpoint = tmp_path / "whole" / "checkpoint-1"
+    saved = torch.load(checkpoint / SHARED_FILE, weights_only=True)
+    assert saved["parts"]["adaptive_kl_controller"]["value"] == betas[0]
+    resumed = train(tiny_model_dir, tmp_path / "resumed", checkpoint, **settings)
+    assert_same_trajectory(resumed, whole, from_step=1)
+
+    del saved["parts"]["adaptive_kl_controller"]
+    torch.save(saved, checkpoint / SHARED_FILE)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+        forgotten = train(tiny_model_dir, tmp_path / "forgot", checkpoint, **settings)
+    assert "holds no state for 'adaptive_kl_controller': it starts afresh" in caplog.text
+    assert [entry["beta"] for entry in forgotten.log_history if "beta" in entry] != betas[1:]
+    assert max_weight_diff(whole.weights, forgotten.weights) > 1e-4, "the coefficient's state made no difference"
+
+
 def test_two_parts_with_one_name_are_refused_when_the_trainer_is_built(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"share the checkpoint_name \['counting_reward'\]"):
         build(tiny_model_dir, tmp_path, rewards=[CountingReward(), CountingReward()])
@@ -372,6 +399,7 @@ COVERED = {
     "dynamic_sampling": {"_dynamic_sampling"},
     "selective_rollout": {"_selective_rollout"},
     "health_guard": {"_health"},
+    "adaptive_kl_controller": {"_kl_coefficient"},
 }
 # Attributes that change between steps without shaping what comes next, and why.
 TRANSIENT = {
@@ -405,7 +433,9 @@ def test_every_attribute_that_changes_between_steps_is_a_stateful_part_or_transi
     """A new feature (or TRL release) keeping state on the trainer fails here until it implements the stateful-part
     protocol (or is shown transient): resume cannot forget it."""
     settings = dict(**BUFFERED, max_steps=5, logging_steps=2, dynamic_sampling=True, selective_rollout=True)
-    trainer = build(tiny_model_dir, tmp_path, rewards=[half_dead_reward], **settings, **ADAPTIVE_ENTROPY)
+    trainer = build(
+        tiny_model_dir, tmp_path, rewards=[half_dead_reward], **settings, **ADAPTIVE_ENTROPY, **ADAPTIVE_KL
+    )
     snapshots = []
 
     class Snapshot(TrainerCallback):
@@ -418,7 +448,14 @@ def test_every_attribute_that_changes_between_steps_is_a_stateful_part_or_transi
     parts = {part.checkpoint_name for part in stateful_parts(trainer)}
     covered = set().union(*(COVERED[name] for name in parts if name in COVERED))
     assert changed - covered - set(TRANSIENT) == set()
-    assert {"_step", "_buffered_inputs", "_metrics", "entropy_coef", "_selective_rollout"} <= changed, "vacuous"
+    assert {
+        "_step",
+        "_buffered_inputs",
+        "_metrics",
+        "entropy_coef",
+        "_selective_rollout",
+        "_kl_coefficient",
+    } <= changed
 
 
 def test_a_trl_without_the_state_grpo_plus_checkpoints_is_named():

@@ -127,11 +127,25 @@ def test_builtin_modes_match_stock_trl(tiny_model_dir, tmp_path, loss_type, impo
         dict(loss_type="dapo", off_policy_mask_threshold=0.01, steps_per_generation=4, gradient_accumulation_steps=2),
         dict(loss_type="cispo", epsilon_high=5.0),
         dict(loss_type="sapo"),
+        # values TRL trains with that grpo_plus warns about (never refuses): negative epsilon, negative beta,
+        # top_entropy_quantile above 1, delta not above 1; off-policy steps so the clip bounds act
+        dict(loss_type="dapo", epsilon=-0.05, epsilon_high=0.3, beta=-0.02, top_entropy_quantile=1.5,
+             steps_per_generation=4, gradient_accumulation_steps=2),
+        dict(loss_type="grpo", delta=1.0, steps_per_generation=4, gradient_accumulation_steps=2),
     ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
-)
+)  # fmt: skip
 def test_other_trl_settings_match_stock_trl(tiny_model_dir, tmp_path, overrides):
     assert_same_run(tiny_model_dir, tmp_path, **overrides)
+
+
+def test_zero_iterations_end_without_a_step_as_in_stock_trl(tiny_model_dir, tmp_path):
+    """num_iterations=0: TRL runs no optimizer step (each batch is trained on 0 times); grpo_plus warns and does the
+    same."""
+    for package in (trl, grpo_plus):
+        weights, logs, _ = train(tiny_model_dir, tmp_path / package.__name__, package, num_iterations=0)
+        assert max_weight_diff(AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict(), weights) == 0.0
+        assert [entry.get("step") for entry in logs] == [0] and "loss" not in logs[0], package.__name__
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ def _compare(args: argparse.Namespace) -> int:
     for name, overrides in configurations:
         check_configuration(name, overrides)
     results = []
+    title = f"GRPO configurations on {args.task_level} ({args.model}, {args.max_steps} steps)"
     for name, overrides in configurations:
         for seed in args.seeds:
             print(f"== {name} (seed {seed}): {overrides}", flush=True)
@@ -43,30 +44,56 @@ def _compare(args: argparse.Namespace) -> int:
                     lora_r=args.lora_r,
                 )
             )
-    title = f"GRPO configurations on {args.task_level} ({args.model}, {args.max_steps} steps)"
-    files = write_report(results, args.output_dir, title)
+            # After every run, so a comparison stopped part-way keeps what it measured.
+            files = write_report(results, args.output_dir, title)
     print("\n" + markdown_table(summary_rows(results)))
     print(f"\nReport: {files['markdown']}  curves: {files['png']}")
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
-    from ..advantages import ADVANTAGE_NORMALIZERS
-    from ..losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+    from ..objective import REGISTRIES
     from ..plugins import load_plugins
     from ..trl_compat import TRL_NATIVE_LOSS_TYPES
     from .compare import PRESETS
 
     load_plugins(args.plugins)
-    for registry in (LOSS_TYPES, IMPORTANCE_SAMPLERS, ADVANTAGE_NORMALIZERS):
+    for registry in REGISTRIES:
         print(f"{registry.field}:")
         for entry in registry.entries():
             name = entry.name + (f" ({', '.join(entry.aliases)})" if entry.aliases else "")
-            print(f"  {name:<22} {entry.doc.splitlines()[0] if entry.doc else ''}")
-        if registry is LOSS_TYPES:
-            print(f"  {'TRL computes:':<22} {', '.join(TRL_NATIVE_LOSS_TYPES)}")
+            print(f"  {name:<30} {entry.doc.splitlines()[0] if entry.doc else ''}")
+            notes = [note for note in _notes(registry.field, entry) if note]
+            if notes:
+                print(f"  {'':<30} [{'; '.join(notes)}]")
+        if registry.field == "loss_type":
+            print(f"  {'TRL computes:':<30} {', '.join(TRL_NATIVE_LOSS_TYPES)}")
     print("compare presets:", ", ".join(PRESETS))
     return 0
+
+
+def _notes(field: str, entry) -> list[str]:
+    """What a user combining this method needs to know: its paper, what it reads, where the savings stop."""
+    from ..objective import PAPER, SPLIT_INVARIANT, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
+
+    notes = [entry.trait(PAPER, "")]
+    if field == "advantage_estimator":
+        use = entry.trait("scale_rewards")
+        notes.append(
+            {"ignored": "scale_rewards ignored (scales itself)", "std": "divided by the std scale_rewards names"}.get(
+                use, ""
+            )
+        )
+        notes += [f"needs {need}" for need in entry.requires]
+    if field == "policy_loss":
+        if not entry.trait(SPLIT_INVARIANT):
+            notes.append("not split-invariant (picks tokens per micro-batch)")
+        if not entry.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING):
+            notes.append("reads zero-advantage rows (no zero-waste row skipping)")
+        options = entry.trait("options") or {}
+        if options:
+            notes.append("options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+    return notes
 
 
 def _push(args: argparse.Namespace) -> int:
@@ -185,7 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--output-dir", default="outputs/compare")
     compare.set_defaults(run=_compare, parser=compare)
 
-    listing = commands.add_parser("list", help="registered loss types, importance sampling levels, normalizers")
+    listing = commands.add_parser(
+        "list",
+        help="registered advantage estimators, reward scales, policy losses, importance sampling levels, KL "
+        "estimators and loss types, each with its formula and paper",
+    )
     listing.add_argument("--plugins", nargs="*", default=[], help="modules to import first")
     listing.set_defaults(run=_list, parser=listing)
 

@@ -28,8 +28,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     # GSPO's ratio only differs from 1 off-policy: two optimizer steps per generation batch.
     "gspo": dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4,
                  steps_per_generation=2),
+    # Advantage estimators (verl's names), each against "grpo": only the baseline / scale changes.
+    "rloo": dict(loss_type="grpo", advantage_estimator="rloo", scale_rewards="none"),
+    "reinforce_plus_plus": dict(loss_type="grpo", advantage_estimator="reinforce_plus_plus"),
+    "reinforce_plus_plus_baseline": dict(loss_type="grpo", advantage_estimator="reinforce_plus_plus_baseline"),
+    "grpo_passk": dict(loss_type="grpo", advantage_estimator="grpo_passk", scale_rewards="none"),
+    "opo": dict(loss_type="grpo", advantage_estimator="opo", scale_rewards="none"),
+    "remax": dict(loss_type="grpo", advantage_estimator="remax", scale_rewards="none"),
+    "gpg": dict(loss_type="dapo", advantage_estimator="gpg", policy_loss="gpg", scale_rewards="none"),
+    # Policy losses. On-policy (one optimizer step per generation batch) every ratio is 1 and GMPO's gradient is
+    # GRPO's, so the ratio-based ones take two steps per generation batch, as gspo does.
+    "gmpo": dict(loss_type="grpo", policy_loss="gmpo", epsilon=0.4, epsilon_high=0.4, steps_per_generation=2),
+    "clip_cov": dict(loss_type="grpo", policy_loss="clip_cov", steps_per_generation=2),
+    "kl_cov": dict(loss_type="grpo", policy_loss="kl_cov", steps_per_generation=2),
+    "cispo": dict(loss_type="dapo", policy_loss="cispo", epsilon_high=5.0, steps_per_generation=2),
+    "sapo": dict(loss_type="grpo", policy_loss="sapo", steps_per_generation=2),
+    "grpo_two_steps": dict(loss_type="grpo", scale_rewards="group", steps_per_generation=2),
 }  # fmt: skip
-DEFAULT_PRESETS = tuple(PRESETS)
+# What `grpo-plus compare` runs when no --configs are given (the algorithm presets are chosen by name).
+DEFAULT_PRESETS = ("grpo", "dr_grpo", "dapo_clip_higher", "dapo_dynamic_sampling", "gspo")
 
 # A CPU-sized run of the embedded model: 2 prompts x 8 completions per optimizer step, LoRA r=16.
 BASE_SETTINGS: dict[str, Any] = dict(

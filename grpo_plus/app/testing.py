@@ -267,6 +267,8 @@ class StandInTrainer:
             delta=settings.get("delta"),
             use_bias_correction_kl=settings.get("use_bias_correction_kl", True),
             steps_per_generation=settings.get("steps_per_generation", settings.get("gradient_accumulation_steps", 1)),
+            sapo_temperature_pos=settings.get("sapo_temperature_pos", 1.0),
+            sapo_temperature_neg=settings.get("sapo_temperature_neg", 1.05),
         )
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
 
