@@ -135,10 +135,12 @@ def test_builtin_modes_match_stock_trl(tiny_model_dir, tmp_path, loss_type, impo
     ],
     ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()),
 )  # fmt: skip
+@pytest.mark.filterwarnings("ignore:.*TRL accepts this; training goes on:UserWarning")  # asserted in test_config
 def test_other_trl_settings_match_stock_trl(tiny_model_dir, tmp_path, overrides):
     assert_same_run(tiny_model_dir, tmp_path, **overrides)
 
 
+@pytest.mark.filterwarnings("ignore:.*TRL accepts this; training goes on:UserWarning")  # asserted in test_config
 def test_zero_iterations_end_without_a_step_as_in_stock_trl(tiny_model_dir, tmp_path):
     """num_iterations=0: TRL runs no optimizer step (each batch is trained on 0 times); grpo_plus warns and does the
     same."""
