@@ -51,6 +51,7 @@ from .memory import (
     storage_addresses,
     tensors_from_data,
 )
+from .trl_compat import cache_argument_name
 
 logger = logging.getLogger(__name__)
 
@@ -555,7 +556,7 @@ def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> t
         counting(counter, trainer_stub, device, spec.mixed_precision),
         trainer_stub.accelerator.autocast(),
     ):
-        prefilled = model(input_ids=prompt, use_cache=True, logits_to_keep=1).past_key_values
+        prefilled = model(input_ids=prompt, use_cache=True, logits_to_keep=1)[cache_argument_name()]
     prefill = counter.peak
     # The cache holds what the attention layers make: keys after rotary embedding (fp32 where the residual stream is,
     # as with a 4-bit base prepared by prepare_model_for_kbit_training), values from the projection.
@@ -576,7 +577,7 @@ def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> t
             cache.update(torch.empty(shape, dtype=key_dtype, device=device),
                          torch.empty(shape, dtype=value_dtype, device=device), layer)  # fmt: skip
         cache_bytes = counter.live
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=token, use_cache=True, logits_to_keep=1, **{cache_argument_name(): cache}).logits
         scores = logits[:, -1, :].float() / max(spec.loss.get("temperature", 1.0), 1e-6)
         torch.multinomial(torch.softmax(scores, dim=-1), 1)
     return prefill, counter.peak, cache_bytes

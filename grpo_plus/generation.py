@@ -38,10 +38,12 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .multi_turn import TurnCache, keep_blocker
 from .train_pass import dropout_blocker
+from .trl_compat import cache_argument_name
 
 # Model inputs the loop splits by row; generate also passes the cache, use_cache and logits_to_keep.
 ROW_INPUTS = ("attention_mask", "position_ids")
-SHARED_INPUTS = ("past_key_values", "use_cache", "logits_to_keep")
+CACHE_INPUT = cache_argument_name()
+SHARED_INPUTS = (CACHE_INPUT, "use_cache", "logits_to_keep")
 DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
 
 
@@ -188,7 +190,7 @@ def _decode_blocker(model, generation_config, model_kwargs) -> str | None:
         return f"generate passes model inputs {', '.join(others)}, which are not split by row here"
     if not model_kwargs.get("use_cache"):
         return "use_cache=False"
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_INPUT)
     if not isinstance(cache, DynamicCache) or not all(isinstance(layer, DynamicLayer) for layer in cache.layers):
         layers = sorted({type(layer).__name__ for layer in getattr(cache, "layers", ())})
         return f"the model's cache ({type(cache).__name__} {layers}) cannot be copied by row"
@@ -216,7 +218,7 @@ def select_rows(model_kwargs: dict, index: torch.Tensor) -> dict:
     for name in ROW_INPUTS:
         if selected.get(name) is not None:
             selected[name] = selected[name][index]
-    cache = selected.get("past_key_values")
+    cache = selected.get(CACHE_INPUT)
     if cache is not None and cache.get_seq_length() > 0:
         cache.batch_select_indices(index)
     return selected
@@ -235,15 +237,13 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     prompt_kwargs = select_rows(model_kwargs, prompts)
     reused = 0
     if turns is not None and _restorable(prompt_kwargs, generation_config, prompt_width):
-        reused = turns.restore(
-            prompt_kwargs["past_key_values"], input_ids[prompts], prompt_kwargs.get("attention_mask")
-        )
+        reused = turns.restore(prompt_kwargs[CACHE_INPUT], input_ids[prompts], prompt_kwargs.get("attention_mask"))
     outputs = model._prefill(input_ids[prompts], generation_config, prompt_kwargs)
     prompt_kwargs = model._update_model_kwargs_for_generation(outputs, prompt_kwargs)
     logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
     del outputs
     if turns is not None:
-        stats.turns_blocker = keep_blocker(prompt_kwargs["past_key_values"])
+        stats.turns_blocker = keep_blocker(prompt_kwargs[CACHE_INPUT])
     stats.prefill_positions += len(prompts) * (prompt_width - reused)
     stats.full_prefill_positions += batch_size * prompt_width
     stats.positions += len(prompts) * (prompt_width - reused)
@@ -292,7 +292,7 @@ def _restorable(model_kwargs: dict, generation_config, width: int) -> bool:
 
 def _keep(turns: TurnCache, model_kwargs: dict, cache_rows: torch.Tensor, sequences: torch.Tensor) -> None:
     mask = model_kwargs.get("attention_mask")
-    turns.keep(model_kwargs["past_key_values"], cache_rows, sequences, None if mask is None else mask[cache_rows])
+    turns.keep(model_kwargs[CACHE_INPUT], cache_rows, sequences, None if mask is None else mask[cache_rows])
 
 
 def _next_tokens(input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config):

@@ -43,6 +43,7 @@ __all__ = [
     "entropy_bonus",
     "environment_routing",
     "fused_lm_head_forward",
+    "cache_argument_name",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
@@ -375,6 +376,17 @@ def loop_keeps_running_loss_on_trainer() -> bool:
     """Whether transformers' training loop keeps its running loss on the trainer (`self._tr_loss`, transformers >= 5)
     rather than in a local variable of `_inner_training_loop` (4.x), which it passes to `_maybe_log_save_evaluate`."""
     return "self._tr_loss" in inspect.getsource(transformers.Trainer._inner_training_loop)
+
+
+def cache_argument_name() -> str:
+    """The name of the KV cache among a model's forward arguments, its outputs and `generate`'s model inputs: `cache`
+    from transformers 5.24 (which renamed `past_key_values` everywhere, keeping the old name as a deprecated alias of
+    the forward argument and the output attribute, with a warning, but not among `generate`'s model inputs),
+    `past_key_values` before."""
+    from transformers import GenerationMixin
+
+    parameters = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def uses_continuous_batching(trainer) -> bool:

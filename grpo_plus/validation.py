@@ -88,17 +88,25 @@ def guard_reward_funcs(funcs: list[Any], names: list[str], is_async: Callable[[A
 
 
 class GuardedReward:
-    """A reward function whose failure names it and its inputs, and whose output is checked."""
+    """A reward function whose failure names it and its inputs, and whose output is checked.
+
+    The wrapper keeps the wrapped function's call contract: it passes on exactly the arguments it was called with
+    (TRL calls reward functions with `prompts`, `completions`, ... by keyword; TRL's environment rewards and users'
+    own code call them with other arguments), and checks the output against the completions only where
+    `completions` was passed. `__wrapped__` makes `inspect.signature` read the function's own signature."""
 
     def __init__(self, func: Callable[..., Any], name: str):
-        self.func, self.__name__ = func, name
+        self.func, self.__wrapped__, self.__name__ = func, func, name
         self._warned_non_finite = False
 
-    def __call__(self, prompts=None, completions=None, **kwargs):
+    def __call__(self, *args, **kwargs):
+        completions = kwargs.get("completions")
         try:
-            rewards = self.func(prompts=prompts, completions=completions, **kwargs)
+            rewards = self.func(*args, **kwargs)
         except Exception as error:
             raise _keeping_type(error, self._context(error, completions, kwargs)) from error.__cause__
+        if "completions" not in kwargs:  # not a scoring call of TRL's: there is no count to check against
+            return rewards
         return self._check(rewards, completions)
 
     def _context(self, error: Exception, completions, kwargs) -> str:

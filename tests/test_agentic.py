@@ -95,6 +95,23 @@ def test_a_dataset_of_environment_names_with_environment_owned_rewards_trains_li
 
 
 @needs_environments
+def test_environment_rewards_called_directly_answer_like_trls(tool_model_dir, tmp_path):
+    """TRL's own suite (test_environment_owned_reward_mixed_environments) calls the environment reward it appends as
+    `func(environments=[...])`, without completions: grpo_plus's reward check must keep that call contract."""
+    dataset = Dataset.from_dict({"environment": ["counter", "echo"] * 4})
+    answers = []
+    for package in (trl, grpo_plus):
+        trainer = tool_trainer(
+            package, tool_model_dir, tmp_path / package.__name__, train_dataset=dataset, reward_funcs=[echo_reward],
+            environment_factory=environments(), num_generations=2, **SHORT,
+        )  # fmt: skip
+        assert trainer.reward_func_names == ["echo_reward", "CounterEnv"]
+        counter, echo = trainer.environment_factories["counter"](), EchoEnv()
+        answers.append(trainer.reward_funcs[-1](environments=[counter, echo, counter]))
+    assert answers[1] == answers[0] == [0.0, None, 0.0]
+
+
+@needs_environments
 def test_one_environment_owning_data_and_reward_trains_without_dataset_or_reward_funcs(tool_model_dir, tmp_path):
     trained = both(
         tool_model_dir, tmp_path, train_dataset=None, reward_funcs=None, environment_factory=counter_factory,

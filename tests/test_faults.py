@@ -132,6 +132,28 @@ def test_accepted_reward_outputs_pass_the_check():
         assert GuardedReward(lambda completions, out=output, **kw: out, "r")(completions=["a", "b"]) is output
 
 
+def test_a_guarded_reward_keeps_the_wrapped_functions_call_contract():
+    """A call without completions (TRL's own suite calls its environment reward as `func(environments=[...])`) gets
+    exactly its arguments through and the function's own result back; a scoring call is still checked."""
+    import inspect
+
+    from grpo_plus.validation import GuardedReward
+
+    calls = []
+
+    def environment_reward(environments, **kwargs):
+        calls.append((environments, kwargs))
+        return [1.0 if env == "scored" else None for env in environments]
+
+    guarded = GuardedReward(environment_reward, "environment_reward")
+    assert guarded(environments=["scored", "plain"]) == [1.0, None]
+    assert guarded(["scored"]) == [1.0]  # by position, as the function takes it
+    assert calls == [(["scored", "plain"], {}), (["scored"], {})]  # nothing added (no prompts=None, completions=None)
+    assert inspect.signature(guarded) == inspect.signature(environment_reward)
+    with pytest.raises(RewardOutputError, match="must return a list of 1 rewards"):
+        guarded(environments=["scored", "plain"], completions=["c"])
+
+
 def infinite_reward(completions, **kwargs):
     return [float("inf")] * len(completions)
 
