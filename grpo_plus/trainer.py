@@ -54,6 +54,7 @@ from .trl_compat import (
 )
 from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .validation import check_dataset, guard_reward_funcs
+from .vllm_sync import reload_on_sync
 from .zero_waste import ZeroWastePass
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
+        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, on every build (vllm_sync)
+            reload_on_sync(self.vllm_generation)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")

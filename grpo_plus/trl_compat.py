@@ -44,6 +44,8 @@ __all__ = [
     "environment_routing",
     "fused_lm_head_forward",
     "cache_argument_name",
+    "colocate_weight_stream_name",
+    "colocated_model_runner",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
@@ -417,3 +419,27 @@ def logps_unavailable_reason(device_type: str = "cpu") -> str | None:
             f"{device_type}; TRL 1.14 and 1.16+ run on {device_type}"
         )
     return None
+
+
+# ---- vLLM (TRL's `trl.generation.vllm_generation.VLLMGeneration`, the same in 1.14.0-1.16.0) -------------------------
+# Its colocate sync is `for name, param in self._iter_named_params(): <model runner>.model.load_weights([(name, param)])`
+# with the model runner at `llm.llm_engine.model_executor.driver_worker.model_runner` (vLLM's V1 engine in-process).
+COLOCATE_WEIGHT_STREAM = "_iter_named_params"
+
+
+def colocate_weight_stream_name() -> str:
+    """The `VLLMGeneration` method that streams (name, tensor) pairs to the colocated engine at each sync (it gathers
+    ZeRO-3 / FSDP shards and merges PEFT adapters); raises TRLCompatibilityError if this TRL has none."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    if not callable(getattr(VLLMGeneration, COLOCATE_WEIGHT_STREAM, None)):
+        raise TRLCompatibilityError(
+            f"grpo_plus cannot sync weights into vLLM with TRL {trl.__version__}: VLLMGeneration has no "
+            f"{COLOCATE_WEIGHT_STREAM}. grpo_plus works with TRL {tested_trl_versions_text()}."
+        )
+    return COLOCATE_WEIGHT_STREAM
+
+
+def colocated_model_runner(llm):
+    """The model runner of a colocated `vllm.LLM`, where TRL's colocate sync finds the model."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner
