@@ -167,10 +167,13 @@ class ZeroWastePass:
     # every process makes one model call per micro-batch and pass (ZeRO-3 / FSDP gather weights on every call).
 
     def defers_logps(self) -> bool:
-        """Not with vLLM (its importance-sampling correction reads the old log-probs during generation) nor with
-        active dropout (masks must be drawn where TRL draws them)."""
+        """Not under vLLM's importance-sampling correction (TRL derives the sampler/trainer ratio and its
+        `sampling/*` metrics from the old log-probs during generation, before the rewards say which rows are dead:
+        there the pass still saves padding and shared prompts, every row computed), nor with active dropout (masks
+        must be drawn where TRL draws them)."""
         trainer = self.trainer
-        return self.enabled and not trainer.use_vllm and self.dropout_blocker(trainer.model) is None
+        corrects_sampler = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        return self.enabled and not corrects_sampler and self.dropout_blocker(trainer.model) is None
 
     @contextmanager
     def generation_step(self) -> Iterator[Callable[[dict[str, Any]], None]]:

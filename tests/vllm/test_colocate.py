@@ -22,7 +22,7 @@ import pytest
 import torch
 import trl
 from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
-from helpers.probes import max_weight_diff, record_trained_batches
+from helpers.probes import ForwardLog, max_weight_diff, record_trained_batches
 from helpers.rewards import odd_prompts_dead_reward
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,19 +64,20 @@ def build(package, model_dir, output_dir, *, reward_funcs=(odd_prompts_dead_rewa
 
 
 def train(package, model_dir, output_dir, **overrides):
-    """(final weights, log history, trained micro-batches) of a run."""
+    """(final weights, log history, trained micro-batches, the model's forward calls) of a run."""
     trainer = build(package, model_dir, output_dir, **overrides)
     batches = record_trained_batches(trainer)
+    forwards = ForwardLog(trainer.model)
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-    return weights, trainer.state.log_history, batches
+    return weights, trainer.state.log_history, batches, forwards
 
 
 def assert_same_run(model_dir, tmp_path, **overrides):
     """Stock TRL and grpo_plus, both on the engine: same completions, weights, losses and logged metrics; returns
-    grpo_plus's log history."""
-    trl_weights, trl_logs, trl_batches = train(trl, model_dir, tmp_path / "trl", **overrides)
-    our_weights, our_logs, our_batches = train(grpo_plus, model_dir, tmp_path / "plus", **overrides)
+    grpo_plus's log history and forward calls."""
+    trl_weights, trl_logs, trl_batches, trl_forwards = train(trl, model_dir, tmp_path / "trl", **overrides)
+    our_weights, our_logs, our_batches, our_forwards = train(grpo_plus, model_dir, tmp_path / "plus", **overrides)
     assert len(trl_batches) == len(our_batches)
     for (_, theirs), (_, ours) in zip(trl_batches, our_batches, strict=True):
         assert torch.equal(theirs["completion_ids"], ours["completion_ids"]), "vLLM sampled other completions"
@@ -98,7 +99,12 @@ def assert_same_run(model_dir, tmp_path, **overrides):
     positions = [entry["zero_waste/positions_frac"] for entry in our_logs if "zero_waste/positions_frac" in entry]
     assert rows and min(rows) < 1.0, "the zero-waste pass skipped no dead row"
     assert positions and max(positions) < 1.0, "the zero-waste pass computed every position"
-    return our_logs
+    # The model's own count: the training forward and the no-grad old log-prob pass (TRL's, during generation, for the
+    # importance-sampling ratio) both computed fewer positions than stock TRL's.
+    assert our_forwards.training_positions < trl_forwards.training_positions
+    no_grad = [log.positions - log.training_positions for log in (trl_forwards, our_forwards)]
+    assert no_grad[0] > 0 and no_grad[1] < no_grad[0], f"no-grad positions, TRL vs grpo_plus: {no_grad}"
+    return our_logs, our_forwards
 
 
 def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_dir, tmp_path):
@@ -149,6 +155,16 @@ def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_d
     assert (engine - model_logps(tokens, first)).abs().max() > 0.5  # an engine left on the first weights fails
 
 
+def test_without_importance_sampling_correction_old_logps_are_deferred(shared_engine, model_dir, tmp_path):
+    """Without the correction TRL computes the old log-probs only for the off-policy step (steps_per_generation 2 >
+    gradient_accumulation_steps 1); grpo_plus defers them to the micro-batches, skipping dead rows there too."""
+    logs, deferred = assert_same_run(model_dir, tmp_path, loss_type="dapo", vllm_importance_sampling_correction=False)
+    assert not any(key.startswith("sampling/") for entry in logs for key in entry)
+    *_, in_generation = train(grpo_plus, model_dir, tmp_path / "corrected", loss_type="dapo")
+    no_grad = [log.positions - log.training_positions for log in (in_generation, deferred)]
+    assert no_grad[1] < no_grad[0], f"old log-prob positions, during generation vs deferred: {no_grad}"
+
+
 @pytest.mark.parametrize(
     "mode, clip_min, clip_max",
     [
@@ -161,7 +177,7 @@ def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_d
 def test_zero_waste_pass_matches_stock_trl_with_importance_sampling_correction(
     shared_engine, model_dir, tmp_path, mode, clip_min, clip_max
 ):
-    logs = assert_same_run(
+    logs, _ = assert_same_run(
         model_dir,
         tmp_path,
         loss_type="dapo",
