@@ -54,7 +54,7 @@ from .trl_compat import (
 )
 from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .validation import check_dataset, guard_reward_funcs
-from .vllm_sync import reload_on_sync
+from .vllm_sync import reload_on_sync, sleep_mode_blocker
 from .zero_waste import ZeroWastePass
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         check_trl_compatibility()  # an untested TRL warns; a changed private method fails here, not mid-training
         if args is not None:
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
+            if (reason := sleep_mode_blocker(args)) is not None:  # before TRL loads the model and starts vLLM
+                raise ValueError(reason)
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
         if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, on every build (vllm_sync)

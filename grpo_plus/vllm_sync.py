@@ -60,3 +60,24 @@ def reload_on_sync(generation: Any) -> None:
 
     setattr(generation, colocate_weight_stream_name(), reloading_stream)
     generation.reloads_on_sync = True
+
+
+def sleep_mode_blocker(args: Any) -> str | None:
+    """Why `vllm_enable_sleep_mode=True` cannot run on this vLLM build, or None (also when vLLM is not used).
+
+    vLLM refuses it on platforms without its sleep allocator (the CPU build: "Sleep mode is not supported on current
+    platform"), but only from inside TRL's trainer, once the model is loaded; this says it first, naming the setting.
+    """
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_enable_sleep_mode", False)):
+        return None
+    if getattr(args, "vllm_mode", "colocate") != "colocate":
+        return None  # the server's own setting, not the trainer's
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        return None
+    return (
+        f"vllm_enable_sleep_mode=True: this vLLM build (platform {current_platform.device_name!r}) has no sleep mode (vLLM offers it on CUDA and ROCm GPUs). Set vllm_enable_sleep_mode=False; on this "
+        "platform the colocated engine keeps its weights and KV cache (VLLM_CPU_KVCACHE_SPACE on the CPU build) "
+        "between generations."
+    )
