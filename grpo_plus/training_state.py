@@ -141,7 +141,7 @@ class GenerationBuffer:
         self.generate_every = trainer.args.steps_per_generation * trainer.num_iterations
         self.gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
         # A vLLM server samples with its own process's random state, which no checkpoint holds; a colocated engine
-        # samples with the training process's torch random state, which the checkpoint restores (tests/vllm).
+        # samples with the training process's torch random state, which the checkpoint restores (tests/vllm_engine).
         self.uses_vllm_server = bool(getattr(trainer, "use_vllm", False)) and trainer.args.vllm_mode == "server"
 
     def state_dict(self) -> dict[str, Any]:

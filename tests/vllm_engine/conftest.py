@@ -26,7 +26,7 @@ if importlib.util.find_spec("vllm") is None:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "tests/vllm/" in str(item.fspath).replace(os.sep, "/"):
+        if "tests/vllm_engine/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(pytest.mark.vllm)
             item.add_marker(pytest.mark.slow)
 
