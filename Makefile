@@ -88,7 +88,7 @@ test-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
 bench-vllm: $(VLLM_ENV)/.installed
-	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm.py
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_colocate.py
 
 $(VLLM_ENV)/.installed: pyproject.toml $(STAMP)
 	rm -rf $(VLLM_ENV)

@@ -7,9 +7,12 @@ import it without editing `sys.path`.
 
 from __future__ import annotations
 
+import gc
 import math
 import string
+import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -274,3 +277,55 @@ class StandInTrainer:
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         return self._logps, self._entropies, None
+
+
+# ---- vLLM --------------------------------------------------------------------------------------------------------------
+
+
+class SharedVLLMEngine:
+    """`vllm.LLM` as TRL calls it, started once: every later call with the same arguments gets the same engine (TRL
+    starts one per trainer, 10-90 s on a CPU; tests and benchmarks build several trainers of one model). A trainer's
+    first weight sync loads its own weights, so it generates from its own model."""
+
+    def __init__(self):
+        from vllm import LLM
+
+        self._llm_class = LLM
+        self.llm = None
+        self.kwargs: dict | None = None
+        self.starts = 0
+        self.start_seconds: float | None = None  # how long the engine took to start
+
+    def __call__(self, **kwargs):
+        if self.llm is None:
+            started = time.perf_counter()
+            self.llm, self.kwargs = self._llm_class(**kwargs), kwargs
+            self.start_seconds = time.perf_counter() - started
+            self.starts += 1
+            return self.llm
+        changed = {k: (self.kwargs.get(k), v) for k, v in kwargs.items() if self.kwargs.get(k) != v}
+        assert not changed, (
+            f"a trainer asks vLLM for other engine settings than the shared engine's (was, now): {changed}"
+        )
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
+
+
+@contextmanager
+def shared_vllm_engine():
+    """Every TRL trainer built inside (colocate mode) generates with one `SharedVLLMEngine`, closed on exit."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    engine = SharedVLLMEngine()
+    original = vllm_generation.LLM
+    vllm_generation.LLM = engine
+    try:
+        yield engine
+    finally:
+        vllm_generation.LLM = original
+        engine.close()
