@@ -55,6 +55,10 @@ def reload_on_sync(generation: Any) -> None:
     stream = getattr(generation, colocate_weight_stream_name())
 
     def reloading_stream() -> Iterator[tuple[str, torch.Tensor]]:
+        # vLLM keeps a reference to each streamed tensor until its layer is complete (most layers: within the
+        # stream; a layer with padding vLLM never loads, such as a vocabulary padded to a multiple of 64: at the
+        # end). TRL streams gathered ZeRO-3 shards that it then releases by rebinding `param.data`, which leaves the
+        # referenced tensor intact, and merged LoRA weights of linear layers, which are complete within the stream.
         with layerwise_reload(generation.llm):
             yield from stream()
 
