@@ -51,6 +51,9 @@ __all__ = [
     "is_tested_trl_version",
     "logps_unavailable_reason",
     "uses_continuous_batching",
+    "SAVING_VERSION_FLOORS",
+    "VersionFloor",
+    "version_gap",
     "nanmax",
     "nanmin",
     "reference_model",
@@ -106,6 +109,56 @@ FORWARD_INPUT_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+
+
+# ---- Which savings the installed versions allow: what the docs promise ------------------------------------------
+@dataclass(frozen=True)
+class VersionFloor:
+    """A saving the docs (Tested versions) say is on from `package` >= `minimum` on, and off below it, `because`.
+
+    Above the floor a saving that stands aside is a defect, not a fact of the environment: the tests decide what
+    to expect from these floors alone (`version_gap`), never from what the installed code happens to detect, so a
+    release that breaks a saving fails them instead of turning the saving off with a log line."""
+
+    saving: str
+    package: str
+    minimum: str
+    because: str
+
+    def gap(self) -> str | None:
+        """Why the installed `package` is below the floor, or None when the saving must be on."""
+        from importlib.metadata import version
+
+        installed = version(self.package)
+        if Version(installed) >= Version(self.minimum):
+            return None
+        return f"{self.package} {installed} < {self.minimum}: {self.because}"
+
+
+SAVING_VERSION_FLOORS = {
+    floor.saving: floor
+    for floor in (
+        VersionFloor(
+            "zero_waste_generation", "transformers", "5.0.0",
+            "the decoding loop mirrors transformers 5's (`_prefill`, `next_sequence_length`); 4.x generates with TRL's "
+            "own loop",
+        ),
+        VersionFloor(
+            "multi_turn_cache", "transformers", "5.0.0",
+            "tool turns continue each row's cache inside zero-waste generation's decoding loop",
+        ),
+        VersionFloor(
+            "shared_prompt", "trl", "1.15.0",
+            "TRL 1.14 has no fused LM head to score the packed shared-prompt rows",
+        ),
+    )
+}  # fmt: skip
+
+
+def version_gap(saving: str) -> str | None:
+    """Why the docs say `saving` (a key of SAVING_VERSION_FLOORS) is off with the installed versions, or None where
+    they say it is on. Savings without a floor are on with every supported version."""
+    return SAVING_VERSION_FLOORS[saving].gap()
 
 
 class UntestedTRLVersionWarning(UserWarning):

@@ -37,6 +37,7 @@ from .trl_compat import (
     fused_lm_head_forward,
     has_fused_lm_head,
     reference_model,
+    version_gap,
 )
 
 logger = logging.getLogger(__name__)
@@ -250,8 +251,11 @@ class ZeroWastePass:
         return pad(logps), None if entropies is None else pad(entropies), aux_loss
 
     def shared_prompt_blocker(self, model, input_ids, attention_mask, prompt_width, compute_aux_loss) -> str | None:
-        if not has_fused_lm_head():
-            return f"TRL {trl.__version__} has no fused LM head to score packed rows (TRL >= 1.15 has)"
+        gap = version_gap("shared_prompt")
+        if gap is not None:
+            return gap
+        if not has_fused_lm_head():  # above the floor: a TRL release that moved its fused LM head
+            return f"TRL {trl.__version__} has no fused LM head to score packed rows"
         if compute_aux_loss:
             return "the router aux loss is taken over every row's tokens"
         if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):

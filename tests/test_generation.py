@@ -24,11 +24,14 @@ from transformers import (
 import grpo_plus
 from grpo_plus import generation
 from grpo_plus.generation import GenerationStats, distinct_rows, generate, generation_blocker, transformers_blocker
-from grpo_plus.trl_compat import logps_unavailable_reason
+from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
 
 # PEFT warns that it switches GPT-2's Conv1D layers to fan_in_fan_out, which is what they need.
 pytestmark = pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
-needs_loop = pytest.mark.skipif(transformers_blocker() is not None, reason=str(transformers_blocker()))
+# Where the docs say zero-waste generation is on (trl_compat.SAVING_VERSION_FLOORS), its tests run and must pass.
+needs_loop = pytest.mark.skipif(
+    version_gap("zero_waste_generation") is not None, reason=str(version_gap("zero_waste_generation"))
+)
 FAMILIES = ("llama", "qwen2", "gpt2")  # rotary positions (llama, qwen2) and learned absolute ones (gpt2)
 G, NEW_TOKENS = 4, 10
 PROMPT_LENGTHS = (9, 5, 7)  # one batch, left-padded to the longest
@@ -402,7 +405,7 @@ def test_trainer_falls_back_to_trls_generation(tmp_path, monkeypatch, caplog, se
         assert len(notes) == 1 and reason in notes[0], notes
 
     # control: with nothing in the way, TRL's method runs with grpo_plus's generate installed
-    if reason is not None and transformers_blocker() is None:
+    if reason is not None and version_gap("zero_waste_generation") is None:
         trainer.use_vllm = trainer.use_transformers_continuous_batching = False
         trainer._generate_single_turn(prompt_ids, None, {}, G)
         assert patched_during_trl_call[-1] is True

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from grpo_plus.generation import transformers_blocker
 from grpo_plus.train_pass import dropout_blocker
-from grpo_plus.trl_compat import has_fused_lm_head
+from grpo_plus.trl_compat import version_gap
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))
@@ -56,20 +55,15 @@ def test_shipped_config_trains_with_the_savings_on(config, request, tmp_path, mo
     model_dir = request.getfixturevalue("tiny_model_dir_bnb" if "qlora" in config.name else "tiny_model_dir")
     with caplog.at_level(logging.WARNING, logger="grpo_plus"):
         trainer = run_one_step(config, model_dir, tmp_path / "run", monkeypatch)
-    # Only what the installed versions rule out may fall back (the oldest supported TRL / transformers), each named.
-    version_reasons = [reason for reason in (transformers_blocker(), shared_prompt_version_reason()) if reason]
+    # Only what the docs say the installed versions rule out may fall back (the oldest supported TRL / transformers).
+    version_reasons = [gap for gap in map(version_gap, ("zero_waste_generation", "shared_prompt")) if gap]
     fallbacks = [record.getMessage() for record in caplog.records if "computed in full" in record.getMessage()]
     assert [message for message in fallbacks if not any(reason in message for reason in version_reasons)] == []
     assert trainer._zero_waste.row_skip_blocker is None  # zero-advantage rows are skipped
     trainer.model.train()  # the mode the training forward and TRL's generation run in
     assert dropout_blocker(trainer.accelerator.unwrap_model(trainer.model)) is None
     (step,) = [entry for entry in trainer.state.log_history if "zero_waste/positions_frac" in entry]
-    if shared_prompt_version_reason() is None:
+    if version_gap("shared_prompt") is None:
         assert step["zero_waste/positions_frac"] < 1  # the training pass computed fewer positions than TRL's
-    if transformers_blocker() is None:
+    if version_gap("zero_waste_generation") is None:
         assert step["zero_waste/generation_positions_frac"] < 1  # and so did generation (one prefill per prompt)
-
-
-def shared_prompt_version_reason() -> str | None:
-    """Why the installed TRL cannot take the shared-prompt forward (TRL 1.14 has no fused LM head), or None."""
-    return None if has_fused_lm_head() else "has no fused LM head"
