@@ -395,7 +395,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             batch_size=batch_size,
             compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss,
-            **model_inputs,
         )
         return self._zero_waste.logps_and_entropies(
             full, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,

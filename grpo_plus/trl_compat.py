@@ -331,16 +331,19 @@ def fused_lm_head_forward(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     shift_labels: torch.Tensor,
+    **model_inputs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position (log-prob of `shift_labels`, entropy) through TRL's fused LM head (TRL >= 1.15 patches the model
     so that `fused_lm_head=True` returns `.log_probs` / `.entropy` instead of logits; -100 labels score nothing).
-    `attention_mask` may be a 4D mask, which the checked model families take as given."""
+    `attention_mask` may be a 4D mask, which the checked model families take as given. `model_inputs`: a VLM's
+    images (`pixel_values`, ...), passed on."""
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         shift_labels=shift_labels,
         fused_lm_head=True,
+        **model_inputs,
     )
     return out.log_probs, out.entropy
 
