@@ -134,6 +134,11 @@ def assert_every_parameter_trains(gradients: GradientLog, family: str):
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_train_vlm(family):
     stock, plus = assert_same_run(family)
+    logs = plus[0].state.log_history
+    # grpo_plus generated TRL's completions (same weights) with each image encoded once per group (G=2) ...
+    assert [entry["zero_waste/generation_images_frac"] for entry in logs if "loss" in entry] == [0.5, 0.5]
+    # ... and its training pass computed each live group's prompt and images once (dead groups: not at all)
+    assert all(entry["zero_waste/images_frac"] <= 0.5 for entry in logs if "loss" in entry)
     # The zero-waste training pass encoded fewer image patches than TRL's run (each group's image once).
     assert plus[2].patches < stock[2].patches, (plus[2].patches, stock[2].patches)
 
@@ -333,3 +338,72 @@ def test_row_images_select_is_trls_contiguous_slicing_for_any_rows():
     assert RowImages.from_inputs({"pixel_values": torch.zeros(5, 4), "num_images": [1, 1]}, 2).startswith(
         "pixel_values has 5 entries"
     )
+
+
+# ---- zero-waste generation of image prompts ----------------------------------------------------------------------
+
+
+def generation_inputs(family: str, num_prompts: int = 2, images_per_prompt: int = 1):
+    """(model in eval mode, generate's inputs for num_prompts image prompts x G rows as TRL builds them, each row's
+    image count, tokenizer)."""
+    from trl.data_utils import apply_chat_template, prepare_multimodal_messages
+
+    model, processor = make_vlm(family)
+    dataset = image_dataset(num_prompts, images_per_prompt=images_per_prompt)
+    rows = [dataset[i] for i in range(num_prompts) for _ in range(G)]
+    images = [row["images"] if images_per_prompt > 1 else [row["image"]] for row in rows]
+    prompts = [prepare_multimodal_messages(row["prompt"], images=row_images) for row, row_images in zip(rows, images)]
+    texts = [apply_chat_template({"prompt": prompt}, processor)["prompt"] for prompt in prompts]
+    inputs = processor(images=images, text=texts, padding=True, return_tensors="pt")
+    return model.eval(), dict(inputs), [len(row) for row in images], processor.tokenizer
+
+
+def sampling_settings(tokenizer):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=8, do_sample=True, temperature=0.7, top_k=30, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id], sequence_bias=[[[tokenizer.eos_token_id], 2.0]], disable_compile=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_image_prompts_sample_model_generates_ids_with_each_prompt_prefilled_and_each_image_encoded_once(family):
+    from grpo_plus.generation import generate
+
+    model, inputs, num_images, tokenizer = generation_inputs(
+        family, images_per_prompt=2 if family == "qwen2_vl" else 1
+    )
+    config = sampling_settings(tokenizer)
+    vision = VisionLog(model)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        reference = model.generate(**inputs, generation_config=config)
+        state_after = torch.get_rng_state()
+        reference_patches, vision.patches = vision.patches, 0
+        torch.manual_seed(seed)
+        ours, stats = generate(model, num_images=num_images, **inputs, generation_config=config)
+        assert stats.fallback is None, stats.fallback
+        assert torch.equal(torch.get_rng_state(), state_after), "the random draws were not the same"
+        assert torch.equal(ours, reference)
+        completions = reference[:, inputs["input_ids"].shape[1] :]
+        ends = {int((row == tokenizer.eos_token_id).int().argmax()) for row in completions}
+        assert len(ends) > 1, "rows should end at different steps"
+        assert vision.patches * G == reference_patches, (vision.patches, reference_patches)
+        vision.patches = 0
+        assert stats.prefill_positions * G == stats.full_prefill_positions
+        assert stats.images * G == stats.full_images == G * sum(num_images[::G])
+
+
+def test_images_without_a_row_count_generate_with_model_generate(caplog):
+    """Image inputs whose rows cannot be told apart (no image count): transformers' own generate, and why."""
+    from grpo_plus.generation import generate
+
+    model, inputs, _, tokenizer = generation_inputs("gemma3")
+    config = sampling_settings(tokenizer)
+    torch.manual_seed(0)
+    reference = model.generate(**inputs, generation_config=config)
+    torch.manual_seed(0)
+    ours, stats = generate(model, **inputs, generation_config=config)
+    assert torch.equal(ours, reference)
+    assert "no per-row image count" in stats.fallback
