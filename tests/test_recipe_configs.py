@@ -28,9 +28,14 @@ def load_recipe(name: str):
     return module
 
 
+def recipe_of(config: Path) -> str:
+    """The recipe a shipped config is for (its header names it)."""
+    return "grpo_vlm" if "-vl-" in config.name else "grpo_qlora" if "qlora" in config.name else "grpo_lora"
+
+
 def run_one_step(config: Path, model_dir: str, output_dir: Path, monkeypatch):
     """Run `config` with its recipe for one optimizer step on the tiny model; return the trainer it built."""
-    recipe = load_recipe("grpo_qlora" if "qlora" in config.name else "grpo_lora")
+    recipe = load_recipe(recipe_of(config))
     built = []
 
     class RecordingTrainer(recipe.GRPOTrainer):
@@ -44,6 +49,7 @@ def run_one_step(config: Path, model_dir: str, output_dir: Path, monkeypatch):
             "--config", str(config), "--model_name_or_path", model_dir, "--output_dir", str(output_dir),
             "--use_cpu", "true", "--bf16", "false", "--max_steps", "1", "--max_completion_length", "8",
             "--eval_before_after", "false", "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+            *(["--image_size", "56", "--image_max_pixels", str(56 * 56)] if recipe_of(config) == "grpo_vlm" else []),
         ]
     )  # fmt: skip
     (trainer,) = built
@@ -52,7 +58,10 @@ def run_one_step(config: Path, model_dir: str, output_dir: Path, monkeypatch):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
 def test_shipped_config_trains_with_the_savings_on(config, request, tmp_path, monkeypatch, caplog):
-    model_dir = request.getfixturevalue("tiny_model_dir_bnb" if "qlora" in config.name else "tiny_model_dir")
+    fixture = {"grpo_vlm": "tiny_vlm_dir_bnb", "grpo_qlora": "tiny_model_dir_bnb"}.get(
+        recipe_of(config), "tiny_model_dir"
+    )
+    model_dir = request.getfixturevalue(fixture)
     with caplog.at_level(logging.WARNING, logger="grpo_plus"):
         trainer = run_one_step(config, model_dir, tmp_path / "run", monkeypatch)
     # Only what the docs say the installed versions rule out may fall back (the oldest supported TRL / transformers).

@@ -352,7 +352,10 @@ def generation_inputs(family: str, num_prompts: int = 2, images_per_prompt: int 
     dataset = image_dataset(num_prompts, images_per_prompt=images_per_prompt)
     rows = [dataset[i] for i in range(num_prompts) for _ in range(G)]
     images = [row["images"] if images_per_prompt > 1 else [row["image"]] for row in rows]
-    prompts = [prepare_multimodal_messages(row["prompt"], images=row_images) for row, row_images in zip(rows, images)]
+    prompts = [
+        prepare_multimodal_messages(row["prompt"], images=row_images)
+        for row, row_images in zip(rows, images, strict=True)
+    ]
     texts = [apply_chat_template({"prompt": prompt}, processor)["prompt"] for prompt in prompts]
     inputs = processor(images=images, text=texts, padding=True, return_tensors="pt")
     return model.eval(), dict(inputs), [len(row) for row in images], processor.tokenizer
@@ -407,3 +410,24 @@ def test_images_without_a_row_count_generate_with_model_generate(caplog):
     ours, stats = generate(model, **inputs, generation_config=config)
     assert torch.equal(ours, reference)
     assert "no per-row image count" in stats.fallback
+
+
+def test_count_shapes_pictures_hold_as_many_shapes_as_their_answer():
+    """The image task's truth: each answer is the number of grid cells of its picture that hold a shape; train and
+    held-out pictures differ."""
+    import numpy as np
+
+    from grpo_plus.app.vlm import make_image_dataset
+
+    train, test = (
+        make_image_dataset("train", size=12, image_size=90),
+        make_image_dataset("test", size=4, image_size=90),
+    )
+    for row in train:
+        pixels = np.asarray(row["image"]).astype(int)
+        cells = [pixels[y * 30 : (y + 1) * 30, x * 30 : (x + 1) * 30] for y in range(3) for x in range(3)]
+        filled = sum(int((np.abs(cell - [245, 245, 240]).sum(axis=-1) > 0).any()) for cell in cells)
+        assert filled == row["answer"] and 1 <= filled <= 6
+        assert row["prompt"][0]["content"][0]["type"] == "image"
+    assert len({row["answer"] for row in train}) > 2
+    assert not any(np.array_equal(np.asarray(a["image"]), np.asarray(b["image"])) for a in train for b in test)

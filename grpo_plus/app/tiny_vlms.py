@@ -4,7 +4,7 @@ TRL's own VLM tests download `trl-internal-testing/tiny-*` models; these are bui
 weights, a character-level tokenizer with each family's image tokens and a chat template that places them), so the
 test suite and the benchmarks run without a hub. The processors are transformers' own classes with their PIL image
 processors (no torchvision). Qwen2-VL's processor also holds a video processor, which transformers builds only with
-torchvision installed; `ImageOnlyQwen2VLProcessor` is that processor without it (images only, the same `__call__`).
+torchvision installed; `grpo_plus.app.vlm.ImageOnlyQwen2VLProcessor` is that processor without it (images only).
 
 Families: qwen2_vl, qwen2_5_vl (M-RoPE, patch rows + `image_grid_thw`), gemma3 (`token_type_ids`, bidirectional
 attention inside an image), idefics3 (images padded per row + `pixel_attention_mask`), llava (one tensor per image)
@@ -34,15 +34,13 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
-    Qwen2VLProcessor,
 )
-from transformers.processing_utils import ProcessorMixin
 
 from .testing import make_tokenizer
+from .vlm import ImageOnlyQwen2VLProcessor
 
 __all__ = [
     "VLM_FAMILIES",
-    "ImageOnlyQwen2VLProcessor",
     "VisionLog",
     "image_dataset",
     "make_vlm",
@@ -102,17 +100,6 @@ def vlm_tokenizer(family: str) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-    """Qwen2-VL's processor (also Qwen2.5-VL's) without a video processor: transformers builds that one only with
-    torchvision installed, and images do not need it. Videos raise; everything else is Qwen2VLProcessor's."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-
 def _sizes(hidden_size: int) -> dict:
     """Two layers of width `hidden_size`, four heads: a text or vision model that trains in milliseconds."""
     return dict(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2, num_attention_heads=4)
@@ -139,7 +126,8 @@ def _qwen_vl(family, tokenizer, image_size, hidden_size):
     image_processor = Qwen2VLImageProcessorPil(min_pixels=pixels, max_pixels=pixels)
     processor = ImageOnlyQwen2VLProcessor(image_processor, tokenizer, chat_template=chat_template(family))
     token = tokenizer.convert_tokens_to_ids
-    rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 10000.0}
+    half = hidden_size // 4 // 2  # rotary frequencies per head (4 heads), split over time, height and width
+    rope = {"rope_type": "default", "mrope_section": [half // 2, half // 4, half // 4], "rope_theta": 10000.0}
     common = dict(
         text_config=_text_config(tokenizer, hidden_size, rope_parameters=rope),
         image_token_id=token("<|image_pad|>"),
@@ -269,11 +257,12 @@ def make_vlm(family: str, seed: int = 0, image_size: int = 56, hidden_size: int 
 
 
 def save_tiny_vlm(path, family: str, **kwargs):
-    """Write a tiny `family` VLM (`make_vlm(family, **kwargs)`) to `path`, loadable by
-    `AutoModelForImageTextToText.from_pretrained(path)` (TRL loads a reference model that way); returns its processor
-    (Qwen-VL's has no video processor and is not saved: `AutoProcessor` would build one)."""
+    """Write a tiny `family` VLM (`make_vlm(family, **kwargs)`) and its processor to `path`: the model loads with
+    `AutoModelForImageTextToText.from_pretrained(path)` (TRL loads a reference model that way), the processor with
+    `grpo_plus.app.vlm.load_processor(path)`. Returns the processor."""
     model, processor = make_vlm(family, **kwargs)
     model.save_pretrained(path)
+    processor.save_pretrained(path)
     return processor
 
 
@@ -317,19 +306,20 @@ def vision_tower(model) -> torch.nn.Module:
 
 
 class VisionLog:
-    """Counts the image patches a VLM's vision tower encodes (every call: generation, no-grad passes, training)."""
+    """Counts the image patches a VLM's vision tower encodes: every call (generation, no-grad passes, training) in
+    `patches`, the calls that carried gradient (the training pass) in `training_patches`."""
 
     def __init__(self, model):
-        self.patches = 0
-        self.calls = 0
+        self.patches = self.training_patches = self.calls = 0
         vision_tower(model).register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module, args, kwargs):
         pixels = args[0] if args else next(iter(kwargs.values()))
-        self.calls += 1
         if pixels.dim() == 2:  # Qwen-VL: one row per patch
-            self.patches += pixels.shape[0]
+            patches = pixels.shape[0]
         else:  # one (channels, height, width) picture per image or tile
-            config = module.config
-            per_side = config.image_size // config.patch_size
-            self.patches += pixels.shape[0] * per_side * per_side
+            per_side = module.config.image_size // module.config.patch_size
+            patches = pixels.shape[0] * per_side * per_side
+        self.calls += 1
+        self.patches += patches
+        self.training_patches += patches if torch.is_grad_enabled() else 0
