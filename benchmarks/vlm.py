@@ -6,7 +6,7 @@
 A tiny Qwen2.5-VL built locally (grpo_plus.app.tiny_vlms: random weights, 2 + 2 layers of width 64), 448 x 448
 images: 1024 vision patches, 256 image tokens per image, prompts of ~280 tokens. 2 image prompts x G = 8 completions
 of <= 32 tokens per optimizer step, float32, plain SGD (equal weights then show equal gradients), reward: distinct
-characters (a random model: groups tie now and then, as real ones do). Stock trl.GRPOTrainer and
+characters (a random model: groups rarely tie; `--half-dead`: every other group's reward is constant). Stock trl.GRPOTrainer and
 grpo_plus.GRPOTrainer train in one process in lock-step (benchmarks/lockstep.py: same random numbers, same machine
 load within a step), then the weights are compared. Per side, summed over the measured steps:
   positions        token positions of the model forwards that carried gradient (the training pass)
@@ -28,6 +28,12 @@ G = 8
 
 def distinct_characters_reward(completions, **kwargs):
     return [float(len(set(completion[0]["content"]))) for completion in completions]
+
+
+def half_dead_reward(completions, answer, **kwargs):
+    """distinct_characters_reward, but a constant for odd answers: every other group is dead (no learning signal)."""
+    scores = distinct_characters_reward(completions)
+    return [1.0 if value % 2 else score for score, value in zip(scores, answer, strict=True)]
 
 
 def build_trainers(args, baton, rng) -> dict:
@@ -54,7 +60,8 @@ def build_trainers(args, baton, rng) -> dict:
         config_cls, trainer_cls = classes[name]
         timer = StepTimer(name, baton, rng)
         trainer = trainer_cls(
-            model=model, processing_class=processor, reward_funcs=distinct_characters_reward,
+            model=model, processing_class=processor,
+            reward_funcs=half_dead_reward if args.half_dead else distinct_characters_reward,
             args=config_cls(**settings), train_dataset=dataset, callbacks=[timer],
         )  # fmt: skip
         built[name] = dict(
@@ -74,10 +81,13 @@ def main() -> None:
     parser = lockstep_arguments(__doc__, steps=6, repeats=1, json_path=ROOT / "outputs" / "bench-vlm" / "vlm.json")
     parser.add_argument("--family", default="qwen2_5_vl")
     parser.add_argument("--image-size", type=int, default=448)
+    parser.add_argument("--half-dead", action="store_true", help="every other group's reward is constant (dead)")
     parser.set_defaults(warmup=1)
     args = parser.parse_args()
     report, started = start_report(args)
-    report.update(family=args.family, image_size=args.image_size, group_size=G, steps=args.steps)
+    report.update(
+        family=args.family, image_size=args.image_size, group_size=G, steps=args.steps, half_dead=args.half_dead
+    )
 
     baton, rng = Baton(list(SIDES)), RngStates()
     built = build_trainers(args, baton, rng)
