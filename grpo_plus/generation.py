@@ -43,7 +43,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 
 from .multi_turn import TurnCache, keep_blocker
-from .multimodal import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages
+from .multimodal import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages, image_prompts_blocker
 from .train_pass import dropout_blocker
 from .trl_compat import cache_argument_name, version_gap
 
@@ -205,6 +205,8 @@ def generate_images(generate_kwargs: dict, num_images: list[int] | None) -> RowI
     input_ids = generate_kwargs.get("input_ids", generate_kwargs.get("inputs"))
     if input_ids is None:
         return "generate got images without input_ids"
+    if (reason := image_prompts_blocker()) is not None:
+        return reason
     return RowImages.from_inputs({**inputs, "num_images": num_images}, input_ids.shape[0])
 
 

@@ -12,10 +12,13 @@ forward over packed rows needs: each pack's images, the model's own position ids
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .trl_compat import version_gap
 
 # Image inputs whose leading dimension counts images, tiles, patches or rows (never columns).
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "image_position_ids",
@@ -167,6 +170,24 @@ def _units_per_row(inputs: dict[str, object], batch_size: int) -> dict[str, list
 
 
 # ---- what the packed forward needs of the model ----------------------------------------------------------------------
+
+
+def image_prompts_blocker() -> str | None:
+    """Why the installed transformers cannot take the savings on image prompts, or None. Below the documented floor
+    that is a fact of the environment; above it, a release that moved what grpo_plus reads is one grpo_plus does not
+    handle yet, which tests/test_savings_on.py fails on."""
+    gap = version_gap("image_prompts")
+    if gap is not None:
+        return gap
+    import transformers
+    from transformers.models.gemma3 import modeling_gemma3
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLModel
+
+    if "mm_token_type_ids" not in inspect.signature(Qwen2VLModel.get_rope_index).parameters:
+        return f"transformers {transformers.__version__}'s Qwen2-VL computes M-RoPE positions without token types"
+    if not hasattr(modeling_gemma3, "get_block_sequence_ids_for_mask"):
+        return f"transformers {transformers.__version__}'s Gemma 3 marks its image blocks another way"
+    return None
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -151,6 +151,12 @@ SAVING_VERSION_FLOORS = {
             "shared_prompt", "trl", "1.15.0",
             "TRL 1.14 has no fused LM head to score the packed shared-prompt rows",
         ),
+        VersionFloor(
+            "image_prompts", "transformers", "5.24.0",
+            "the savings on image prompts read transformers 5.24's VLM internals (Qwen-VL's `get_rope_index` with "
+            "`mm_token_type_ids`, Gemma 3's `block_sequence_ids`, generate encoding pixels before its loop); older "
+            "ones compute image prompts TRL's way",
+        ),
     )
 }  # fmt: skip
 

@@ -20,6 +20,7 @@ import trl
 from .multimodal import (
     RowImages,
     bidirectional_blocks,
+    image_prompts_blocker,
     rope_positions,
     shared_prompt_vlm_blocker,
     vlm_text_families,
@@ -182,6 +183,8 @@ class ZeroWastePass:
         if all(value is None for value in model_inputs.values()):
             return None
         images = RowImages.from_inputs(model_inputs, batch_size)
+        if not isinstance(images, str) and images.has_images:
+            images = image_prompts_blocker() or images
         if isinstance(images, str):
             self.note_fallback(part, images)
             return ()

@@ -35,6 +35,10 @@ def detected_blocker(saving: str) -> str | None:
         return transformers_blocker()
     if saving == "shared_prompt":
         return None if has_fused_lm_head() else f"TRL {trl.__version__} has no fused LM head"
+    if saving == "image_prompts":
+        from grpo_plus.multimodal import image_prompts_blocker
+
+        return image_prompts_blocker()
     raise AssertionError(f"no detector for {saving!r}: add one here when adding a floor")
 
 
