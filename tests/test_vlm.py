@@ -445,3 +445,16 @@ def test_the_guides_example_trains_with_each_image_encoded_once_per_group(capsys
     code = re.search(r"<!-- docs-test: skip -->\n```python\n(.*?)```", page, re.DOTALL).group(1)
     exec(compile(code, "docs/guide/vlm.md", "exec"), {})
     assert capsys.readouterr().out.strip().splitlines()[-1] == "0.25 0.25"
+
+
+def test_fit_check_says_it_does_not_count_a_vision_language_model(caplog):
+    """The trainer's fit check (on CUDA) has no vision tower to count: it says so once and lets training go on,
+    instead of counting the language model alone or failing in its child process."""
+    from grpo_plus.fit import check_before_training
+
+    model, processor = make_vlm("qwen2_5_vl")
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused"))
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.fit"):
+        result = check_before_training(args, model, image_dataset(2), processor, torch.device("cpu"), mode="error")
+    assert result is None
+    assert any("vision-language model" in record.getMessage() for record in caplog.records)
