@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .train_pass import SHARED_PROMPT_FAMILIES
 from .trl_compat import version_gap
 
 # Image inputs whose leading dimension counts images, tiles, patches or rows (never columns).
@@ -243,10 +244,6 @@ def shared_prompt_vlm_blocker(config, prompt_ids: torch.Tensor) -> str | None:
 def vlm_text_families(config) -> tuple[str, ...]:
     """The language-model types the shared-prompt forward takes inside a checked VLM family: its own text model
     (qwen2_vl_text, gemma3_text, ...) or one of the checked text families."""
-    from .train_pass import SHARED_PROMPT_FAMILIES
-
-    return (
-        (*SHARED_PROMPT_FAMILIES, config.get_text_config().model_type)
-        if config.model_type in OWN_TEXT_MODEL
-        else (SHARED_PROMPT_FAMILIES)
-    )
+    if config.model_type in OWN_TEXT_MODEL:
+        return (*SHARED_PROMPT_FAMILIES, config.get_text_config().model_type)
+    return SHARED_PROMPT_FAMILIES
