@@ -1012,6 +1012,13 @@ def prompt_lengths(dataset, processing_class, sample: int = 256) -> list[int]:
 def check_before_training(args, model, dataset, processing_class, device: torch.device,
                           mode: str) -> StepEstimate | None:  # fmt: skip
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory."""
+    if model.config.get_text_config() is not model.config:  # a vision-language model: its tower is not counted
+        logger.warning(
+            "grpo_plus fit check: %s is a vision-language model; the count has no vision tower or image tokens yet, "
+            "so training goes on unchecked (fit_check='off' skips this line).",
+            type(model).__name__,
+        )
+        return None
     lengths = prompt_lengths(dataset, processing_class)
     spec = FitSpec.from_args(args, model, max(lengths, default=128))
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)

@@ -353,21 +353,18 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
-        the previous turn did not compute) and decoding only unfinished rows (grpo_plus.generation) where that
-        samples what transformers' own loop samples."""
+        the previous turn did not compute; image prompts: each image encoded once) and decoding only unfinished rows
+        (grpo_plus.generation) where that samples what transformers' own loop samples."""
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
         if not self.plus.zero_waste_generation:
             return trl_generation(*args, **kwargs)
-        reason = generation_blocker(
-            use_vllm=self.use_vllm,
-            continuous_batching=uses_continuous_batching(self),
-            multimodal=bool(multimodal_fields) or any(image is not None for image in images or ()),
-        )
+        reason = generation_blocker(use_vllm=self.use_vllm, continuous_batching=uses_continuous_batching(self))
         if reason is not None:
             self._zero_waste.note_fallback("generation", reason)
             return trl_generation(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model_wrapped)
-        with generate_patched(model, self._log_generation, self._turn_cache):
+        num_images = None if images is None else [len(row) if row else 0 for row in images]
+        with generate_patched(model, self._log_generation, self._turn_cache, num_images):
             return trl_generation(*args, **kwargs)
 
     def _log_generation(self, stats: GenerationStats) -> None:
@@ -378,6 +375,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["zero_waste/generation_positions_frac"].append(stats.positions_frac)
         self._metrics[mode]["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
+        if stats.full_images:
+            self._metrics[mode]["zero_waste/generation_images_frac"].append(stats.images / stats.full_images)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste) -----------------------------------------------------------------
 
@@ -400,7 +399,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             batch_size=batch_size,
             compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss,
-            **model_inputs,
         )
         return self._zero_waste.logps_and_entropies(
             full, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,

@@ -57,9 +57,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None) -> PreTrainedTokenizerFast:
+def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None, **kwargs) -> PreTrainedTokenizerFast:
     """A tokenizer mapping each piece `pre_tokenizer` cuts to its id in `vocab` (which holds <pad>, <eos>, <bos>;
-    anything else becomes <pad>)."""
+    anything else becomes <pad>). `kwargs` go to PreTrainedTokenizerFast (e.g. `extra_special_tokens`)."""
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizer
     if decoder is not None:
@@ -72,14 +72,16 @@ def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None) -> 
         unk_token="<pad>",
         # What causal-LM tokenizers declare; transformers 4.x would otherwise add token_type_ids, which generate rejects.
         model_input_names=["input_ids", "attention_mask"],
+        **kwargs,
     )
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with pad/eos/bos and a minimal chat template."""
+def make_tokenizer(**kwargs) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with pad/eos/bos and a minimal chat template (`kwargs`: see
+    `word_level_tokenizer`)."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARS)))}
     split = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tokenizer = word_level_tokenizer(vocab, split, decoders.Fuse())
+    tokenizer = word_level_tokenizer(vocab, split, decoders.Fuse(), **kwargs)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
