@@ -95,15 +95,30 @@ def test_health_guard_stops_a_run_whose_groups_are_all_dead(shared_engine, model
     ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()),
 )
 def test_grpo_plus_objective_modes_train_with_the_sampler_correction(shared_engine, model_dir, tmp_path, settings):
-    """grpo_plus's own modes receive TRL's importance-sampling weights and train: finite losses, weights moved."""
+    """grpo_plus's own modes take TRL's importance-sampling weights w as TRL's loss does (per-token loss times w) and
+    train. On the first step the policy is the one that generated (every PPO ratio 1, no clip acts), so each token's
+    loss is -w * A and the step's loss is that, aggregated by the loss type: checked against the logged loss."""
     trainer = build(model_dir, tmp_path, num_prompts=2, optim="sgd", learning_rate=0.5, **settings)
     before = weights(trainer)
     batches = record_trained_batches(trainer)
     trainer.train()
-    assert all("importance_sampling_ratio" in batch for _, batch in batches)
     losses = logged(trainer, "loss")
     assert losses and all(math.isfinite(loss) for loss in losses)
     assert max_weight_diff(before, weights(trainer)) > 1e-4
+    (_, first), *_ = batches  # the first step's one micro-batch (gradient_accumulation_steps=1)
+    mask = first["completion_mask"].float()
+    sampler_weights = first["importance_sampling_ratio"].expand_as(mask)  # (B, 1) per sequence: TRL's default
+    advantages = first["advantages"].reshape(-1, 1)
+
+    def aggregated(per_token: torch.Tensor) -> float:
+        if settings["loss_type"] == "dapo":
+            return (per_token.sum() / mask.sum()).item()
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean().item()  # grpo
+
+    expected = aggregated(-sampler_weights * advantages * mask)
+    assert losses[0] == pytest.approx(expected, rel=1e-4, abs=1e-6)
+    unweighted = aggregated(-advantages * mask)
+    assert abs(unweighted - expected) > 10 * max(1e-4 * abs(expected), 1e-6), "w ~ 1: the check cannot tell"
 
 
 def test_sleep_mode_on_the_cpu_build_fails_before_the_engine_starts(model_dir, tmp_path):
