@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast test-engines test-matrix lock lint format demo bench compare clean bench-memory \
-        bench-gpu test-gpu-parity gpu-wheels docs
+        bench-gpu test-gpu-parity gpu-wheels docs deepspeed-ops
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,10 +37,20 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # Multi-process tests on real engines: DeepSpeed ZeRO-2/3 on CPU processes over gloo (tests/test_deepspeed.py), kept
-# apart so `make test` stays under 15 minutes on a 2-core machine. The first run compiles DeepSpeed's CPU
-# communication op into ~/.cache/torch_extensions (TORCH_EXTENSIONS_DIR), once per machine. .ci/run runs both.
-test-engines: $(STAMP)
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q -m engine -rs $(PYTEST_ARGS)
+# apart so `make test` stays under 15 minutes on a 2-core machine. DeepSpeed compiles its CPU communication op on
+# first use; it is built here, once per environment, into the venv (not ~/.cache, which outlives the clone). Every
+# process that loads the op takes torch's build lock first: one killed at that moment (a timeout, Ctrl-C) leaves the
+# lock behind and every later process waits on it forever, so no engine run starts while a stale lock is there.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+DS_ACCEL := DS_ACCELERATOR=cpu
+
+deepspeed-ops: $(STAMP)
+	rm -f $(TORCH_EXTENSIONS_DIR)/*/*/lock
+	$(DS_ACCEL) $(PY) -c "from deepspeed.accelerator import get_accelerator; \
+	get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+
+test-engines: deepspeed-ops
+	$(DS_ACCEL) $(PY) -m pytest -q -m engine -rs $(PYTEST_ARGS)
 
 # ---- The dependency window, tested at both ends and between: one environment per supported TRL minor (its newest
 # patch, everything else at the lock), "oldest" (every runtime dependency at the lower bound pyproject.toml declares,

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO-2 / ZeRO-3 on the real engine: 2 (or 3) CPU processes over gloo, the shipped accelerate configs.
 
 DeepSpeed runs on CPU with `DS_ACCELERATOR=cpu` (its CPU accelerator; the first run JIT-compiles a communication op,
-cached under TORCH_EXTENSIONS_DIR, ~/.cache/torch_extensions by default, so a machine pays it once) and
+cached under TORCH_EXTENSIONS_DIR, which make test-engines sets inside the venv, so an environment pays it once) and
 `--ddp_backend gloo` (without it accelerate finds no backend on a CPU-only machine and every process trains alone).
 
 Under ZeRO-3 every model call outside generation gathers the parameters layer by layer, collectively: a process that
