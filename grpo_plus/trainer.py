@@ -402,7 +402,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             model_inputs,
         )  # fmt: skip
 
-    # ---- loss (grpo_plus.losses) ----------------------------------------------------------------------------------
+    # ---- loss (grpo_plus.objective) -------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
         if self.loss_type in TRL_NATIVE_LOSS_TYPES:

@@ -98,7 +98,10 @@ def test_documented_python_examples_run(page, isolated):
 
 
 @pytest.mark.parametrize("block", SKIPPED, ids=lambda block: block.where)
-def test_skipped_examples_are_reported(block):
+def test_skipped_examples_compile_and_are_reported(block):
+    """A block that cannot run here still has to be Python a reader can paste: it compiles (a syntax error fails
+    here), then it is reported as skipped, naming its page and line."""
+    compile(block.code, f"{block.where} (```python block)", "exec")
     pytest.skip(f"{block.where}: marked `{SKIP_MARKER}`")
 
 
@@ -120,6 +123,14 @@ def test_a_broken_example_fails_naming_its_page_and_line(isolated):
     with pytest.raises(NameError, match="rewards") as error:
         run_page(python_blocks(page))
     assert error.traceback[-1].frame.code.path == f"{page}:9 (```python block)"
+
+
+def test_a_skipped_example_that_does_not_compile_fails(isolated):
+    page = write_page(isolated, f"# A page\n\n{SKIP_MARKER}\n```python\ntrainer.train(\n```\n")
+    (block,) = python_blocks(page)
+    assert block.skipped
+    with pytest.raises(SyntaxError):
+        test_skipped_examples_compile_and_are_reported(block)
 
 
 def test_blocks_share_a_namespace_in_order_and_skips_and_other_fences_do_not_run(isolated):
