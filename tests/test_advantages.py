@@ -10,7 +10,8 @@ from trl.trainer.utils import nanstd as trl_nanstd
 from trl_oracle import trl_advantages
 
 from grpo_plus import available_advantage_normalizers, compute_advantages, register_advantage_normalizer
-from grpo_plus.advantages import ADVANTAGE_NORMALIZERS, nanstd
+from grpo_plus.objective import ADVANTAGE_NORMALIZERS
+from grpo_plus.objective.common import nanstd
 
 NAN = float("nan")
 G = 4

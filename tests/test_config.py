@@ -10,9 +10,8 @@ from helpers.probes import TRAIN_TINY, run_python
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
-from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
 from grpo_plus.config import ConfigError
-from grpo_plus.losses import LOSS_TYPES
+from grpo_plus.objective import ADVANTAGE_NORMALIZERS, LOSS_TYPES
 from grpo_plus.trl_compat import logps_unavailable_reason
 
 

@@ -16,7 +16,7 @@ from grpo_plus import (
     register_importance_sampling,
     register_loss_type,
 )
-from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from grpo_plus.objective import IMPORTANCE_SAMPLERS, LOSS_TYPES
 from grpo_plus.objective.common import WARNED_ONCE
 
 B, T = 3, 5

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
-from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from grpo_plus.objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = "<!-- docs-test: skip -->"
