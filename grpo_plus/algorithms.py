@@ -25,9 +25,8 @@ from .objective import (
     PolicyLossOutput,
 )
 from .objective.advantages import scale_rewards_problem
-from .objective.loss import policy_loss_problem, resolve_policy_loss_options
+from .objective.loss import policy_loss_options_problem, policy_loss_problem
 from .objective.policy_losses import OPTIONS
-from .registry import did_you_mean
 from .settings import ConfigError, not_allowed
 
 # The defaults of GRPOConfig's algorithm fields (one default per setting: config.py uses these).
@@ -54,9 +53,7 @@ class AlgorithmSettings:
         options that are TRL fields (sapo_temperature_pos / _neg)."""
         name = own.policy_loss
         declared = POLICY_LOSSES.entry(name).trait(OPTIONS, {}) if name in POLICY_LOSSES else {}
-        options = {
-            option: getattr(own, option, getattr(args, option, default)) for option, default in declared.items()
-        }
+        options = {name: getattr(own, name, getattr(args, name, option.default)) for name, option in declared.items()}
         return cls(
             advantage_estimator=own.advantage_estimator,
             policy_loss=name,
@@ -77,26 +74,12 @@ class AlgorithmSettings:
     def validate(self, args: Any, trl_native: bool) -> None:
         """Raise ConfigError for a name that is not registered or a combination that cannot run; canonicalize aliases
         on `args` (a plain trl.GRPOConfig has none of these fields: its defaults need no check)."""
-        how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
-        for name, registry in (
-            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
-            ("policy_loss", POLICY_LOSSES),
-            ("kl_estimator", KL_ESTIMATORS),
-        ):
-            value = getattr(self, name)
-            allowed = registry.names(with_aliases=True)
-            if value not in allowed:
-                hint = did_you_mean(value, allowed, cutoff=0.5)
-                raise ConfigError(
-                    f"{name}={value!r} is not registered.{hint} Allowed: {', '.join(allowed)}. {how.format(name)}"
-                )
-            if hasattr(args, name):
-                setattr(args, name, registry.resolve(value))
-        estimator, loss = (
-            ADVANTAGE_ESTIMATORS.resolve(self.advantage_estimator),
-            POLICY_LOSSES.resolve(self.policy_loss),
-        )
-        kl = KL_ESTIMATORS.resolve(self.kl_estimator)
+        names = {}
+        for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS):  # each `field` is one of ours
+            names[registry.field] = registry.check(getattr(self, registry.field), error=ConfigError)
+            if hasattr(args, registry.field):
+                setattr(args, registry.field, names[registry.field])
+        estimator, loss, kl = names["advantage_estimator"], names["policy_loss"], names["kl_estimator"]
         self._check_estimator(args, estimator)
         self._check_policy_loss(args, loss, trl_native)
         self._check_kl(args, kl, trl_native)
@@ -166,18 +149,9 @@ class AlgorithmSettings:
         )
         if problem is not None and not trl_native:
             raise ConfigError(problem)
-        options = resolve_policy_loss_options(loss, self.policy_loss_options)
-        for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            if name in options and not options[name] > 0:
-                raise not_allowed(name, options[name], "> 0 (the share of tokens the method acts on)")
-        if "clip_cov_lb" in options and not options["clip_cov_lb"] < options["clip_cov_ub"]:
-            bounds = f"below clip_cov_ub={options['clip_cov_ub']} (the covariance band is (lb, ub))"
-            raise not_allowed("clip_cov_lb", options["clip_cov_lb"], bounds)
-        if "kl_cov_coef" in options and options["kl_cov_coef"] < 0:
-            raise not_allowed("kl_cov_coef", options["kl_cov_coef"], ">= 0")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if name in options and not options[name] > 0:
-                raise not_allowed(name, options[name], "> 0")
+        problem = policy_loss_options_problem(loss, self.policy_loss_options)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _check_kl(self, args: Any, kl: str, trl_native: bool) -> None:
         if trl_native and (kl != DEFAULT_KL_ESTIMATOR or self.adaptive_kl):

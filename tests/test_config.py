@@ -11,7 +11,6 @@ from trl import TrlParser
 
 from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
 from grpo_plus.config import ConfigError
-from grpo_plus.objective import ADVANTAGE_NORMALIZERS, LOSS_TYPES
 from grpo_plus.trl_compat import logps_unavailable_reason
 
 
@@ -120,12 +119,9 @@ def test_custom_normalizer_incompatible_with_normalize_then_sum(tmp_path):
     def rank(grouped, eps):
         return grouped.argsort(dim=1).argsort(dim=1).float() - (grouped.shape[1] - 1) / 2
 
-    try:
-        make(tmp_path, scale_rewards="rank_test")  # fine alone
-        with pytest.raises(ConfigError, match="normalize_then_sum"):
-            make(tmp_path, scale_rewards="rank_test", multi_objective_aggregation="normalize_then_sum")
-    finally:
-        ADVANTAGE_NORMALIZERS.unregister("rank_test")
+    make(tmp_path, scale_rewards="rank_test")  # fine alone
+    with pytest.raises(ConfigError, match="normalize_then_sum"):
+        make(tmp_path, scale_rewards="rank_test", multi_objective_aggregation="normalize_then_sum")
 
 
 def test_registered_loss_type_accepted_after_registration(tmp_path):
@@ -136,10 +132,7 @@ def test_registered_loss_type_accepted_after_registration(tmp_path):
     def token_sum(masked_loss, ctx):
         return masked_loss.sum() / ctx.S
 
-    try:
-        assert make(tmp_path, loss_type="token_sum_test").loss_type == "token_sum_test"
-    finally:
-        LOSS_TYPES.unregister("token_sum_test")
+    assert make(tmp_path, loss_type="token_sum_test").loss_type == "token_sum_test"
 
 
 def test_trl_parser_yaml_and_flags(tmp_path):

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from grpo_plus.objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES
-
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = "<!-- docs-test: skip -->"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\s`]*)[^`]*$")
@@ -73,19 +71,15 @@ SKIPPED = [block for page in PAGES for block in python_blocks(page) if block.ski
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    """A fresh working directory, offline, no GPU; the registries, sys.path and new modules restored afterwards."""
+    """A fresh working directory, offline, no GPU; sys.path and new modules restored afterwards (the registries by
+    conftest's restore_registries, as for every test)."""
     monkeypatch.chdir(tmp_path)
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    registries = [(registry, dict(registry._entries), dict(registry._aliases)) for registry in
-                  (LOSS_TYPES, IMPORTANCE_SAMPLERS, ADVANTAGE_NORMALIZERS)]  # fmt: skip
     modules = set(sys.modules)
     yield tmp_path
-    for registry, entries, aliases in registries:
-        registry._entries.clear(), registry._entries.update(entries)
-        registry._aliases.clear(), registry._aliases.update(aliases)
     for name in set(sys.modules) - modules:
         if str(tmp_path) in str(getattr(sys.modules[name], "__file__", "") or ""):
             del sys.modules[name]  # a module an example wrote into its working directory

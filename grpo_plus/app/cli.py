@@ -92,7 +92,7 @@ def _notes(field: str, entry) -> list[str]:
             notes.append("reads zero-advantage rows (no zero-waste row skipping)")
         options = entry.trait("options") or {}
         if options:
-            notes.append("options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+            notes.append("options: " + ", ".join(f"{name}={option.default}" for name, option in options.items()))
     return notes
 
 
