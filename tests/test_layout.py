@@ -22,25 +22,28 @@ OLD_PATHS = ("grpo_plus.tasks", "grpo_plus.recipe", "grpo_plus.hub")
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Absolute names of the grpo_plus modules a top-level module of the package imports (relative imports
-    resolved)."""
+    """Absolute names of the grpo_plus modules a module of the package imports (relative imports resolved)."""
+    package = ["grpo_plus", *path.parent.relative_to(PACKAGE).parts]
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = "grpo_plus" if node.level == 1 else "" if node.level == 0 else None
-            assert base is not None, f"{path.name}: a top-level module cannot import {'.' * node.level}"
-            module = ".".join(part for part in (base, node.module) if part)
+            assert node.level <= len(package), f"{path}: an import above the package"
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
             names.add(module)
             names.update(f"{module}.{alias.name}" for alias in node.names)
     return {name for name in names if name == "grpo_plus" or name.startswith("grpo_plus.")}
 
 
 def test_the_library_never_imports_the_app():
+    library = [path for path in sorted(PACKAGE.rglob("*.py")) if path.relative_to(PACKAGE).parts[0] != "app"]
     offenders = {
-        path.name: sorted(name for name in imported_modules(path) if name.startswith("grpo_plus.app"))
-        for path in sorted(PACKAGE.glob("*.py"))
+        str(path.relative_to(PACKAGE)): sorted(
+            name for name in imported_modules(path) if name.startswith("grpo_plus.app")
+        )
+        for path in library
     }
     assert {name: found for name, found in offenders.items() if found} == {}
 

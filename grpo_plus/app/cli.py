@@ -186,6 +186,7 @@ def _bool(text: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..fit import CARD_RESERVE_GIB
     from . import tasks
     from .compare import DEFAULT_PRESETS
     from .embedded import EMBEDDED_MODEL_NAME
@@ -229,8 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fit.add_argument("--config", required=True, help="a recipe config YAML (recipes/configs/*.yaml)")
     fit.add_argument("--memory-gib", type=float, default=24.0, help="the GPU's memory (default: a 24 GB card)")
-    fit.add_argument("--reserve-gib", type=float, default=2.0,
-                     help="kept for the CUDA context, kernel workspaces and allocator slack (default 2)")  # fmt: skip
+    fit.add_argument("--reserve-gib", type=float, default=CARD_RESERVE_GIB,
+                     help=f"kept for the CUDA context, kernel workspaces and allocator slack (default {CARD_RESERVE_GIB:g})")  # fmt: skip
     fit.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt, in tokens (default 128)")
     fit.add_argument("--equal-prompts", action="store_true",
                      help="every prompt has the same length (no padding; default: prompts differ, as in most datasets)")  # fmt: skip
