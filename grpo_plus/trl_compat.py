@@ -10,8 +10,11 @@ or constant.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import inspect
+import textwrap
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,6 +59,7 @@ __all__ = [
     "reference_model",
     "split_tensor_dict",
     "tested_trl_versions_text",
+    "trl_loss_fields",
     "unwrap_model_for_generation",
 ]
 
@@ -376,6 +380,85 @@ def loop_keeps_running_loss_on_trainer() -> bool:
     """Whether transformers' training loop keeps its running loss on the trainer (`self._tr_loss`, transformers >= 5)
     rather than in a local variable of `_inner_training_loop` (4.x), which it passes to `_maybe_log_save_evaluate`."""
     return "self._tr_loss" in inspect.getsource(transformers.Trainer._inner_training_loop)
+
+
+@functools.cache
+def trl_loss_fields(trainer_class: type | None = None) -> frozenset[str]:
+    """The GRPOConfig fields TRL's training loss reads, read from TRL's own source so that a release reading another
+    field is counted without an edit here: in `_compute_loss` and the trainer methods it calls, every
+    `self.args.<field>`, and every `self.<attribute>` that `__init__` sets from `args.<field>` (directly or through
+    other attributes and local variables, e.g. `epsilon_low` from `epsilon`). Only GRPOConfig fields are kept."""
+    trainer_class = trainer_class or trl.GRPOTrainer
+    methods = {}
+    for klass in reversed(trainer_class.__mro__):  # the most derived definition wins
+        for name, value in vars(klass).items():
+            if inspect.isfunction(value) and klass.__module__.startswith("trl"):
+                methods[name] = value
+    init = _method_tree(methods["__init__"])
+    # What each `self.<attribute>` of __init__ is set from: args fields, other attributes, and local variables that
+    # hold an args field as it is (`coef = args.router_aux_loss_coef`; a local computed from more, e.g. the model
+    # loaded from model_init_kwargs, is not the loss's setting).
+    sources: dict[str, set[str]] = {}
+    for node in ast.walk(init):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            read = {f"args.{name}" for name in _args_fields(node.value)}
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _is_self(target.value):
+                    read |= {f"self.{name}" for name in _self_attributes(node.value)}
+                    read |= {f"local.{n.id}" for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+                    sources.setdefault(f"self.{target.attr}", set()).update(read)
+                elif isinstance(target, ast.Name) and isinstance(node.value, ast.Attribute):
+                    sources.setdefault(f"local.{target.id}", set()).update(read)
+
+    def fields_of(name: str, seen: set[str]) -> set[str]:
+        if name in seen:
+            return set()
+        seen.add(name)
+        out = set()
+        for source in sources.get(name, ()):
+            out |= {source[5:]} if source.startswith("args.") else fields_of(source, seen)
+        return out
+
+    fields, visited, pending = set(), set(), ["_compute_loss"]
+    while pending:
+        name = pending.pop()
+        if name in visited or name not in methods:
+            continue
+        visited.add(name)
+        tree = _method_tree(methods[name])
+        fields |= _args_fields(tree)
+        for attribute in _self_attributes(tree):
+            pending.append(attribute)  # a method it calls (others are not in `methods`)
+            fields |= fields_of(f"self.{attribute}", set())
+    config_fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    return frozenset(fields & config_fields)
+
+
+def _method_tree(function) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _self_attributes(tree: ast.AST) -> set[str]:
+    """Names read as `self.<name>` in `tree`."""
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _is_self(node.value)}
+
+
+def _args_fields(tree: ast.AST) -> set[str]:
+    """Names read as `args.<name>` or `self.args.<name>` in `tree`."""
+    fields = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if isinstance(value, ast.Name) and value.id == "args":
+                fields.add(node.attr)
+            elif isinstance(value, ast.Attribute) and value.attr == "args" and _is_self(value.value):
+                fields.add(node.attr)
+    return fields
 
 
 def cache_argument_name() -> str:

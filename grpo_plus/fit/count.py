@@ -35,11 +35,13 @@ from .spec import FitSpec, for_side, known_config
 
 
 def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, completion_length: int, vocab_size: int,
-                          seed: int = 0, first_token: int = 3, padded: bool = False) -> dict:  # fmt: skip
+                          seed: int = 0, first_token: int = 3, padded: bool = False,
+                          reference: bool = False) -> dict:  # fmt: skip
     """A training micro-batch as TRL's `_prepare_inputs` hands it to `_compute_loss`, worst case for memory: `rows` rows
     in groups of `group_size` consecutive rows sharing a prompt, every completion `completion_length` tokens long (no
     EOS, no padding), every advantage non-zero; `padded`: the first group's prompt is one token shorter (left
-    padding, as TRL pads prompts of different lengths)."""
+    padding, as TRL pads prompts of different lengths); `reference`: with the reference model's log-probs (beta > 0:
+    the KL term)."""
     generator = torch.Generator().manual_seed(seed)
     groups = -(-rows // group_size)
     prompts = torch.randint(first_token, vocab_size, (groups, prompt_length), generator=generator)
@@ -52,7 +54,7 @@ def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, comple
     if padded and prompt_length > 1:
         prompt_mask[:group_size, 0] = 0
         prompt_ids[:group_size, 0] = 0
-    return {
+    batch = {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
@@ -60,6 +62,9 @@ def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, comple
         "advantages": advantages,
         "num_items_in_batch": completion_mask.sum().float(),
     }
+    if reference:
+        batch["ref_per_token_logps"] = -torch.rand(rows, completion_length, generator=generator)
+    return batch
 
 
 def word_tokenizer(vocab_size: int):
@@ -139,11 +144,18 @@ _TRAINERS: dict = {}
 
 
 def counting_trainer(side: str, spec: FitSpec):
-    """A (TRL or grpo_plus) GRPOTrainer with the spec's loss settings, built once per process on a tiny model; only
-    its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it). Its `bf16` is the
+    """A (TRL or grpo_plus) GRPOTrainer with the spec's objective (`spec.loss`), built once per process on a tiny model;
+    only its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it). Its `bf16` is the
     spec's (grpo_plus reads the field); the autocast a count runs under is the count's own (`counting`), not read from
     accelerate, which keeps one state per process."""
-    key = (side, spec.mixed_precision, json.dumps(spec.loss, sort_keys=True, default=str))
+    # What makes it a counting trainer (a tiny CPU run, no engine), over the config's objective.
+    own = dict(
+        use_cpu=True, bf16=spec.mixed_precision == "bf16", fp16=False, per_device_train_batch_size=2,
+        num_generations=2, max_completion_length=8, steps_per_generation=None, use_vllm=False,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+    )  # fmt: skip
+    objective = {name: value for name, value in spec.loss.items() if name not in own}
+    key = (side, spec.mixed_precision, json.dumps(objective, sort_keys=True, default=str))
     if key in _TRAINERS:
         _keep_accelerate_state()
         return _TRAINERS[key]
@@ -156,17 +168,16 @@ def counting_trainer(side: str, spec: FitSpec):
     import grpo_plus
 
     package = trl if side == "trl" else grpo_plus
-    loss = {k: v for k, v in spec.loss.items() if k != "max_completion_length"}
     config = known_config("tiny-qwen2")
-    args = package.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), use_cpu=True, bf16=spec.mixed_precision == "bf16",
-        fp16=False, per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
-        gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
-        **loss,
-    )  # fmt: skip
+    args = package.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), **objective, **own)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.beta != 0.0:  # TRL then takes the reference from the adapter-disabled model instead of loading one
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=1, target_modules=["q_proj"]))
     with quiet():
         trainer = package.GRPOTrainer(
-            model=AutoModelForCausalLM.from_config(config, dtype=torch.float32),
+            model=model,
             reward_funcs=[_zero_reward],
             args=args,
             train_dataset=Dataset.from_list([{"prompt": "w3 w4"}] * 2),
@@ -265,6 +276,7 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
         spec.completion_tokens,
         config.vocab_size,
         padded=spec.padded_prompts,
+        reference=spec.loss.get("beta", 0.0) != 0.0,
     )
     inputs = batch if real else fake_inputs(batch, fake_mode, device)
     counter = MemoryCounter(fake_mode)

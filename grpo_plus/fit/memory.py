@@ -609,26 +609,36 @@ def storage_addresses() -> Iterator[None]:
 
 @contextlib.contextmanager
 def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
-    """`torch.tensor(data, device=accelerator)` builds its tensor outside torch's dispatch (on the CPU, then copied),
-    which a fake accelerator cannot take: within this block it becomes a fake tensor on that device with the data as
-    its shadow (transformers' KV cache starts from `torch.tensor([], device=...)`)."""
-    original = torch.tensor
+    """`torch.tensor(data, device=accelerator)` and `accelerator_tensor.new_tensor(data)` build their tensor outside
+    torch's dispatch (on the CPU, then copied), which a fake accelerator cannot take: within this block it becomes a
+    fake tensor on that device with the data as its shadow (transformers' KV cache starts from
+    `torch.tensor([], device=...)`; grpo_plus's adaptive KL coefficient appends a count with `new_tensor`)."""
+    original, original_new_tensor = torch.tensor, torch.Tensor.new_tensor
 
-    def tensor(data, *args, device=None, **kwargs):
-        if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
-            return original(data, *args, device=device, **kwargs)
-        real = original(data, *args, **kwargs)
+    def on_device(real: torch.Tensor, device) -> torch.Tensor:
         with counter.fake_mode:
             fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
         fake._shadow = real
         counter._record(fake, [], torch.tensor)
         return fake
 
-    torch.tensor = tensor
+    def tensor(data, *args, device=None, **kwargs):
+        if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
+            return original(data, *args, device=device, **kwargs)
+        return on_device(original(data, *args, **kwargs), device)
+
+    def new_tensor(self, data, *args, dtype=None, device=None, **kwargs):
+        device = self.device if device is None else torch.device(device)
+        if device.type == "cpu" or counter.fake_mode is None or not is_fake(self):
+            return original_new_tensor(self, data, *args, dtype=dtype, device=device, **kwargs)
+        real = original(data, dtype=self.dtype if dtype is None else dtype, **kwargs)
+        return on_device(real, device)
+
+    torch.tensor, torch.Tensor.new_tensor = tensor, new_tensor
     try:
         yield
     finally:
-        torch.tensor = original
+        torch.tensor, torch.Tensor.new_tensor = original, original_new_tensor
 
 
 @contextlib.contextmanager

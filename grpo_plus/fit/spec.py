@@ -11,14 +11,8 @@ import torch
 
 SIDES = ("trl", "grpo_plus")
 TILED_MLP_TOKENS = 4096  # what `with_memory_options` sets for grpo_plus
-# GRPOConfig fields a training pass's memory depends on (the loss path), handed to the counting trainer as they are.
-LOSS_FIELDS = (
-    "loss_type", "importance_sampling_level", "epsilon", "epsilon_high", "delta", "beta", "top_entropy_quantile",
-    "use_bias_correction_kl", "max_completion_length", "temperature", "cast_lm_head_to_fp32",
-    "off_policy_mask_threshold", "mask_truncated_completions", "dual_clip", "zero_waste_pass",
-    "zero_waste_shared_prompt",
-)  # fmt: skip
-GRPO_PLUS_ONLY = ("dual_clip", "zero_waste_pass", "zero_waste_shared_prompt")
+# What the count's own model reads from a config besides the objective: TRL's fused LM head divides by the temperature.
+MODEL_FIELDS = ("temperature",)
 
 # Architecture fields of the real models' config.json, so a count needs no download.
 KNOWN_SHAPES: dict[str, tuple[str, dict]] = {
@@ -83,7 +77,7 @@ class FitSpec:
     gradient_checkpointing: bool = True
     mixed_precision: str = "bf16"  # "bf16", "fp16" or "no" (TRL's autocast)
     attn_implementation: str = "sdpa"
-    loss: dict = field(default_factory=dict)  # GRPOConfig fields of LOSS_FIELDS
+    loss: dict = field(default_factory=dict)  # the config's objective_fields() (and MODEL_FIELDS), as it has them
     optimizer_states: float = 2.0  # per trainable weight, in its dtype's bytes (AdamW: 2 moments)
     activation_offloading: bool = False
     tiled_mlp_tokens: int | None = None
@@ -163,13 +157,36 @@ class FitSpec:
             gradient_checkpointing=bool(args.gradient_checkpointing),
             mixed_precision=mixed,
             attn_implementation=getattr(model_config, "_attn_implementation", None) or "sdpa",
-            loss={name: getattr(args, name) for name in LOSS_FIELDS if hasattr(args, name)},
+            loss={name: getattr(args, name) for name in objective_fields() if hasattr(args, name)},
             optimizer_states=optimizer_states(str(getattr(args, "optim", "adamw_torch"))),
             activation_offloading=bool(getattr(args, "activation_offloading", False)),
             tiled_mlp_tokens=getattr(args, "tiled_mlp_tokens", None),
             offloaded_kv_cache=generation_kwargs.get("cache_implementation") == "offloaded",
             zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
         )
+
+
+def objective_fields() -> tuple[str, ...]:
+    """The GRPOConfig fields the training pass's loss reads, derived so that none can be left out: every objective
+    registry's field (`grpo_plus.objective.REGISTRIES`: loss_type, policy_loss, kl_estimator, ...), every option a
+    registered policy loss declares and the clip settings a loss may take, the algorithm settings (adaptive KL), the
+    zero-waste pass's fields, `plugins` (where user-registered names come from), and every field TRL's own loss reads
+    (`trl_compat.trl_loss_fields`, read from TRL's source); and `MODEL_FIELDS`. The counting trainer gets them as the
+    config has them (`counting_trainer` sets the batch, the length and the engine itself)."""
+    from ..algorithms import AlgorithmSettings
+    from ..config import GRPOConfig
+    from ..objective import POLICY_LOSSES, REGISTRIES
+    from ..objective.policy_losses import CLIP_SETTINGS, OPTIONS
+    from ..trl_compat import trl_loss_fields
+
+    names = {registry.field for registry in REGISTRIES}
+    names |= {option for entry in POLICY_LOSSES.entries() for option in entry.trait(OPTIONS, {})}
+    names |= set(CLIP_SETTINGS)
+    names |= {f.name for f in dataclasses.fields(AlgorithmSettings)}
+    config_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    names |= {name for name in config_fields if name.startswith("zero_waste_")} | {"plugins"}
+    names |= trl_loss_fields() | set(MODEL_FIELDS)
+    return tuple(sorted(names & config_fields))
 
 
 def lora_fields(r: int, alpha: float, dropout: float, target_modules) -> dict:
@@ -191,10 +208,13 @@ def optimizer_states(optim: str) -> float:
 
 
 def for_side(spec: FitSpec, side: str) -> FitSpec:
-    """What `side` runs of `spec`: TRL leaves out grpo_plus's settings."""
+    """What `side` runs of `spec`: TRL leaves out grpo_plus's settings (the fields trl.GRPOConfig does not have)."""
     if side == "grpo_plus":
         return spec
-    loss = {k: v for k, v in spec.loss.items() if k not in GRPO_PLUS_ONLY}
+    import trl
+
+    trl_fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    loss = {k: v for k, v in spec.loss.items() if k in trl_fields}
     return spec.replace(activation_offloading=False, tiled_mlp_tokens=None, loss=loss, zero_waste_generation=False)
 
 
