@@ -175,12 +175,13 @@ def pack_shared_prompts(
     Needs every prompt's last column attended (left padding). Position ids are column indices of TRL's
     `cat(prompt, completion)` layout, which is what TRL's forward uses when it passes none.
     """
-    prompt_width = prompt_ids.shape[1]
     completion_mask_cpu = completion_mask.detach().cpu()
     prompt_mask_cpu = prompt_mask.detach().cpu()
     prompt_ids_cpu, completion_ids_cpu = prompt_ids.detach().cpu(), completion_ids.detach().cpu()
     attended = completion_mask_cpu.bool()
-    lengths = [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in attended]
+    # Each row's length: one past its last attended column (0 for a row with none), for all rows at once.
+    ends = torch.where(attended, torch.arange(1, attended.shape[1] + 1), 0)
+    lengths = ends.amax(dim=1).tolist() if ends.shape[1] else [0] * ends.shape[0]
 
     packs: list[_Pack] = []
     for rows in group_rows_by_prompt(prompt_ids_cpu, prompt_mask_cpu):
@@ -190,27 +191,36 @@ def pack_shared_prompts(
         prefix_columns = prompt_mask_cpu[rows[0], :-1].nonzero().squeeze(1)
         for pack_rows in plan_packs(len(prefix_columns), [lengths[r] for r in rows], hidden_size):
             pack = _Pack()
-            pack.add(
-                prompt_ids_cpu[rows[pack_rows[0]], prefix_columns],
-                prefix_columns,
-                segment=_PREFIX,
-                attended=torch.ones(len(prefix_columns), dtype=torch.bool),
-                targets=torch.full((len(prefix_columns),), IGNORE_INDEX),
-            )
-            for segment, index in enumerate(pack_rows):
-                row, length = rows[index], lengths[rows[index]]
-                scored = attended[row, :length]
-                pack.add(
-                    torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]),
-                    torch.arange(prompt_width - 1, prompt_width - 1 + length),
-                    segment=segment,
-                    attended=torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]),
-                    targets=completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX),
-                    destination_row=row,
-                    destination_columns=scored.nonzero().squeeze(1),
-                )
+            pack.add_prefix(prompt_ids_cpu[rows[pack_rows[0]], prefix_columns], prefix_columns)
+            pack_completions(pack, torch.tensor([rows[i] for i in pack_rows]), lengths, prompt_ids_cpu,
+                             completion_ids_cpu, attended)  # fmt: skip
             packs.append(pack)
     return _stack_packs(packs, pad_token_id, prompt_ids.device)
+
+
+def pack_completions(pack: _Pack, rows: torch.Tensor, lengths: list[int], prompt_ids: torch.Tensor,
+                     completion_ids: torch.Tensor, attended: torch.Tensor) -> None:  # fmt: skip
+    """Append the completions of TRL rows `rows` to `pack`, one segment each, in order: a segment is the prompt's last
+    token and the completion but its last token (what predicts each completion token), at the positions of TRL's
+    layout, its scored tokens as targets. All rows at once: a [rows, longest] block, cut to each row's length."""
+    width = max(lengths[row] for row in rows.tolist())
+    columns = torch.arange(width)
+    inside = columns < torch.tensor([lengths[row] for row in rows.tolist()]).unsqueeze(1)  # each segment's positions
+    inputs = torch.cat([prompt_ids[rows, -1:], completion_ids[rows, : width - 1]], dim=1)
+    keys = torch.cat([torch.ones(len(rows), 1, dtype=torch.bool), attended[rows, : width - 1]], dim=1)
+    scored = attended[rows, :width]  # within each row's length by definition of the length
+    targets = completion_ids[rows, :width].masked_fill(~scored, IGNORE_INDEX)
+    segments = torch.arange(pack.completions, pack.completions + len(rows)).unsqueeze(1).expand(-1, width)
+    positions = (prompt_ids.shape[1] - 1 + columns).expand(len(rows), -1)
+    scored_rows, scored_columns = scored.nonzero(as_tuple=True)
+    pack.token_ids.append(inputs[inside])
+    pack.position_ids.append(positions[inside])
+    pack.segments.append(segments[inside])
+    pack.attended.append(keys[inside])
+    pack.targets.append(targets[inside])
+    pack.destination_rows.append(rows[scored_rows])
+    pack.destination_columns.append(scored_columns)
+    pack.completions += len(rows)
 
 
 @dataclass
@@ -224,16 +234,15 @@ class _Pack:
     targets: list[torch.Tensor] = field(default_factory=list)  # the token each position predicts, or IGNORE_INDEX
     destination_rows: list[torch.Tensor] = field(default_factory=list)  # TRL row of each scored position
     destination_columns: list[torch.Tensor] = field(default_factory=list)  # TRL completion column of each
+    completions: int = 0  # completion segments in the pack
 
-    def add(self, token_ids, position_ids, segment, attended, targets, destination_row=None, destination_columns=None):
+    def add_prefix(self, token_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """The shared prompt: every position attended, none scored."""
         self.token_ids.append(token_ids)
         self.position_ids.append(position_ids)
-        self.segments.append(torch.full((len(token_ids),), segment))
-        self.attended.append(attended)
-        self.targets.append(targets)
-        if destination_row is not None:
-            self.destination_rows.append(torch.full((len(destination_columns),), destination_row))
-            self.destination_columns.append(destination_columns)
+        self.segments.append(torch.full((len(token_ids),), _PREFIX))
+        self.attended.append(torch.ones(len(token_ids), dtype=torch.bool))
+        self.targets.append(torch.full((len(token_ids),), IGNORE_INDEX))
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self.token_ids)
@@ -263,7 +272,7 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         source_position.append(scored)
         destination_row.append(torch.cat(pack.destination_rows))
         destination_col.append(torch.cat(pack.destination_columns))
-    shares_prompts = any(len(pack.segments) > 2 for pack in packs)  # the prefix and 2+ completion segments
+    shares_prompts = any(pack.completions > 1 for pack in packs)  # the prefix and 2+ completion segments
     mask_free = not shares_prompts and bool((valid | (segments == _PADDING)).all())
     block_mask = None if mask_free else block_attention_mask(segments, valid).to(device)
 

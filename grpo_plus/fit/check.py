@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .count import StepEstimate, estimate, quiet
+from .count import StepEstimate, estimate, quiet, remembered_counts
 from .memory import GIB, PassMemory
 from .search import suggestions
 from .spec import FitSpec
@@ -135,7 +135,7 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--budget", type=int, required=True)
     args = parser.parse_args(argv)
     spec = FitSpec.from_json(sys.stdin.read())
-    with quiet():
+    with quiet(), remembered_counts():
         result = estimate(spec, "grpo_plus")
         fixes = suggestions(spec, "grpo_plus", int(args.budget / (1 + FRAGMENTATION))) if (
             result.total * (1 + FRAGMENTATION) > args.budget

@@ -260,6 +260,11 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
     spec = for_side(spec, side)
     rows = rows or spec.rows
+    plain = not real and lm_head == "cuda" and at_peak is None and around is contextlib.nullcontext and kernels is None
+    plain = plain and _PASSES is not None
+    key = (side, _training_key(spec), layers, rows, group)
+    if plain and key in _PASSES:
+        return _PASSES[key]
     device = "cpu" if real else fake_accelerator()
     fake_mode = None if real else new_fake_mode()
     trainer = counting_trainer(side, spec)
@@ -298,8 +303,45 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
             del loss
     if at_peak is not None:
         at_peak.extend(counter.at_peak)
-    return PassMemory(saved_bytes, after_forward, forward_peak, counter.peak, counter.live, counter.host_peak,
-                      counter.items_faked)  # fmt: skip
+    counted = PassMemory(saved_bytes, after_forward, forward_peak, counter.peak, counter.live, counter.host_peak,
+                         counter.items_faked)  # fmt: skip
+    if plain:
+        _PASSES[key] = counted
+    return counted
+
+
+# Counts made within `remembered_counts()`, by what they depend on: a report asks for the same count more than once (a
+# training pass does not depend on generation's settings, generation not on the training pass's), and a count takes
+# seconds. None outside it: every count is made afresh.
+_PASSES: dict[tuple, PassMemory] | None = None
+_GENERATIONS: dict[tuple, tuple[int, int, int]] | None = None
+
+
+@contextlib.contextmanager
+def remembered_counts():
+    """Within the block, a count asked for again is not made again (what `grpo-plus fit` and the trainer's check
+    run in)."""
+    global _PASSES, _GENERATIONS
+    previous = _PASSES, _GENERATIONS
+    if _PASSES is None:
+        _PASSES, _GENERATIONS = {}, {}
+    try:
+        yield
+    finally:
+        _PASSES, _GENERATIONS = previous
+
+
+def _training_key(spec: FitSpec) -> str:
+    """What a training pass count depends on: the spec less generation's own settings."""
+    return spec.replace(generation_rows=0, offloaded_kv_cache=False, zero_waste_generation=True).to_json()
+
+
+def _generation_key(spec: FitSpec) -> str:
+    """What a generation count depends on: the spec less the training pass's own settings (the sampling temperature
+    stays: the count draws a token)."""
+    loss = {"temperature": spec.loss.get("temperature", 1.0)}
+    return spec.replace(rows=0, gradient_checkpointing=False, tiled_mlp_tokens=None, activation_offloading=False,
+                        optimizer_states=0.0, padded_prompts=True, loss=loss).to_json()  # fmt: skip
 
 
 def extrapolate(points: list[PassMemory], depth: int, start: int = 1) -> PassMemory:
@@ -319,9 +361,18 @@ def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> t
     the prefill of the prompts (each distinct prompt once with zero-waste generation) and one decode step with a
     KV cache of every row at the full length already there (transformers' DynamicCache, its bytes included), then
     the draw (temperature, softmax, multinomial over the vocabulary)."""
+    rows = rows or spec.generation_rows
+    if _GENERATIONS is None:
+        return _measure_generation(spec, layers, rows)
+    key = (_generation_key(spec), layers, rows)
+    if key not in _GENERATIONS:
+        _GENERATIONS[key] = _measure_generation(spec, layers, rows)
+    return _GENERATIONS[key]
+
+
+def _measure_generation(spec: FitSpec, layers: int, rows: int) -> tuple[int, int, int]:
     from transformers.cache_utils import DynamicCache
 
-    rows = rows or spec.generation_rows
     device = fake_accelerator()
     fake_mode = new_fake_mode()
     model = build_policy(spec.replace(gradient_checkpointing=False, tiled_mlp_tokens=None), layers, fake_mode, device)

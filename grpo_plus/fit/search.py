@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .count import StepEstimate, estimate
+from .count import StepEstimate, estimate, remembered_counts
 from .memory import GIB
 from .spec import SIDES, TILED_MLP_TOKENS, FitSpec, for_side, with_memory_options
 
@@ -15,10 +15,15 @@ GROUP_LIMIT = 512  # the largest group the search tries
 
 
 def largest_within(cost, budget: int, low: int, high: int) -> int:
-    """The largest n in [low, high] with cost(n) <= budget, for a cost that grows with n and is close to affine
-    (every term of a step's peak is linear in the completion length or in the rows, or nearly): secant steps from the
-    ends, then the answer's neighbours are checked, so the result is exact for any increasing cost. low - 1 when
-    cost(low) > budget."""
+    """The largest n in [low, high] with cost(n) <= budget, for a cost that grows with n and is close to affine or
+    quadratic (the terms of a step's peak are linear in the completion length or in the rows; a padding mask is
+    quadratic in the length); low - 1 when cost(low) > budget. Exact for any increasing cost: it returns n only once
+    cost(n) <= budget < cost(n + 1) (or n = `high`) has been counted.
+
+    A count costs more the larger n is, so `high` is not counted first: the line through `low` and a count an eighth
+    of the way up points at the answer (an affine cost: four counts, two of them small), and `high` is counted only
+    when the line says the answer is there. Once a count is over the budget, the parabola through the counts around
+    the answer closes in (a quadratic cost: a guess or two), each guess counted with its neighbour."""
     values: dict[int, float] = {}
 
     def at(n: int) -> float:
@@ -28,22 +33,66 @@ def largest_within(cost, budget: int, low: int, high: int) -> int:
 
     if at(low) > budget:
         return low - 1
-    if at(high) <= budget:
-        return high
-    fit, over = low, high  # cost(fit) <= budget < cost(over)
-    while over - fit > 1:
-        slope = (at(over) - at(fit)) / (over - fit)
-        guess = fit + int((budget - at(fit)) / slope) if slope > 0 else (fit + over) // 2
-        guess = min(max(guess, fit + 1), over - 1)
-        if at(guess) <= budget:
-            fit = guess
-            if guess + 1 < over and at(guess + 1) > budget:
-                over = guess + 1
+    fit, over = low, None  # cost(fit) <= budget; cost(over) > budget once one is known
+    start = low + max((high - low) // 8, 1)  # well inside the range: cheaper to count than the top
+    if start < high:
+        fit, over = (start, None) if at(start) <= budget else (low, start)
+    while over is None or over - fit > 1:
+        if over is None:  # the line through the lowest count and the largest that fits
+            slope = (at(fit) - at(low)) / (fit - low) if fit > low else 0.0
+            guess = fit + int((budget - at(fit)) / slope) if slope > 0 else high
+            guess = min(max(guess, fit + 1), high)
+            if at(guess) > budget:
+                over = guess  # a line overshoots a cost that bends up: the parabola takes it from here
+                continue
         else:
-            over = guess
-            if guess - 1 > fit and at(guess - 1) <= budget:
-                fit = guess - 1
+            guess = _interpolate(values, budget, fit, over)
+            if at(guess) > budget:
+                over = guess
+                if guess - 1 > fit and at(guess - 1) <= budget:
+                    fit = guess - 1
+                continue
+        fit = guess
+        if fit == high:
+            return high
+        if over is None or fit + 1 < over:  # the guess's neighbour: where an exact guess is proven
+            if at(fit + 1) > budget:
+                over = fit + 1
+            elif over is None:
+                fit += 1
     return fit
+
+
+def _interpolate(values: dict[int, float], budget: float, fit: int, over: int) -> int:
+    """A guess in (fit, over) for where the cost reaches `budget`: the parabola through `fit`, `over` and the count
+    nearest to them (a quadratic term, e.g. a padding mask, is then met exactly), else the secant."""
+    guess = None
+    others = [n for n in values if n not in (fit, over)]
+    if others:
+        third = min(others, key=lambda n: min(abs(n - fit), abs(n - over)))
+        guess = _parabola_crossing([(n, values[n]) for n in (third, fit, over)], budget, fit, over)
+    if guess is None:
+        slope = (values[over] - values[fit]) / (over - fit)
+        guess = fit + int((budget - values[fit]) / slope) if slope > 0 else (fit + over) // 2
+    return min(max(guess, fit + 1), over - 1)
+
+
+def _parabola_crossing(points: list[tuple[int, float]], budget: float, fit: int, over: int) -> int | None:
+    """The largest integer n in [fit, over) at which the parabola through `points` is at most `budget`, or None when
+    it does not cross `budget` once, upward, in that interval."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    # Newton's form: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
+    d1 = (y1 - y0) / (x1 - x0)
+    d2 = ((y2 - y1) / (x2 - x1) - d1) / (x2 - x0)
+    a, b, c = d2, d1 - d2 * (x0 + x1), y0 - d1 * x0 + d2 * x0 * x1 - budget
+    if abs(a) < 1e-12 * max(abs(b), 1.0):
+        return None
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return None
+    roots = [(-b + sign * disc**0.5) / (2 * a) for sign in (1, -1)]
+    inside = [r for r in roots if fit <= r < over and 2 * a * r + b > 0]  # rising through the budget
+    return int(inside[0]) if len(inside) == 1 else None
 
 
 def longest_completion(spec: FitSpec, side: str, budget: int) -> int:
@@ -138,12 +187,13 @@ class FitReport:
 def fit_report(spec: FitSpec, budget: int, groups: bool = True) -> FitReport:
     """Count everything `grpo-plus fit` prints (module docstring); `groups=False` skips the largest-G searches."""
     started = time.perf_counter()
-    at_settings = {side: estimate(spec, side) for side in SIDES}
-    fixes = {side: suggestions(for_side(spec, side), side, budget) if at_settings[side].total > budget else []
-             for side in SIDES}  # fmt: skip
-    longest = {side: longest_completion(with_memory_options(spec, side), side, budget) for side in SIDES}
-    largest = {side: largest_group(with_memory_options(spec, side), side, budget) if groups else None
-               for side in SIDES}  # fmt: skip
+    with remembered_counts():
+        at_settings = {side: estimate(spec, side) for side in SIDES}
+        fixes = {side: suggestions(for_side(spec, side), side, budget) if at_settings[side].total > budget else []
+                 for side in SIDES}  # fmt: skip
+        longest = {side: longest_completion(with_memory_options(spec, side), side, budget) for side in SIDES}
+        largest = {side: largest_group(with_memory_options(spec, side), side, budget) if groups else None
+                   for side in SIDES}  # fmt: skip
     return FitReport(spec, budget, at_settings, fixes, longest, largest, time.perf_counter() - started)
 
 
