@@ -129,3 +129,63 @@ def test_the_count_follows_the_configured_objective(tmp_path):
     counts = {name: fit.measure_pass(spec, "grpo_plus", layers=1) for name, spec in
               (("default", default), ("configured", configured))}  # fmt: skip
     assert counts["configured"].peak > counts["default"].peak
+
+
+# ---- the fit answers fast with the same answers -------------------------------------------------------------------
+
+
+def tiny(**changes) -> fit.FitSpec:
+    config = fit.known_config("tiny-qwen2", max_position_embeddings=32768)
+    spec = fit.FitSpec(
+        model_config=config.to_dict(), weights_dtype="bfloat16", rows=2, num_generations=2, generation_rows=2,
+        prompt_tokens=12, completion_tokens=9000, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0,
+        target_modules="all-linear"), gradient_checkpointing=True, loss={"loss_type": "dapo"},
+    )  # fmt: skip
+    return spec.replace(**changes)
+
+
+def without_shortcuts(monkeypatch) -> None:
+    """The count as it was before it was made fast: every tile of TRL's LM head, host copies of small tensors as fake
+    tensors computed twice, every operator on real inputs checked by running it fake first."""
+    from grpo_plus.fit import memory
+
+    monkeypatch.setattr(memory, "_distinct_steps", lambda *args: range(*args))
+    monkeypatch.setattr(memory, "_to_host", lambda kwargs: False)
+    monkeypatch.setattr(memory, "_output_bound", lambda func, args: None)
+
+
+@needs_cpu_logps
+@pytest.mark.parametrize("side", fit.SIDES)
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "memory-options"])
+def test_the_shortcuts_count_what_the_full_count_counts(side, options, monkeypatch):
+    """TRL's LM head over 5 token tiles (18K positions) counted on its distinct tiles only, and the packing's CPU work
+    on real values: the device counts are the full count's, byte for byte, on both sides, with and without
+    activation offloading and the tiled MLP."""
+    from trl.kernels import chunked_logprob  # noqa: F401  (the fused LM head: TRL >= 1.15)
+
+    spec = fit.with_memory_options(tiny(), side) if options else fit.for_side(tiny(), side)
+    fast = fit.measure_pass(spec, side, layers=2)
+    without_shortcuts(monkeypatch)
+    full = fit.measure_pass(spec, side, layers=2)
+    device = ("saved", "after_forward", "forward_peak", "peak", "after_backward", "items_faked")
+    assert {name: getattr(fast, name) for name in device} == {name: getattr(full, name) for name in device}
+    assert fast.peak > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_search_is_exact_on_any_increasing_cost(seed):
+    """`largest_within` against a full scan, on increasing costs with plateaus, jumps and bends (what a count's steps
+    look like): the same n, and it is never asked for a count twice."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        high = int(torch.randint(2, 600, (1,), generator=generator))
+        steps = torch.rand(high, generator=generator) * (torch.rand(high, generator=generator) < 0.7)
+        steps += (torch.rand(high, generator=generator) < 0.02) * 50  # a jump: another term binds
+        costs = (steps.cumsum(0) + torch.arange(high) ** 2 * float(torch.rand(1, generator=generator)) / high).tolist()
+        budget = float(torch.rand(1, generator=generator)) * costs[-1] * 1.1
+        asked: list[int] = []
+        found = fit.largest_within(
+            lambda n, asked=asked, costs=costs: asked.append(n) or costs[n - 1], budget, 1, high
+        )
+        assert found == max((n for n in range(1, high + 1) if costs[n - 1] <= budget), default=0)
+        assert len(asked) == len(set(asked))
