@@ -56,6 +56,7 @@ __all__ = [
     "uses_continuous_batching",
     "nanmax",
     "nanmin",
+    "policy_weights",
     "reference_model",
     "split_tensor_dict",
     "tested_trl_versions_text",
@@ -326,6 +327,38 @@ def entropy_bonus(trainer: trl.GRPOTrainer, entropies: torch.Tensor, mask: torch
     if mode == "train" and trainer.accelerator.sync_gradients:
         trainer._metrics[mode]["entropy_coef"].append(trainer.entropy_coef)
     return coef * mean_entropy
+
+
+def policy_weights(
+    trainer: trl.GRPOTrainer,
+    inputs: dict,
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    entropies: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(entropy mask, weights of the policy term) as TRL's `_compute_loss` builds them: the high-entropy token mask
+    (`top_entropy_quantile < 1`), DeepSeek-V3.2's off-policy sequence mask (`off_policy_mask_threshold`) and vLLM's
+    importance-sampling ratio, multiplied; None where none applies. TRL does this inline in `_compute_loss`, with its
+    own `get_high_entropy_mask` / `get_off_policy_mask`, which are called here as TRL calls them."""
+    entropy_mask = None
+    if trainer.top_entropy_quantile < 1.0:
+        entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+    weights = entropy_mask
+    if trainer.off_policy_mask_threshold is not None:
+        off_policy = trainer.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=logps,
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps),
+            mask=mask,
+            off_policy_threshold=trainer.off_policy_mask_threshold,
+        )
+        weights = off_policy if weights is None else off_policy * weights
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        ratio = inputs["importance_sampling_ratio"]
+        weights = ratio if weights is None else weights * ratio
+    return entropy_mask, weights
 
 
 def has_fused_lm_head() -> bool:

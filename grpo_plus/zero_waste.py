@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import trl
 
+from .generation import GenerationStats
 from .objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 from .train_pass import (
     PackedBatch,
@@ -79,6 +80,15 @@ class ZeroWastePass:
         if (part, reason) not in self._notes:
             self._notes.add((part, reason))
             logger.warning("Zero-waste pass: %s computed in full, because %s.", part, reason)
+
+    def record_generation(self, stats: GenerationStats, metrics: dict[str, list]) -> None:
+        """What one zero-waste generation call reports: why a part stood aside (said once), the positions computed."""
+        if stats.fallback is not None:
+            self.note_fallback("generation", stats.fallback)
+        if stats.turns_blocker is not None:
+            self.note_fallback("each tool turn's history in generation", stats.turns_blocker)
+        metrics["zero_waste/generation_positions_frac"].append(stats.positions_frac)
+        metrics["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
 
     def find_row_skip_blocker(self) -> str | None:
         """None when zero-advantage rows may be left out of the training forward, else why not."""
