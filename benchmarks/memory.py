@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "configs"
 FIT_RECIPES = ("demo_cpu", "qwen2.5-0.5b_lora", "qwen2.5-1.5b_lora", "qwen2.5-7b_qlora")
 PROMPT_TOKENS = {"demo_cpu": 56}  # the demo's chat-templated prompts (DESIGN.md); 128 for the Qwen recipes
-BUDGET = int(22 * GIB)
+BUDGET = int((24 - fit.CARD_RESERVE_GIB) * GIB)  # a 24 GiB card less what tensors cannot use
 
 
 def gib(value: float) -> str:
