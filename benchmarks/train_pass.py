@@ -100,12 +100,15 @@ def wrap_timed(trainer, method: str, seconds: list[float], clock=time.perf_count
     setattr(trainer, method, timed)
 
 
-def run_steps(steps: int, warmup: int) -> dict:
-    """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the loss check."""
+def run_steps(steps: int, warmup: int, settings: dict | None = None, prepare=None) -> dict:
+    """Part 1: both trainers in lock-step on the demo config (or its GRPOConfig `settings`); per-step medians, ratios
+    and the loss check. `prepare(trainers)` runs after both are built."""
     from lockstep import Baton, RngStates, train_in_lockstep
 
     baton, rng = Baton(list(SIDES)), RngStates()
-    built = build_trainers(steps, baton, rng)
+    built = build_trainers(steps, baton, rng, settings=settings)
+    if prepare is not None:
+        prepare({name: built[name]["trainer"] for name in SIDES})
     train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
 
     result = {}

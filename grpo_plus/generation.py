@@ -16,12 +16,18 @@ of all copies. A decode batch of fewer rows changes which matrix-multiply kernel
 (MKL: fewer than 4 rows, or other sizes with several threads), which moves logits by float noise (~1e-5); a sampled
 token changes only if that noise flips a near-tie.
 
+Image prompts (vision-language models): rows are the same prompt only if their images are equal too; the prefill
+gets the distinct prompts' images only (`grpo_plus.multimodal.RowImages`, told each row's image count by the caller:
+TRL's `images`), so the vision tower encodes each image once; the decode steps, which transformers runs without the
+pixels, run without the image inputs (they cannot follow the rows: they are per image, not per row).
+
 Where the loop would not be transformers' own, `generate` calls `model.generate` unchanged and says why
 (`GenerationStats.fallback`): another decoding mode (beams, assisted, contrastive), a cache that cannot be copied by
 row (static, quantized, linear-attention or encoder-decoder caches), active dropout (TRL generates with the model in
 training mode; one prefill per prompt would draw other dropout masks than G prefills), model inputs other than ids /
-mask / positions (multimodal), streaming or score outputs, processes kept in lock-step (DeepSpeed ZeRO-3 / FSDP), or a transformers
-release whose decoding loop is not the one mirrored here (it needs `_prefill` and `next_sequence_length`, 5.x).
+mask / positions / token types / images, images without a per-row image count, streaming or score outputs, processes
+kept in lock-step (DeepSpeed ZeRO-3 / FSDP), or a transformers release whose decoding loop is not the one mirrored here
+(it needs `_prefill` and `next_sequence_length`, 5.x).
 """
 
 from __future__ import annotations
@@ -37,11 +43,13 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 
 from .multi_turn import TurnCache, keep_blocker
+from .multimodal import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages, image_prompts_blocker
 from .train_pass import dropout_blocker
-from .trl_compat import cache_argument_name
+from .trl_compat import cache_argument_name, version_gap
 
-# Model inputs the loop splits by row; generate also passes the cache, use_cache and logits_to_keep.
-ROW_INPUTS = ("attention_mask", "position_ids")
+# Model inputs the loop splits by row (position_ids may be (k, B, L): M-RoPE); generate also passes the cache,
+# use_cache and logits_to_keep. Image inputs (IMAGE_KEYS) go to the prefill, cut to its rows.
+ROW_INPUTS = ("attention_mask", "position_ids", *PER_TOKEN_KEYS)
 CACHE_INPUT = cache_argument_name()
 SHARED_INPUTS = (CACHE_INPUT, "use_cache", "logits_to_keep")
 DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
@@ -59,6 +67,8 @@ class GenerationStats:
     full_positions: int = 0  # what model.generate computes for the same batch (every copy, every row every step)
     prefill_positions: int = 0  # the prefill's share of `positions`
     full_prefill_positions: int = 0  # the prefill's share of `full_positions`: every row, every column
+    images: int = 0  # images the vision tower encoded (each distinct prompt's)
+    full_images: int = 0  # images model.generate encodes (every row's)
     fallback: str | None = None  # why model.generate ran unchanged, or None
     turns_blocker: str | None = None  # why the rows' caches could not be kept for the next tool turn, or None
 
@@ -74,24 +84,27 @@ class GenerationStats:
 
 
 def transformers_blocker() -> str | None:
-    """Why the installed transformers cannot run the loop, or None."""
+    """Why the installed transformers cannot run the loop, or None. Below the documented floor (transformers 4.x)
+    that is a fact of the environment; above it, a loop that is not the one mirrored here is a release grpo_plus
+    does not handle yet, which tests/test_savings_on.py fails on."""
+    gap = version_gap("zero_waste_generation")
+    if gap is not None:
+        return gap
     prepare = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
     if hasattr(GenerationMixin, "_prefill") and "next_sequence_length" in prepare:
         return None
     return (
         f"transformers {transformers.__version__} decodes with another loop than the one grpo_plus mirrors "
-        "(transformers >= 5: `_prefill` and `next_sequence_length`)"
+        "(`_prefill` and `next_sequence_length`)"
     )
 
 
-def generation_blocker(*, use_vllm: bool, continuous_batching: bool, multimodal: bool) -> str | None:
+def generation_blocker(*, use_vllm: bool, continuous_batching: bool) -> str | None:
     """Why a trainer's generation must be TRL's own, or None when `generate` here may run it."""
     if use_vllm:
         return "vLLM generates (its prefix caching is vLLM's)"
     if continuous_batching:
         return "continuous batching generates (use_transformers_continuous_batching=True)"
-    if multimodal:
-        return "the prompts have images or other multimodal inputs"
     return transformers_blocker()
 
 
@@ -105,27 +118,30 @@ def processes_in_lockstep(model) -> bool:
     return (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)) and world_size > 1
 
 
-def generate(model, turns: TurnCache | None = None, **generate_kwargs) -> tuple[torch.Tensor, GenerationStats]:
+def generate(
+    model, turns: TurnCache | None = None, num_images: list[int] | None = None, **generate_kwargs
+) -> tuple[torch.Tensor, GenerationStats]:
     """`model.generate(**generate_kwargs)` (ids only) with shared prefills and finished rows out of the decode batch.
 
     Returns the sequences `model.generate` returns and what was computed; where the loop does not apply,
     `model.generate` runs unchanged and `stats.fallback` says why. With `turns`, the call keeps every row's cache
-    there and starts from what an earlier call kept (grpo_plus.multi_turn).
+    there and starts from what an earlier call kept (grpo_plus.multi_turn). `num_images`: each row's number of images
+    (a VLM's `pixel_values` and co. in `generate_kwargs` hold them all, in row order).
     """
-    return _generate(model, model.generate, generate_kwargs, turns)
+    return _generate(model, model.generate, generate_kwargs, turns, num_images)
 
 
 @contextlib.contextmanager
-def generate_patched(model, on_call, turns: TurnCache | None = None):
-    """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given);
-    `on_call(stats)` sees every call's stats."""
+def generate_patched(model, on_call, turns: TurnCache | None = None, num_images: list[int] | None = None):
+    """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given; `num_images`:
+    see `generate`); `on_call(stats)` sees every call's stats."""
     previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
     model_generate = model.generate
 
     def patched(*args, **kwargs):
         if args:
             kwargs["inputs"] = args[0]
-        sequences, stats = _generate(model, model_generate, kwargs, turns)
+        sequences, stats = _generate(model, model_generate, kwargs, turns, num_images)
         on_call(stats)
         return sequences
 
@@ -139,7 +155,9 @@ def generate_patched(model, on_call, turns: TurnCache | None = None):
             model.generate = previous
 
 
-def _generate(model, model_generate, generate_kwargs: dict, turns=None) -> tuple[torch.Tensor, GenerationStats]:
+def _generate(
+    model, model_generate, generate_kwargs: dict, turns=None, num_images=None
+) -> tuple[torch.Tensor, GenerationStats]:
     stats = GenerationStats()
     reason = transformers_blocker()
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the model
@@ -152,19 +170,44 @@ def _generate(model, model_generate, generate_kwargs: dict, turns=None) -> tuple
         reason = dropout_blocker(model)  # one prefill per prompt and a smaller decode batch draw other masks
     if reason is None and processes_in_lockstep(model):
         reason = "DeepSpeed ZeRO-3 / FSDP over several processes keeps every process's forwards in lock-step"
+    images = None
+    if reason is None:
+        images = generate_images(generate_kwargs, num_images)
+        reason = images if isinstance(images, str) else None
     if reason is None:
 
         def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
             return _decode(
-                model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns
-            )
+                model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns,
+                images,
+            )  # fmt: skip
 
+        # transformers' generate encodes every row's pixels before the decoding loop; without them, it leaves that to
+        # the loop's prefill, which gets the distinct prompts' images only.
+        kwargs = {name: value for name, value in generate_kwargs.items() if name not in HELD_BACK}
         try:
-            return model_generate(**generate_kwargs, custom_generate=decode), stats
+            return model_generate(**kwargs, custom_generate=decode), stats
         except _NotApplicable as error:
             reason = str(error)
     stats.fallback = reason
     return model_generate(**generate_kwargs), stats
+
+
+# What generate's setup would encode before the loop (`_prepare_multimodal_encoder_kwargs_for_generation`).
+HELD_BACK = ("pixel_values",)
+
+
+def generate_images(generate_kwargs: dict, num_images: list[int] | None) -> RowImages | str | None:
+    """The image inputs of a `generate` call, by row (None without images; a string: why rows cannot be told apart)."""
+    inputs = {name: generate_kwargs[name] for name in IMAGE_KEYS if generate_kwargs.get(name) is not None}
+    if not inputs:
+        return None
+    input_ids = generate_kwargs.get("input_ids", generate_kwargs.get("inputs"))
+    if input_ids is None:
+        return "generate got images without input_ids"
+    if (reason := image_prompts_blocker()) is not None:
+        return reason
+    return RowImages.from_inputs({**inputs, "num_images": num_images}, input_ids.shape[0])
 
 
 def _decode_blocker(model, generation_config, model_kwargs) -> str | None:
@@ -185,7 +228,8 @@ def _decode_blocker(model, generation_config, model_kwargs) -> str | None:
         return f"generate was asked for {', '.join(asked)}"
     if getattr(generation_config, "is_assistant", False):
         return "the model is an assistant model"
-    others = sorted(k for k, v in model_kwargs.items() if v is not None and k not in ROW_INPUTS + SHARED_INPUTS)
+    handled = ROW_INPUTS + SHARED_INPUTS + IMAGE_KEYS
+    others = sorted(k for k, v in model_kwargs.items() if v is not None and k not in handled)
     if others:
         return f"generate passes model inputs {', '.join(others)}, which are not split by row here"
     if not model_kwargs.get("use_cache"):
@@ -199,9 +243,14 @@ def _decode_blocker(model, generation_config, model_kwargs) -> str | None:
     return None
 
 
-def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each distinct prompt, in order of appearance; (B,) index of each row's prompt in that list)."""
+def distinct_rows(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, row_keys: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt, in order of appearance; (B,) index of each row's prompt in that list).
+    Rows are one prompt if their ids, mask and `row_keys` (B,) entries (e.g. which images they have) are equal."""
     key = input_ids if attention_mask is None else torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    if row_keys is not None:
+        key = torch.cat([key, row_keys.to(key.device, key.dtype).unsqueeze(1)], dim=1)
     _, inverse = torch.unique(key, dim=0, return_inverse=True)
     rows = torch.arange(len(inverse), device=inverse.device)
     first = torch.full((int(inverse.max()) + 1,), len(inverse), device=inverse.device)
@@ -212,29 +261,42 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) 
     return first[order], rank[inverse]
 
 
-def select_rows(model_kwargs: dict, index: torch.Tensor) -> dict:
-    """The model inputs of rows `index` (repeats allowed): row tensors indexed, the cache's rows copied."""
-    selected = dict(model_kwargs)
+def select_rows(model_kwargs: dict, index: torch.Tensor, images: RowImages | None = None) -> dict:
+    """The model inputs of rows `index` (repeats allowed): row tensors indexed, the cache's rows copied, the image
+    inputs those of the rows' images (`images`), or none (without `images`: the decode steps, which transformers runs
+    without pixels)."""
+    selected = {name: value for name, value in model_kwargs.items() if name not in IMAGE_KEYS}
     for name in ROW_INPUTS:
-        if selected.get(name) is not None:
-            selected[name] = selected[name][index]
+        value = selected.get(name)
+        if value is not None:
+            selected[name] = value[:, index] if value.dim() == 3 and name == "position_ids" else value[index]
+    if images is not None:
+        selected.update(images.model_inputs(index))
     cache = selected.get(CACHE_INPUT)
     if cache is not None and cache.get_seq_length() > 0:
         cache.batch_select_indices(index)
     return selected
 
 
-def _decode(model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns):
+def _decode(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns, images
+):
     """transformers' `_sample` loop with one prefill per distinct prompt and only unfinished rows in the forwards;
-    with `turns`, the prefill starts from the columns an earlier call kept, and every row's cache is kept."""
+    with `turns`, the prefill starts from the columns an earlier call kept, and every row's cache is kept. `images`:
+    every row's image inputs (held back from generate's own encoding), or None."""
+    if not model_kwargs.get("mm_encoder_outputs"):  # generate found no pixels to encode (held back, or none)
+        model_kwargs.pop("mm_encoder_outputs", None)
     reason = _decode_blocker(model, generation_config, model_kwargs)
     if reason is not None:
         raise _NotApplicable(reason)
     batch_size, prompt_width = input_ids.shape
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
 
-    prompts, prompt_of_row = distinct_rows(input_ids, model_kwargs.get("attention_mask"))
-    prompt_kwargs = select_rows(model_kwargs, prompts)
+    if images is not None and turns is not None:  # a kept cache holds image features the next turn cannot re-match
+        stats.turns_blocker, turns = "the prompts have images", None
+    row_keys = None if images is None else images.row_keys()
+    prompts, prompt_of_row = distinct_rows(input_ids, model_kwargs.get("attention_mask"), row_keys)
+    prompt_kwargs = select_rows(model_kwargs, prompts, images)
     reused = 0
     if turns is not None and _restorable(prompt_kwargs, generation_config, prompt_width):
         reused = turns.restore(prompt_kwargs[CACHE_INPUT], input_ids[prompts], prompt_kwargs.get("attention_mask"))
@@ -244,12 +306,16 @@ def _decode(model, input_ids, logits_processor, stopping_criteria, generation_co
     del outputs
     if turns is not None:
         stats.turns_blocker = keep_blocker(prompt_kwargs[CACHE_INPUT])
+    if images is not None:
+        stats.images += images.image_count(prompts)
+        stats.full_images += images.image_count()
     stats.prefill_positions += len(prompts) * (prompt_width - reused)
     stats.full_prefill_positions += batch_size * prompt_width
     stats.positions += len(prompts) * (prompt_width - reused)
     stats.full_positions += batch_size * prompt_width
-    model_kwargs = prompt_kwargs  # every prompt distinct: `prompts` is every row, in order
-    if len(prompts) < batch_size:
+    # The decode steps run without image inputs, as transformers' own do (it passes them to the prefill only).
+    model_kwargs = {name: value for name, value in prompt_kwargs.items() if name not in IMAGE_KEYS}
+    if len(prompts) < batch_size:  # else every prompt is distinct: `prompts` is every row, in order
         model_kwargs, logits = select_rows(prompt_kwargs, prompt_of_row), logits[prompt_of_row]
 
     unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)

@@ -91,11 +91,13 @@ def row_skip_blocker(
     return None
 
 
-def shared_prompt_blocker(config, attn_implementation: str | None, sequence_length: int) -> str | None:
-    """Why a model cannot take the shared-prompt forward, or None when it can."""
+def shared_prompt_blocker(
+    config, attn_implementation: str | None, sequence_length: int, families: Sequence[str] = SHARED_PROMPT_FAMILIES
+) -> str | None:
+    """Why a (language) model cannot take the shared-prompt forward, or None when it can."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in SHARED_PROMPT_FAMILIES:
-        return f"model_type={model_type!r} is not one of the checked families {', '.join(SHARED_PROMPT_FAMILIES)}"
+    if model_type not in families:
+        return f"model_type={model_type!r} is not one of the checked families {', '.join(families)}"
     if attn_implementation not in SHARED_PROMPT_ATTENTION:
         return (
             f"attn_implementation={attn_implementation!r} does not take a custom block mask "
@@ -123,6 +125,10 @@ class PackedBatch:
     # Every pack is one row's tokens without a gap, then padding: causal attention alone is TRL's masked attention for
     # every real position (the padding comes after them), so the forward needs no mask at all.
     mask_free: bool = False
+    # (n, L) each: the (row, column) of TRL's `cat(prompt, completion)` layout each position repeats (padding repeats
+    # its pack's last position); models whose positions are not column indices (M-RoPE) read theirs from there.
+    origin: tuple[torch.Tensor, torch.Tensor] | None = None
+    prompt_rows: torch.Tensor | None = None  # (n,): the row whose prompt (and images) each pack carries
 
     @property
     def positions(self) -> int:
@@ -152,9 +158,14 @@ def plan_packs(prefix_length: int, completion_lengths: Sequence[int], hidden_siz
     return packs
 
 
-def group_rows_by_prompt(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Rows with identical prompts (same tokens at the same attended columns), in order of first appearance."""
+def group_rows_by_prompt(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_keys: torch.Tensor | None = None
+) -> list[list[int]]:
+    """Rows with identical prompts (same tokens at the same attended columns, and the same `row_keys` entry, e.g. the
+    same images), in order of first appearance."""
     keys = prompt_ids.masked_fill(prompt_mask == 0, -1)
+    if row_keys is not None:
+        keys = torch.cat([keys, row_keys.to(keys.dtype).unsqueeze(1)], dim=1)
     _, inverse = torch.unique(keys, dim=0, return_inverse=True)
     groups: dict[int, list[int]] = {}
     for row, key in enumerate(inverse.tolist()):
@@ -169,11 +180,15 @@ def pack_shared_prompts(
     completion_mask: torch.Tensor,
     hidden_size: int,
     pad_token_id: int = 0,
+    row_keys: torch.Tensor | None = None,
+    prompt_blocks: torch.Tensor | None = None,
 ) -> PackedBatch:
     """Pack every row of a (left-padded prompt, right-padded completion) batch, one prompt copy per pack.
 
     Needs every prompt's last column attended (left padding). Position ids are column indices of TRL's
-    `cat(prompt, completion)` layout, which is what TRL's forward uses when it passes none.
+    `cat(prompt, completion)` layout, which is what TRL's forward uses when it passes none. Rows share a pack only if
+    their `row_keys` (B,) entries are equal too (a VLM's rows: the same images). `prompt_blocks` (B, prompt width):
+    an id per prompt column, -1 or a block whose positions attend each other both ways (Gemma 3's image tokens).
     """
     completion_mask_cpu = completion_mask.detach().cpu()
     prompt_mask_cpu = prompt_mask.detach().cpu()
@@ -183,19 +198,23 @@ def pack_shared_prompts(
     ends = torch.where(attended, torch.arange(1, attended.shape[1] + 1), 0)
     lengths = ends.amax(dim=1).tolist() if ends.shape[1] else [0] * ends.shape[0]
 
+    keys_cpu = None if row_keys is None else row_keys.detach().cpu()
+    blocks_cpu = None if prompt_blocks is None else prompt_blocks.detach().cpu()
     packs: list[_Pack] = []
-    for rows in group_rows_by_prompt(prompt_ids_cpu, prompt_mask_cpu):
+    for rows in group_rows_by_prompt(prompt_ids_cpu, prompt_mask_cpu, keys_cpu):
         rows = [r for r in rows if lengths[r] > 0]  # nothing scored, nothing to compute (TRL returns zeros)
         if not rows:
             continue
         prefix_columns = prompt_mask_cpu[rows[0], :-1].nonzero().squeeze(1)
         for pack_rows in plan_packs(len(prefix_columns), [lengths[r] for r in rows], hidden_size):
-            pack = _Pack()
-            pack.add_prefix(prompt_ids_cpu[rows[pack_rows[0]], prefix_columns], prefix_columns)
+            prompt_row = rows[pack_rows[0]]
+            pack = _Pack(prompt_row=prompt_row)
+            prompt_blocks_row = None if blocks_cpu is None else blocks_cpu[prompt_row, prefix_columns]
+            pack.add_prefix(prompt_ids_cpu[prompt_row, prefix_columns], prefix_columns, prompt_blocks_row)
             pack_completions(pack, torch.tensor([rows[i] for i in pack_rows]), lengths, prompt_ids_cpu,
                              completion_ids_cpu, attended)  # fmt: skip
             packs.append(pack)
-    return _stack_packs(packs, pad_token_id, prompt_ids.device)
+    return _stack_packs(packs, pad_token_id, prompt_ids.device, bidirectional_blocks=blocks_cpu is not None)
 
 
 def pack_completions(pack: _Pack, rows: torch.Tensor, lengths: list[int], prompt_ids: torch.Tensor,
@@ -220,6 +239,8 @@ def pack_completions(pack: _Pack, rows: torch.Tensor, lengths: list[int], prompt
     pack.targets.append(targets[inside])
     pack.destination_rows.append(rows[scored_rows])
     pack.destination_columns.append(scored_columns)
+    pack.origin_rows.append(rows.unsqueeze(1).expand(-1, width)[inside])
+    pack.blocks.append(torch.full((int(inside.sum()),), -1))  # completions attend causally
     pack.completions += len(rows)
 
 
@@ -234,26 +255,35 @@ class _Pack:
     targets: list[torch.Tensor] = field(default_factory=list)  # the token each position predicts, or IGNORE_INDEX
     destination_rows: list[torch.Tensor] = field(default_factory=list)  # TRL row of each scored position
     destination_columns: list[torch.Tensor] = field(default_factory=list)  # TRL completion column of each
+    origin_rows: list[torch.Tensor] = field(default_factory=list)  # TRL row each position repeats (its column: the id)
+    blocks: list[torch.Tensor] = field(default_factory=list)  # bidirectional block of each position, -1 for none
+    prompt_row: int = 0
     completions: int = 0  # completion segments in the pack
 
-    def add_prefix(self, token_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        """The shared prompt: every position attended, none scored."""
+    def add_prefix(self, token_ids: torch.Tensor, position_ids: torch.Tensor, blocks: torch.Tensor | None) -> None:
+        """The shared prompt (of TRL row `prompt_row`): every position attended, none scored; `blocks` its
+        positions' bidirectional blocks, None for none."""
         self.token_ids.append(token_ids)
         self.position_ids.append(position_ids)
         self.segments.append(torch.full((len(token_ids),), _PREFIX))
         self.attended.append(torch.ones(len(token_ids), dtype=torch.bool))
         self.targets.append(torch.full((len(token_ids),), IGNORE_INDEX))
+        self.origin_rows.append(torch.full((len(token_ids),), self.prompt_row))
+        self.blocks.append(torch.full((len(token_ids),), -1) if blocks is None else blocks)
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self.token_ids)
 
 
-def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
+def _stack_packs(packs: list[_Pack], pad_token_id: int, device, bidirectional_blocks: bool = False) -> PackedBatch:
     width = max((len(p) for p in packs), default=0)
     n = len(packs)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     position_ids = torch.zeros((n, width), dtype=torch.long)
+    origin_rows = torch.zeros((n, width), dtype=torch.long)
+    origin_columns = torch.zeros((n, width), dtype=torch.long)
     segments = torch.full((n, width), _PADDING, dtype=torch.long)
+    blocks = torch.full((n, width), -1, dtype=torch.long)
     valid = torch.zeros((n, width), dtype=torch.bool)
     targets = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
     source_pack, source_position, destination_row, destination_col = [], [], [], []
@@ -261,9 +291,16 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         length = len(pack)
         input_ids[index, :length] = torch.cat(pack.token_ids)
         position_ids[index, :length] = torch.cat(pack.position_ids)
+        origin_columns[index, :length] = position_ids[index, :length]
+        origin_rows[index, :length] = torch.cat(pack.origin_rows)
+        origin_rows[index, length:], origin_columns[index, length:] = (
+            origin_rows[index, length - 1],
+            origin_columns[index, length - 1],
+        )
         # Padding continues the positions: to transformers, a position that restarts would mark a packed sequence.
         position_ids[index, length:] = position_ids[index, length - 1] + 1 + torch.arange(width - length)
         segments[index, :length] = torch.cat(pack.segments)
+        blocks[index, :length] = torch.cat(pack.blocks)
         valid[index, :length] = torch.cat(pack.attended)
         pack_targets = torch.cat(pack.targets)
         targets[index, :length] = pack_targets
@@ -273,8 +310,8 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         destination_row.append(torch.cat(pack.destination_rows))
         destination_col.append(torch.cat(pack.destination_columns))
     shares_prompts = any(pack.completions > 1 for pack in packs)  # the prefix and 2+ completion segments
-    mask_free = not shares_prompts and bool((valid | (segments == _PADDING)).all())
-    block_mask = None if mask_free else block_attention_mask(segments, valid).to(device)
+    mask_free = not shares_prompts and not bidirectional_blocks and bool((valid | (segments == _PADDING)).all())
+    block_mask = None if mask_free else block_attention_mask(segments, valid, blocks).to(device)
 
     def flat(parts: list[torch.Tensor]) -> torch.Tensor:
         return (torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)).to(device)
@@ -288,17 +325,26 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device) -> PackedBatch:
         destination=(flat(destination_row), flat(destination_col)),
         shares_prompts=shares_prompts,
         mask_free=mask_free,
+        origin=(origin_rows.to(device), origin_columns.to(device)),
+        prompt_rows=torch.tensor([pack.prompt_row for pack in packs], dtype=torch.long, device=device),
     )
 
 
-def block_attention_mask(segments: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def block_attention_mask(
+    segments: torch.Tensor, valid: torch.Tensor, blocks: torch.Tensor | None = None
+) -> torch.Tensor:
     """(n, 1, L, L) bool: causal, a segment sees the prefix and itself, only attended keys; padding sees itself.
 
     `segments` holds -1 for prefix positions, k for completion segment k, -2 for padding; `valid` marks keys TRL's
-    2D attention mask attends (a masked token inside a completion stays invisible, as in TRL's forward).
+    2D attention mask attends (a masked token inside a completion stays invisible, as in TRL's forward). `blocks`
+    (n, L), -1 or a block id: positions of one block also see the later positions of their block (Gemma 3's
+    bidirectional attention inside an image, transformers' `block_sequence_ids`).
     """
     width = segments.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool).tril()
+    if blocks is not None:
+        same_block = (blocks.unsqueeze(2) == blocks.unsqueeze(1)) & (blocks.unsqueeze(2) >= 0)
+        causal = causal | same_block
     query, key = segments.unsqueeze(2), segments.unsqueeze(1)
     visible = (key == query) | (key == _PREFIX)
     mask = causal & visible & valid.unsqueeze(1) & (query != _PADDING)
@@ -358,7 +404,10 @@ def dropout_blocker(model: torch.nn.Module) -> str | None:
     return None
 
 
-Forward = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
+# forward(input_ids, attention_mask, logits_to_keep, rows=..., columns=...): `input_ids` / `attention_mask` are the
+# batch's `rows` (None: every row) and `columns` (None: every column), already cut; a forward with per-row inputs
+# besides them (a VLM's images) cuts those alike.
+Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]
 
 
 def forward_rows(
@@ -378,12 +427,14 @@ def forward_rows(
     taken at the `bridge` columns of the first row, times zero.
     """
     if live is None or bool(live.all()):
-        return forward(input_ids, attention_mask, width)
+        return forward(input_ids, attention_mask, width, rows=None, columns=None)
     rows = live.nonzero().squeeze(1)
     if rows.numel() == 0:
-        anchor, _, _ = forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+        first = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+        ids = input_ids[:1, bridge]
+        anchor, _, _ = forward(ids, torch.ones_like(ids), 1, rows=first, columns=bridge)
         return fill + 0.0 * anchor.sum(), torch.zeros_like(fill), None
-    logps, entropies, _ = forward(input_ids[rows], attention_mask[rows], width)
+    logps, entropies, _ = forward(input_ids[rows], attention_mask[rows], width, rows=rows, columns=None)
     no_entropy = torch.zeros_like(fill)
     entropies = None if entropies is None else scatter_rows(entropies, rows, no_entropy)
     return scatter_rows(logps, rows, fill), entropies, None
@@ -407,9 +458,13 @@ def fill_skipped_entropies(
     skipped = (~live).nonzero().squeeze(1)
     with torch.no_grad():
         if skipped.numel() == 0:
-            forward(input_ids[:1, bridge], torch.ones_like(input_ids[:1, bridge]), 1)
+            first = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+            ids = input_ids[:1, bridge]
+            forward(ids, torch.ones_like(ids), 1, rows=first, columns=bridge)
             return entropies
-        _, skipped_entropies, _ = forward(input_ids[skipped], attention_mask[skipped], width)
+        _, skipped_entropies, _ = forward(
+            input_ids[skipped], attention_mask[skipped], width, rows=skipped, columns=None
+        )
     return scatter_rows(skipped_entropies, skipped, entropies)
 
 
@@ -423,6 +478,8 @@ def shared_prompt_logps(
     pad_token_id: int,
     unshared_positions: int | None = None,
     mask_free: bool = True,
+    row_keys: torch.Tensor | None = None,
+    prompt_blocks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None where packing
     does not pay: a chunk has no token to score, or the packs, padded to the widest, hold at least the
@@ -437,7 +494,8 @@ def shared_prompt_logps(
     caller runs the per-row forward, which makes the same number of model calls.
 
     `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
-    entropies or None). Chunks are TRL's (`row_chunks`), one model call each.
+    entropies or None); the chunk's `origin` and `prompt_rows` index the rows of `input_ids`. Chunks are TRL's
+    (`row_chunks`), one model call each. `row_keys`, `prompt_blocks`: see `pack_shared_prompts`.
     """
     prompt_width = input_ids.shape[1] - logits_to_keep
     prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
@@ -448,9 +506,13 @@ def shared_prompt_logps(
         batch = pack_shared_prompts(
             prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index],
             hidden_size, pad_token_id,
+            row_keys=None if row_keys is None else row_keys[index],
+            prompt_blocks=None if prompt_blocks is None else prompt_blocks[index],
         )  # fmt: skip
         if batch.input_ids.numel() == 0:
             return None
+        batch.origin = (index[batch.origin[0]], batch.origin[1])  # the chunk's rows, as rows of the whole batch
+        batch.prompt_rows = index[batch.prompt_rows]
         batches.append((index, batch))
     if not any(batch.shares_prompts for _, batch in batches):
         scored_width = prompt_width + completion_width(completion_mask)

@@ -54,6 +54,7 @@ from .trl_compat import (
 )
 from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .validation import check_dataset, guard_reward_funcs
+from .vllm_sync import reload_on_sync, sleep_mode_blocker
 from .zero_waste import ZeroWastePass
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         check_trl_compatibility()  # an untested TRL warns; a changed private method fails here, not mid-training
         if args is not None:
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
+            if (reason := sleep_mode_blocker(args)) is not None:  # before TRL loads the model and starts vLLM
+                raise ValueError(reason)
         super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
+        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, on every build (vllm_sync)
+            reload_on_sync(self.vllm_generation)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
@@ -298,23 +303,20 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
-        the previous turn did not compute) and decoding only unfinished rows (grpo_plus.generation) where that
-        samples what transformers' own loop samples."""
+        the previous turn did not compute; image prompts: each image encoded once) and decoding only unfinished rows
+        (grpo_plus.generation) where that samples what transformers' own loop samples."""
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
         if not self.plus.zero_waste_generation:
             return trl_generation(*args, **kwargs)
-        reason = generation_blocker(
-            use_vllm=self.use_vllm,
-            continuous_batching=uses_continuous_batching(self),
-            multimodal=bool(multimodal_fields) or any(image is not None for image in images or ()),
-        )
+        reason = generation_blocker(use_vllm=self.use_vllm, continuous_batching=uses_continuous_batching(self))
         if reason is not None:
             self._zero_waste.note_fallback("generation", reason)
             return trl_generation(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model_wrapped)
         metrics = self._metrics["train" if self.model.training else "eval"]
-        with generate_patched(model, functools.partial(self._zero_waste.record_generation, metrics=metrics),
-                              self._turn_cache):  # fmt: skip
+        num_images = None if images is None else [len(row) if row else 0 for row in images]
+        record = functools.partial(self._zero_waste.record_generation, metrics=metrics)
+        with generate_patched(model, record, self._turn_cache, num_images):
             return trl_generation(*args, **kwargs)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste) -----------------------------------------------------------------
@@ -338,7 +340,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             batch_size=batch_size,
             compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss,
-            **model_inputs,
         )
         return self._zero_waste.logps_and_entropies(
             full, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,

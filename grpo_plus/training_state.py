@@ -140,7 +140,9 @@ class GenerationBuffer:
         self.steps_per_generation = trainer.args.steps_per_generation
         self.generate_every = trainer.args.steps_per_generation * trainer.num_iterations
         self.gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
-        self.uses_vllm = bool(getattr(trainer, "use_vllm", False))
+        # A vLLM server samples with its own process's random state, which no checkpoint holds; a colocated engine
+        # samples with the training process's torch random state, which the checkpoint restores (tests/vllm_engine).
+        self.uses_vllm_server = bool(getattr(trainer, "use_vllm", False)) and trainer.args.vllm_mode == "server"
 
     def state_dict(self) -> dict[str, Any]:
         buffered = self.trainer._buffered_inputs
@@ -378,10 +380,10 @@ class TrainingState(TrainerCallback):
             logger.warning("%s holds state for '%s', which this run does not use: ignored.", checkpoint, name)
         missing = [part for part in parts if part.checkpoint_name not in states]
         buffer = next((p for p in parts if isinstance(p, GenerationBuffer)), None)
-        if buffer is not None and buffer.uses_vllm:
+        if buffer is not None and buffer.uses_vllm_server:
             logger.warning(
-                "Resuming from %s with vLLM generation: the rest of the saved generation batch trains exactly, but "
-                "the batches generated after it differ from the uninterrupted run's, because vLLM's sampling random "
+                "Resuming from %s with a vLLM server: the rest of the saved generation batch trains exactly, but "
+                "the batches generated after it differ from the uninterrupted run's, because the server's sampling random "
                 "state lives inside its engine (seeded once when it starts) and cannot be saved or restored.",
                 checkpoint,
             )

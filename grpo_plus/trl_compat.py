@@ -47,6 +47,8 @@ __all__ = [
     "environment_routing",
     "fused_lm_head_forward",
     "cache_argument_name",
+    "colocate_weight_stream_name",
+    "colocated_model_runner",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
@@ -54,6 +56,9 @@ __all__ = [
     "is_tested_trl_version",
     "logps_unavailable_reason",
     "uses_continuous_batching",
+    "SAVING_VERSION_FLOORS",
+    "VersionFloor",
+    "version_gap",
     "nanmax",
     "nanmin",
     "policy_weights",
@@ -111,6 +116,62 @@ FORWARD_INPUT_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
+
+
+# ---- Which savings the installed versions allow: what the docs promise ------------------------------------------
+@dataclass(frozen=True)
+class VersionFloor:
+    """A saving the docs (Tested versions) say is on from `package` >= `minimum` on, and off below it, `because`.
+
+    Above the floor a saving that stands aside is a defect, not a fact of the environment: the tests decide what
+    to expect from these floors alone (`version_gap`), never from what the installed code happens to detect, so a
+    release that breaks a saving fails them instead of turning the saving off with a log line."""
+
+    saving: str
+    package: str
+    minimum: str
+    because: str
+
+    def gap(self) -> str | None:
+        """Why the installed `package` is below the floor, or None when the saving must be on."""
+        from importlib.metadata import version
+
+        installed = version(self.package)
+        if Version(installed) >= Version(self.minimum):
+            return None
+        return f"{self.package} {installed} < {self.minimum}: {self.because}"
+
+
+SAVING_VERSION_FLOORS = {
+    floor.saving: floor
+    for floor in (
+        VersionFloor(
+            "zero_waste_generation", "transformers", "5.0.0",
+            "the decoding loop mirrors transformers 5's (`_prefill`, `next_sequence_length`); 4.x generates with TRL's "
+            "own loop",
+        ),
+        VersionFloor(
+            "multi_turn_cache", "transformers", "5.0.0",
+            "tool turns continue each row's cache inside zero-waste generation's decoding loop",
+        ),
+        VersionFloor(
+            "shared_prompt", "trl", "1.15.0",
+            "TRL 1.14 has no fused LM head to score the packed shared-prompt rows",
+        ),
+        VersionFloor(
+            "image_prompts", "transformers", "5.24.0",
+            "the savings on image prompts read transformers 5.24's VLM internals (Qwen-VL's `get_rope_index` with "
+            "`mm_token_type_ids`, Gemma 3's `block_sequence_ids`, generate encoding pixels before its loop); older "
+            "ones compute image prompts TRL's way",
+        ),
+    )
+}  # fmt: skip
+
+
+def version_gap(saving: str) -> str | None:
+    """Why the docs say `saving` (a key of SAVING_VERSION_FLOORS) is off with the installed versions, or None where
+    they say it is on. Savings without a floor are on with every supported version."""
+    return SAVING_VERSION_FLOORS[saving].gap()
 
 
 class UntestedTRLVersionWarning(UserWarning):
@@ -283,16 +344,19 @@ def fused_lm_head_forward(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     shift_labels: torch.Tensor,
+    **model_inputs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-position (log-prob of `shift_labels`, entropy) through TRL's fused LM head (TRL >= 1.15 patches the model
     so that `fused_lm_head=True` returns `.log_probs` / `.entropy` instead of logits; -100 labels score nothing).
-    `attention_mask` may be a 4D mask, which the checked model families take as given."""
+    `attention_mask` may be a 4D mask, which the checked model families take as given. `model_inputs`: a VLM's
+    images (`pixel_values`, ...), passed on."""
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         shift_labels=shift_labels,
         fused_lm_head=True,
+        **model_inputs,
     )
     return out.log_probs, out.entropy
 
@@ -533,3 +597,27 @@ def logps_unavailable_reason(device_type: str = "cpu") -> str | None:
             f"{device_type}; TRL 1.14 and 1.16+ run on {device_type}"
         )
     return None
+
+
+# ---- vLLM (TRL's `trl.generation.vllm_generation.VLLMGeneration`, the same in 1.14.0-1.16.0) -------------------------
+# Its colocate sync is `for name, param in self._iter_named_params(): <model runner>.model.load_weights([(name, param)])`
+# with the model runner at `llm.llm_engine.model_executor.driver_worker.model_runner` (vLLM's V1 engine in-process).
+COLOCATE_WEIGHT_STREAM = "_iter_named_params"
+
+
+def colocate_weight_stream_name() -> str:
+    """The `VLLMGeneration` method that streams (name, tensor) pairs to the colocated engine at each sync (it gathers
+    ZeRO-3 / FSDP shards and merges PEFT adapters); raises TRLCompatibilityError if this TRL has none."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    if not callable(getattr(VLLMGeneration, COLOCATE_WEIGHT_STREAM, None)):
+        raise TRLCompatibilityError(
+            f"grpo_plus cannot sync weights into vLLM with TRL {trl.__version__}: VLLMGeneration has no "
+            f"{COLOCATE_WEIGHT_STREAM}. grpo_plus works with TRL {tested_trl_versions_text()}."
+        )
+    return COLOCATE_WEIGHT_STREAM
+
+
+def colocated_model_runner(llm):
+    """The model runner of a colocated `vllm.LLM`, where TRL's colocate sync finds the model."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner

@@ -18,8 +18,17 @@ import torch
 import trl
 
 from .generation import GenerationStats
+from .multimodal import (
+    RowImages,
+    bidirectional_blocks,
+    image_prompts_blocker,
+    rope_positions,
+    shared_prompt_vlm_blocker,
+    vlm_text_families,
+)
 from .objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 from .train_pass import (
+    SHARED_PROMPT_FAMILIES,
     PackedBatch,
     additive_mask,
     completion_width,
@@ -38,6 +47,7 @@ from .trl_compat import (
     fused_lm_head_forward,
     has_fused_lm_head,
     reference_model,
+    version_gap,
 )
 
 logger = logging.getLogger(__name__)
@@ -71,6 +81,7 @@ class ZeroWastePass:
         self.exact_entropy = exact_entropy
         self._notes: set[tuple[str, str]] = set()
         self.positions = 0  # token positions the model computed since the training forward began
+        self.images = 0  # images (or tiles) the vision tower encoded since the training forward began
         self.deferring = False  # inside TRL's generation step: old/ref passes get placeholders
         self.pending: tuple[str, ...] = ()  # generation-batch keys still holding placeholders
         self.row_skip_blocker = self.find_row_skip_blocker()
@@ -89,6 +100,8 @@ class ZeroWastePass:
             self.note_fallback("each tool turn's history in generation", stats.turns_blocker)
         metrics["zero_waste/generation_positions_frac"].append(stats.positions_frac)
         metrics["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
+        if stats.full_images:
+            metrics["zero_waste/generation_images_frac"].append(stats.images / stats.full_images)
 
     def find_row_skip_blocker(self) -> str | None:
         """None when zero-advantage rows may be left out of the training forward, else why not."""
@@ -137,20 +150,24 @@ class ZeroWastePass:
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         live = None
-        multimodal = any(inputs.get(key) is not None for key in FORWARD_INPUT_KEYS)
-        if self.row_skip_blocker is None and not multimodal and self.dropout_blocker(model) is None:
+        model_inputs = {key: inputs.get(key) for key in FORWARD_INPUT_KEYS}
+        images = self.row_images(model_inputs, input_ids.shape[0], "zero-advantage rows")
+        if self.row_skip_blocker is None and not isinstance(images, tuple) and self.dropout_blocker(model) is None:
             advantages = inputs["advantages"]
             live = rows_with_gradient(advantages.reshape(advantages.shape[0], -1), mask)
         old = inputs.get("old_per_token_logps")
         fill = old.detach() if old is not None else torch.zeros(mask.shape, device=mask.device)
-        forward = functools.partial(
-            self.trainer._get_per_token_logps_and_entropies,
-            model,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=self.trainer.aux_loss_enabled,
-            **{key: inputs.get(key) for key in FORWARD_INPUT_KEYS},
-        )
-        bridge = slice(prompt_ids.size(1) - 1, prompt_ids.size(1) + 1)
+
+        def forward(ids, attention, width, rows=None, columns=None):
+            extra = model_inputs if not isinstance(images, RowImages) else images.select(rows, columns)
+            return self.trainer._get_per_token_logps_and_entropies(
+                model, ids, attention, width, compute_entropy=compute_entropy,
+                compute_aux_loss=self.trainer.aux_loss_enabled, **extra,
+            )  # fmt: skip
+
+        # The no-row anchor is a row's first positions; with images, its whole prompt (image tokens need the images).
+        first = 0 if isinstance(images, RowImages) and images.has_images else prompt_ids.size(1) - 1
+        bridge = slice(first, prompt_ids.size(1) + 1)
         width = completion_ids.size(1)
         logps, entropies, aux_loss = forward_rows(forward, input_ids, attention_mask, width, live, fill, bridge)
         every_row = live is None or bool(live.all())
@@ -161,13 +178,29 @@ class ZeroWastePass:
 
     def policy_forward(self, model, inputs: dict[str, Any], metrics: dict[str, list]) -> PolicyForward:
         """The micro-batch's training forward; logs the share of rows and token positions it computed."""
-        self.positions = 0
+        self.positions = self.images = 0
         policy = self.micro_batch_logps(model, inputs, compute_entropy=True)
         rows = 1.0 if policy.computed_rows is None else policy.computed_rows.float().mean().item()
         metrics["zero_waste/rows_computed_frac"].append(rows)
         full_positions = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
         metrics["zero_waste/positions_frac"].append(self.positions / full_positions)
+        counts = inputs.get("num_tiles") or inputs.get("num_images")
+        if counts and sum(counts):  # TRL's training forward encodes every row's images
+            metrics["zero_waste/images_frac"].append(self.images / sum(counts))
         return policy
+
+    def row_images(self, model_inputs: dict[str, Any], batch_size: int, part: str) -> RowImages | None | tuple:
+        """The batch's image inputs by row; None without any; () where their rows cannot be told apart (then `part`
+        is computed in full, and the note says why)."""
+        if all(value is None for value in model_inputs.values()):
+            return None
+        images = RowImages.from_inputs(model_inputs, batch_size)
+        if not isinstance(images, str) and images.has_images:
+            images = image_prompts_blocker() or images
+        if isinstance(images, str):
+            self.note_fallback(part, images)
+            return ()
+        return images
 
     # ---- TRL's no-grad passes -------------------------------------------------------------------------------------
     # TRL computes old / reference log-probs inside `_generate_and_score_completions`, before the rewards and before it
@@ -177,10 +210,13 @@ class ZeroWastePass:
     # every process makes one model call per micro-batch and pass (ZeRO-3 / FSDP gather weights on every call).
 
     def defers_logps(self) -> bool:
-        """Not with vLLM (its importance-sampling correction reads the old log-probs during generation) nor with
-        active dropout (masks must be drawn where TRL draws them)."""
+        """Not under vLLM's importance-sampling correction (TRL derives the sampler/trainer ratio and its
+        `sampling/*` metrics from the old log-probs during generation, before the rewards say which rows are dead:
+        there the pass still saves padding and shared prompts, every row computed), nor with active dropout (masks
+        must be drawn where TRL draws them)."""
         trainer = self.trainer
-        return self.enabled and not trainer.use_vllm and self.dropout_blocker(trainer.model) is None
+        corrects_sampler = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        return self.enabled and not corrects_sampler and self.dropout_blocker(trainer.model) is None
 
     @contextmanager
     def generation_step(self) -> Iterator[Callable[[dict[str, Any]], None]]:
@@ -230,23 +266,24 @@ class ZeroWastePass:
         model_inputs: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's log-probs (entropies, aux loss) without the padding after the completions and, where the model allows
-        it, with each shared prompt computed once. `full(input_ids, attention_mask, logits_to_keep)` is TRL's method.
+        it, with each shared prompt computed once (a VLM: each prompt's images encoded once). `full(input_ids,
+        attention_mask, logits_to_keep, **model_inputs)` is TRL's method.
         """
         if self.deferring and not torch.is_grad_enabled():
             return self.placeholder(input_ids, logits_to_keep)
-        if not self.enabled or self.dropout_blocker(model) is not None:
+        images = self.row_images(model_inputs, input_ids.shape[0], "the padding and the shared prompt")
+        if not self.enabled or self.dropout_blocker(model) is not None or isinstance(images, tuple):
             self.positions += input_ids.numel()
-            return full(input_ids, attention_mask, logits_to_keep)
-        if any(value is not None for value in model_inputs.values()):
-            self.note_fallback("the padding and the shared prompt", "the batch has multimodal inputs")
-            self.positions += input_ids.numel()
-            return full(input_ids, attention_mask, logits_to_keep)
+            self.images += sum(model_inputs.get("num_tiles") or model_inputs.get("num_images") or [])
+            return full(input_ids, attention_mask, logits_to_keep, **model_inputs)
 
         prompt_width = input_ids.shape[1] - logits_to_keep
         if self.shared_prompt:
-            reason = self.shared_prompt_blocker(model, input_ids, attention_mask, prompt_width, compute_aux_loss)
+            reason = self.shared_prompt_blocker(
+                model, input_ids, attention_mask, prompt_width, compute_aux_loss, images
+            )
             if reason is None:
-                packed = self.shared_prompt_logps(model, input_ids, attention_mask, logits_to_keep, batch_size)
+                packed = self.shared_prompt_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, images)
                 if packed is not None:
                     logps, entropies = packed
                     return logps, entropies if compute_entropy else None, None
@@ -255,19 +292,36 @@ class ZeroWastePass:
         width = completion_width(attention_mask[:, prompt_width:])
         end = prompt_width + width
         self.positions += input_ids.shape[0] * end
-        logps, entropies, aux_loss = full(input_ids[:, :end], attention_mask[:, :end], width)
+        extra = {} if images is None else images.select(None, slice(0, end))
+        self.images += 0 if images is None else images.image_count()
+        logps, entropies, aux_loss = full(input_ids[:, :end], attention_mask[:, :end], width, **extra)
         pad = functools.partial(torch.nn.functional.pad, pad=(0, logits_to_keep - width))
         return pad(logps), None if entropies is None else pad(entropies), aux_loss
 
-    def shared_prompt_blocker(self, model, input_ids, attention_mask, prompt_width, compute_aux_loss) -> str | None:
-        if not has_fused_lm_head():
-            return f"TRL {trl.__version__} has no fused LM head to score packed rows (TRL >= 1.15 has)"
+    def shared_prompt_blocker(
+        self, model, input_ids, attention_mask, prompt_width, compute_aux_loss, images: RowImages | None = None
+    ) -> str | None:
+        gap = version_gap("shared_prompt")
+        if gap is not None:
+            return gap
+        if not has_fused_lm_head():  # above the floor: a TRL release that moved its fused LM head
+            return f"TRL {trl.__version__} has no fused LM head to score packed rows"
         if compute_aux_loss:
             return "the router aux loss is taken over every row's tokens"
         if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):
             return "some prompt does not end in its last column (prompts are not left-padded)"
         config = self.trainer.accelerator.unwrap_model(model).config
-        return shared_prompt_blocker(config, getattr(config, "_attn_implementation", None), input_ids.shape[1])
+        text_config = config.get_text_config()
+        families = SHARED_PROMPT_FAMILIES
+        if text_config is config and images is not None:
+            return f"the batch has inputs {', '.join(images.inputs)} and {config.model_type!r} is a text model"
+        if text_config is not config:  # a vision-language model, with or without images in this batch
+            reason = shared_prompt_vlm_blocker(config, input_ids[:, :prompt_width])
+            if reason is not None:
+                return reason
+            families = vlm_text_families(config)
+        attention = getattr(text_config, "_attn_implementation", None)
+        return shared_prompt_blocker(text_config, attention, input_ids.shape[1], families)
 
     def mask_free_allowed(self, model) -> bool:
         """Whether rows may run without a mask: not in float32 with grouped-query heads, where transformers then asks
@@ -280,12 +334,16 @@ class ZeroWastePass:
         half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
         return half or kv_heads in (None, heads)
 
-    def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
-        """Log-probs and entropies with one prompt copy per pack; None where packing does not pay."""
+    def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, images=None):
+        """Log-probs and entropies with one prompt copy per pack (and, with `images`, each pack's prompt images
+        encoded once); None where packing does not pay."""
         prompt_width = input_ids.shape[1] - logits_to_keep
         accelerator = self.trainer.accelerator
         unwrapped = accelerator.unwrap_model(model)
-        eager = unwrapped.config._attn_implementation == "eager"
+        eager = unwrapped.config.get_text_config()._attn_implementation == "eager"
+        with_images = images is not None and images.has_images
+        positions = rope_positions(unwrapped, input_ids, attention_mask, images) if with_images else None
+        blocks = bidirectional_blocks(unwrapped.config, images) if images is not None else None
 
         def model_forward(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
             self.positions += batch.positions
@@ -293,8 +351,11 @@ class ZeroWastePass:
                 block_mask = None
             else:
                 block_mask = additive_mask(batch.block_mask, unwrapped.dtype) if eager else batch.block_mask
+            position_ids = batch.position_ids if positions is None else positions[:, batch.origin[0], batch.origin[1]]
+            extra = images.model_inputs(batch.prompt_rows) if with_images else {}
+            self.images += images.image_count(batch.prompt_rows) if with_images else 0
             with accelerator.autocast():
-                return fused_lm_head_forward(model, batch.input_ids, block_mask, batch.position_ids, batch.targets)
+                return fused_lm_head_forward(model, batch.input_ids, block_mask, position_ids, batch.targets, **extra)
 
         return shared_prompt_logps(
             model_forward,
@@ -307,4 +368,6 @@ class ZeroWastePass:
             unshared_positions=input_ids.shape[0]
             * (prompt_width + completion_width(attention_mask[:, prompt_width:])),
             mask_free=self.mask_free_allowed(unwrapped),
+            row_keys=images.row_keys().to(input_ids.device) if with_images else None,
+            prompt_blocks=None if blocks is None else blocks[:, :prompt_width],
         )

@@ -13,9 +13,8 @@ Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field i
 # notice about an optional Hub kernel out of the console (grpo_plus.quantization).
 from grpo_plus import GRPOTrainer
 from grpo_plus.app.recipe import (
-    check_before_training,
+    build_trainer,
     evaluate_held_out,
-    exit_on_bad_input,
     finish_run,
     load_data_and_rewards,
     load_tokenizer,
@@ -26,7 +25,6 @@ from grpo_plus.app.recipe import (
 # isort: split
 import torch
 from transformers import AutoModelForCausalLM
-from trl import get_peft_config
 
 
 def main(argv=None):
@@ -51,16 +49,9 @@ def main(argv=None):
 
     # 4. Train, measuring held-out accuracy before and after. The trainer is built (checking the dataset, the LoRA
     #    target modules and any checkpoint to resume from) before the evaluation, so bad input fails in seconds.
-    with exit_on_bad_input():
-        trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=training_args,
-            train_dataset=train_dataset,
-            processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
-        )
-    resume_from_checkpoint = check_before_training(trainer, training_args, model_args)
+    trainer, resume_from_checkpoint = build_trainer(
+        GRPOTrainer, model, tokenizer, reward_funcs, train_dataset, training_args, model_args
+    )
     before = evaluate_held_out(trainer.model, tokenizer, test_dataset, script_args, "before")  # LoRA B = 0: the base
     trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)  # a PEFT model saves only the adapter

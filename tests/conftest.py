@@ -75,6 +75,17 @@ def tiny_model_dir_bnb(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir_bnb(tmp_path_factory):
+    """A tiny Qwen2.5-VL (width 64, for bitsandbytes' 4-bit CPU kernels) and its processor, saved once per session."""
+    from grpo_plus.app.tiny_vlms import save_tiny_vlm
+
+    path = tmp_path_factory.mktemp("tiny-vlm-64")
+    save_tiny_vlm(path, "qwen2_5_vl", hidden_size=64)
+    with kept_unchanged(path, "the session's tiny VLM"):
+        yield str(path)
+
+
+@pytest.fixture(scope="session")
 def tool_model_dir(tmp_path_factory):
     """A tiny Qwen3 with TRL's Qwen3 chat template, trained to make tool calls, built once per session (read only)."""
     path = save_tool_model(tmp_path_factory.mktemp("tool-model"))

@@ -24,11 +24,14 @@ from transformers import (
 import grpo_plus
 from grpo_plus import generation
 from grpo_plus.generation import GenerationStats, distinct_rows, generate, generation_blocker, transformers_blocker
-from grpo_plus.trl_compat import logps_unavailable_reason
+from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
 
 # PEFT warns that it switches GPT-2's Conv1D layers to fan_in_fan_out, which is what they need.
 pytestmark = pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
-needs_loop = pytest.mark.skipif(transformers_blocker() is not None, reason=str(transformers_blocker()))
+# Where the docs say zero-waste generation is on (trl_compat.SAVING_VERSION_FLOORS), its tests run and must pass.
+needs_loop = pytest.mark.skipif(
+    version_gap("zero_waste_generation") is not None, reason=str(version_gap("zero_waste_generation"))
+)
 FAMILIES = ("llama", "qwen2", "gpt2")  # rotary positions (llama, qwen2) and learned absolute ones (gpt2)
 G, NEW_TOKENS = 4, 10
 PROMPT_LENGTHS = (9, 5, 7)  # one batch, left-padded to the longest
@@ -227,7 +230,7 @@ def test_distinct_rows_keep_the_order_of_first_appearance():
         # on transformers 4.x the loop never runs, for the last case's reason, which comes first
         pytest.param("beams", "generation mode is beam_sample", marks=needs_loop),
         pytest.param("static_cache", "cannot be copied by row", marks=needs_loop),
-        pytest.param("token_type_ids", "model inputs token_type_ids", marks=needs_loop),
+        pytest.param("unknown_input", "model inputs token_type_ids", marks=needs_loop),
         pytest.param("scores", "return_dict_in_generate", marks=needs_loop),
         pytest.param("lockstep", "DeepSpeed ZeRO-3 / FSDP", marks=needs_loop),
         # TRL generates with the model in training mode: LoRA dropout (TRL's CLI: 0.05) is active then
@@ -244,8 +247,9 @@ def test_fallbacks_run_model_generate_unchanged(case, reason, monkeypatch):
         config.num_beams = 2
     elif case == "static_cache":
         config.cache_implementation = "static"
-    elif case == "token_type_ids":  # a per-token model input besides ids and mask (multimodal models pass these)
+    elif case == "unknown_input":  # a model input the loop does not split by row (as if it knew no token types)
         kwargs["token_type_ids"] = torch.zeros_like(ids)
+        monkeypatch.setattr(generation, "ROW_INPUTS", ("attention_mask", "position_ids"))
     elif case == "scores":
         config.return_dict_in_generate, config.output_scores = True, True
     elif case == "dropout":
@@ -266,6 +270,24 @@ def test_fallbacks_run_model_generate_unchanged(case, reason, monkeypatch):
 
 
 @needs_loop
+def test_token_type_ids_are_split_by_row_like_the_mask():
+    """A per-token model input (GPT-2's token type embeddings; Gemma 3's image tokens) follows each row: the same ids as
+    model.generate, each prompt prefilled once."""
+    model, tokenizer = tiny_model("gpt2")
+    ids, mask = grouped_batch(len(tokenizer))
+    token_types = (torch.arange(ids.shape[1]) % 2).expand_as(ids).clone() * mask
+    reference, ours, stats = both(
+        model,
+        input_ids=ids,
+        attention_mask=mask,
+        token_type_ids=token_types,
+        generation_config=sampling_config(tokenizer),
+    )
+    assert stats.fallback is None and torch.equal(ours, reference)
+    assert stats.prefill_positions * G == stats.full_prefill_positions
+
+
+@needs_loop
 def test_installed_transformers_runs_the_loop():
     assert transformers_blocker() is None
 
@@ -275,11 +297,10 @@ def test_installed_transformers_runs_the_loop():
     [
         (dict(use_vllm=True), "vLLM"),
         (dict(continuous_batching=True), "continuous batching"),
-        (dict(multimodal=True), "multimodal"),
     ],
 )
 def test_generation_blocker_names_each_reason(flags, reason):
-    settings = dict(use_vllm=False, continuous_batching=False, multimodal=False) | flags
+    settings = dict(use_vllm=False, continuous_batching=False) | flags
     assert reason in generation_blocker(**settings)
 
 
@@ -362,8 +383,6 @@ def no_generation_outputs(trainer, prompt_ids):
     [
         ("use_vllm", "vLLM"),
         ("continuous_batching", "continuous batching"),
-        ("multimodal_fields", "multimodal"),
-        ("images", "multimodal"),
         ("zero_waste_generation=False", None),
     ],
 )
@@ -386,10 +405,6 @@ def test_trainer_falls_back_to_trls_generation(tmp_path, monkeypatch, caplog, se
         trainer.use_vllm = True
     elif setting == "continuous_batching":
         trainer.use_transformers_continuous_batching = True
-    elif setting == "multimodal_fields":
-        fields = {"pixel_values": torch.zeros(1, 3, 4, 4)}
-    elif setting == "images":
-        images = [["an image"]]
     prompt_ids = [[5, 6, 7]] * G
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
         for _ in range(2):
@@ -402,7 +417,7 @@ def test_trainer_falls_back_to_trls_generation(tmp_path, monkeypatch, caplog, se
         assert len(notes) == 1 and reason in notes[0], notes
 
     # control: with nothing in the way, TRL's method runs with grpo_plus's generate installed
-    if reason is not None and transformers_blocker() is None:
+    if reason is not None and version_gap("zero_waste_generation") is None:
         trainer.use_vllm = trainer.use_transformers_continuous_batching = False
         trainer._generate_single_turn(prompt_ids, None, {}, G)
         assert patched_during_trl_call[-1] is True

@@ -225,6 +225,27 @@ def test_shipped_configs_become_fit_specs_with_their_models_shapes():
         assert spec.lora["r"] == (16 if name in ("demo_cpu", "qwen2.5-7b_qlora") else 32)
 
 
+@pytest.mark.parametrize(("mode", "fraction"), [("colocate", 0.3), ("server", 0.0)])
+def test_fit_leaves_colocated_vllm_its_share_and_counts_no_generation(tmp_path, mode, fraction):
+    """With vLLM the trainer's model never generates (generation term 0); a colocated engine takes
+    vllm_gpu_memory_utilization of the card, which the training side's budget leaves out; a server is elsewhere."""
+    from pathlib import Path
+
+    from grpo_plus.app.cli import fit_spec_from_yaml
+
+    demo = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "demo_cpu.yaml"
+    config = tmp_path / "vllm.yaml"
+    config.write_text(demo.read_text() + f"\nuse_vllm: true\nvllm_mode: {mode}\nvllm_gpu_memory_utilization: 0.3\n")
+    plain, spec = (fit_spec_from_yaml(path, prompt_tokens=128) for path in (demo, config))
+    assert (plain.vllm_generates, plain.vllm_memory_fraction) == (False, 0.0)
+    assert (spec.vllm_generates, spec.vllm_memory_fraction) == (True, fraction)
+    assert fit.generation(spec) == {"prefill": 0, "decode": 0, "kv_cache_on_device": 0, "peak": 0}
+    card, reserve = 24 * fit.GIB, fit.GIB
+    assert fit.card_budget(plain, card, reserve) == 23 * fit.GIB
+    assert fit.card_budget(spec, card, reserve) == int(24 * (1 - fraction) * fit.GIB) - fit.GIB
+    assert fit.FitSpec.from_json(spec.to_json()).vllm_memory_fraction == fraction  # what the check's child reads
+
+
 @pytest.mark.parametrize("boundary", [1, 2, 37, 63, 64])
 def test_the_search_finds_the_exact_boundary_of_an_increasing_cost(boundary):
     """`largest_within` (the longest-completion and largest-G searches) returns exactly the last n whose cost fits,

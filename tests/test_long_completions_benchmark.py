@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_plus.generation import transformers_blocker
+from grpo_plus.trl_compat import version_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("generation", "scoring", "train_pass", "optimizer")
@@ -49,7 +49,7 @@ def test_long_completions_smoke_reports_paired_steps_and_trl_positions(tmp_path)
             assert trl_step["train_positions"] == rows * (prompt_width + longest)
             # the zero-waste side computed less in both (generation: where this transformers runs grpo_plus's loop),
             # and every timed part was measured
-            if transformers_blocker() is None:
+            if version_gap("zero_waste_generation") is None:
                 assert our_step["generation_positions"] < trl_step["generation_positions"]
             else:
                 assert our_step["generation_positions"] == trl_step["generation_positions"]

@@ -15,11 +15,13 @@ from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_tra
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 import grpo_plus
-from grpo_plus.generation import generate, transformers_blocker
+from grpo_plus.generation import generate
 from grpo_plus.multi_turn import KeptRow, TurnCache
-from grpo_plus.trl_compat import logps_unavailable_reason
+from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
 
-needs_loop = pytest.mark.skipif(transformers_blocker() is not None, reason=str(transformers_blocker()))
+needs_loop = pytest.mark.skipif(
+    version_gap("multi_turn_cache") is not None, reason=str(version_gap("multi_turn_cache"))
+)
 needs_training = pytest.mark.skipif(
     logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
 )

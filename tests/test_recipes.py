@@ -17,6 +17,7 @@ import grpo_plus.app.hub
 import grpo_plus.app.recipe
 from grpo_plus.app.recipe import parse_recipe_args
 from grpo_plus.checkpoints import last_complete_checkpoint
+from grpo_plus.trl_compat import version_gap
 from grpo_plus.validation import RewardFunctionError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -69,6 +70,27 @@ def test_recipe_trains_two_steps_and_writes_adapter_card_plot(request, tmp_path,
         assert expected in card, expected
     assert str(tiny_model_dir) not in card and "base_model:" not in card  # not a Hub id: no Hub metadata
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == base_folder
+    assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(version_gap("image_prompts") is not None, reason=str(version_gap("image_prompts")))
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
+def test_vlm_recipe_trains_on_pictures_and_writes_adapter_card_plot(tiny_vlm_dir_bnb, tmp_path, four_bit):
+    """recipes/grpo_vlm.py on a tiny Qwen2.5-VL (its processor built without torchvision): the count-shapes task, two
+    steps, the adapter on the language model's attention only, card and plot written."""
+    out = tmp_path / "run"
+    flags = tiny_flags(tiny_vlm_dir_bnb, out, "--task_level", "count-shapes", "--image_size", "56",
+                       "--load_in_4bit", str(four_bit).lower(), "--lora_target_modules", "q_proj", "v_proj",
+                       "--lora_dropout", "0.0")  # fmt: skip
+    load_recipe("grpo_vlm").main(flags)
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert all(entry.get("zero_waste/images_frac", 0) <= 0.25 for entry in state["log_history"] if "loss" in entry)
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(adapter["target_modules"]) == ["q_proj", "v_proj"]
+    card = (out / "README.md").read_text()
+    assert "count-shapes" in card and "image task" in card
     assert (out / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -16,13 +16,13 @@ import grpo_plus
 from grpo_plus import GRPOTrainer
 from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
 from grpo_plus.train_pass import pack_shared_prompts, rows_with_gradient
-from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
+from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
 from grpo_plus.zero_waste import ZeroWastePass
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
 # padding are skipped.
-HAS_FUSED_LM_HEAD = has_fused_lm_head()
+HAS_FUSED_LM_HEAD = version_gap("shared_prompt") is None  # what the docs promise, not what TRL is detected to have
 needs_fused_lm_head = pytest.mark.skipif(not HAS_FUSED_LM_HEAD, reason="TRL 1.14 has no fused LM head")
 # Every test here runs a training forward on CPU, which TRL 1.15 cannot do (its log-prob kernel is Triton-only).
 pytestmark = pytest.mark.skipif(
@@ -526,8 +526,9 @@ def test_prompts_that_are_not_left_padded_are_recomputed_per_row(caplog):
     assert any(reason in record.getMessage() for record in caplog.records)
 
 
-def test_multimodal_inputs_are_computed_in_full(caplog):
-    """Extra model inputs (token_type_ids, pixel_values, ...) are per row and column: nothing is cut or packed."""
+def test_per_token_inputs_on_a_text_model_are_cut_with_the_padding_but_prompts_not_shared(caplog):
+    """Extra per-token model inputs (token_type_ids) on a text model: the padding columns after the completions are
+    cut from them as from the ids; the shared prompt, which only knows what VLM families mean by them, stands aside."""
     trainer = make_trainer()
     inputs = micro_batch(trainer)
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
@@ -537,8 +538,9 @@ def test_multimodal_inputs_are_computed_in_full(caplog):
         trainer._get_per_token_logps_and_entropies(
             trainer.model, input_ids, attention_mask, COMPLETION_WIDTH, token_type_ids=torch.zeros_like(input_ids)
         )
-    assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [(tuple(input_ids.shape), 2)]
-    assert any("multimodal inputs" in record.getMessage() for record in caplog.records)
+    widest = PROMPT_WIDTH + COMPLETION_WIDTH - 2  # micro_batch leaves two padding columns after every completion
+    assert [(call["shape"], call["mask_dims"]) for call in log.calls] == [((G * GROUPS, widest), 2)]
+    assert any("token_type_ids and 'llama' is a text model" in record.getMessage() for record in caplog.records)
 
 
 def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):

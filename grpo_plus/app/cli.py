@@ -168,14 +168,17 @@ def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | 
 
 
 def _fit(args: argparse.Namespace) -> int:
-    from ..fit import GIB, fit_report, format_report
+    from ..fit import GIB, card_budget, fit_report, format_report
 
     spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts)
-    budget = int((args.memory_gib - args.reserve_gib) * GIB)
+    budget = card_budget(spec, int(args.memory_gib * GIB), int(args.reserve_gib * GIB))
+    vllm = f", {spec.vllm_memory_fraction:g} of it for colocated vLLM" if spec.vllm_memory_fraction else ""
     if budget <= 0:
-        raise ValueError(f"--memory-gib {args.memory_gib} leaves nothing after the {args.reserve_gib} GiB reserve")
+        raise ValueError(
+            f"--memory-gib {args.memory_gib} leaves nothing after the {args.reserve_gib} GiB reserve{vllm}"
+        )
     report = fit_report(spec, budget, groups=not args.no_groups)
-    print(format_report(report, f"{args.config} on a {args.memory_gib:g} GiB card"))
+    print(format_report(report, f"{args.config} on a {args.memory_gib:g} GiB card{vllm}"))
     return 0
 
 

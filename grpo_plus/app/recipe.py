@@ -23,6 +23,7 @@ from ..registry import quoted_with_hint
 from ..validation import check_dataset
 from . import tasks
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
+from .vlm import IMAGE_LEVELS, make_image_dataset
 
 if TYPE_CHECKING:
     from .plotting import BeforeAfter  # matplotlib (the plot extra) is imported only when a plot is drawn
@@ -41,7 +42,10 @@ class ScriptArguments:
 
     task_level: str = field(
         default=tasks.DEMO_LEVEL,
-        metadata={"help": f"Built-in arithmetic task level, one of: {', '.join(tasks.LEVELS)}."},
+        metadata={
+            "help": f"Built-in task level: arithmetic ({', '.join(tasks.LEVELS)}) or, for recipes/grpo_vlm.py, "
+            f"images ({', '.join(IMAGE_LEVELS)})."
+        },
     )
     task_train_size: int | None = field(default=None, metadata={"help": "Training problems (default: all, max 256)."})
     task_eval_size: int | None = field(default=None, metadata={"help": "Held-out problems (default: all, max 64)."})
@@ -63,6 +67,11 @@ class ScriptArguments:
     eval_max_new_tokens: int = field(default=24, metadata={"help": "Token budget of the held-out eval."})
     eval_batch_size: int = field(default=16, metadata={"help": "Prompts per eval generation batch."})
     merge: bool = field(default=False, metadata={"help": "Also save base + adapter merged, in output_dir/merged."})
+    image_size: int = field(default=448, metadata={"help": "Image task: side of the square pictures, in pixels."})
+    image_max_pixels: int | None = field(
+        default=None,
+        metadata={"help": "Vision-language models: most pixels an image keeps (Qwen-VL: 448 x 448 = 256 tokens)."},
+    )
 
 
 def parse_recipe_args(
@@ -245,6 +254,10 @@ def resolve_reward_funcs(names: list[str]) -> list[Callable[..., list[float]]]:
 
 def load_datasets(args: ScriptArguments):
     """(train, held-out or None): the built-in task, or the user's dataset with its 'prompt' column checked."""
+    if args.dataset_name is None and args.task_level in IMAGE_LEVELS:
+        sizes = dict(level=args.task_level, seed=args.task_seed, image_size=args.image_size)
+        train = make_image_dataset("train", size=args.task_train_size, **sizes)
+        return train, make_image_dataset("test", size=args.task_eval_size, **sizes)
     if args.dataset_name is None:
         train = tasks.make_dataset("train", args.task_level, size=args.task_train_size, seed=args.task_seed)
         test = tasks.make_dataset("test", args.task_level, size=args.task_eval_size, seed=args.task_seed)
@@ -273,6 +286,69 @@ def exit_on_bad_input(*errors: type[BaseException]) -> Iterator[None]:
         yield
     except caught as error:
         fail(str(error))
+
+
+def build_trainer(trainer_class, model, processing_class, reward_funcs, train_dataset, training_args, model_args):
+    """The recipe's `trainer_class` with a LoRA adapter as `model_args` say, built and checked (the dataset, the LoRA
+    target modules, any checkpoint to resume from) before anything long runs: bad input exits with one line.
+    Returns (trainer, the checkpoint to resume from or None)."""
+    from trl import get_peft_config
+
+    with exit_on_bad_input():
+        trainer = trainer_class(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            peft_config=get_peft_config(model_args),
+        )
+    return trainer, check_before_training(trainer, training_args, model_args)
+
+
+def four_bit_loading(model_args: ModelConfig, training_args: GRPOConfig) -> dict[str, Any]:
+    """`from_pretrained` keyword arguments for a base quantized to 4 bits (nf4 or fp4, bf16 compute on GPU), frozen,
+    as TRL's ModelConfig flags say (double quantization only with --use_bnb_nested_quant)."""
+    import os
+
+    import torch
+    from accelerate import PartialState
+    from transformers import BitsAndBytesConfig
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    on_gpu = torch.cuda.is_available() and not training_args.use_cpu
+    compute_dtype = torch.bfloat16 if on_gpu else torch.float32
+    # ZeRO-3 / FSDP shard every weight: the 4-bit ones must be stored in the other parameters' dtype, and placing the
+    # model on a device is the engine's job.
+    sharded = is_deepspeed_zero3_enabled() or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    quantization_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=model_args.bnb_4bit_quant_type,  # nf4 unless --bnb_4bit_quant_type fp4
+        bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_quant_storage=model_args.bnb_4bit_quant_storage or (compute_dtype if sharded else "uint8"),
+    )
+    return dict(
+        dtype=compute_dtype,
+        quantization_config=quantization_config,
+        device_map={"": PartialState().local_process_index} if on_gpu and not sharded else None,  # a GPU per rank
+    )
+
+
+def prepare_four_bit(model, training_args: GRPOConfig):
+    """A 4-bit base made trainable through: norms in fp32, inputs requiring grads (so gradient checkpointing works
+    through the frozen base), and on CPU the 4-bit weights kept in a layout that backpropagates."""
+    from peft import prepare_model_for_kbit_training
+
+    from ..quantization import keep_4bit_trainable_on_cpu
+
+    model = prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=training_args.gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+    keep_4bit_trainable_on_cpu(model)  # CPU only: stops bitsandbytes repacking 4-bit weights into a no-grad layout
+    return model
 
 
 def check_before_training(trainer, training_args: GRPOConfig, model_args: ModelConfig) -> str | None:
@@ -339,6 +415,13 @@ def task_description(args: ScriptArguments) -> dict[str, Any] | str:
     """What the model card says the run trained on."""
     if args.dataset_name is not None:
         return f"dataset {args.dataset_name} (train split {args.dataset_train_split!r}), rewards {args.reward_funcs}"
+    if args.task_level in IMAGE_LEVELS:
+        return {
+            "name": "grpo_plus built-in image task",
+            "level": args.task_level,
+            "instruction": tasks.INSTRUCTION,
+            "rewards": ", ".join(args.reward_funcs),
+        }
     return {
         "name": "grpo_plus built-in arithmetic word problems",
         "level": args.task_level,

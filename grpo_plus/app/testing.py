@@ -7,9 +7,12 @@ import it without editing `sys.path`.
 
 from __future__ import annotations
 
+import gc
 import math
 import string
+import time
 from collections import defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -54,9 +57,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None) -> PreTrainedTokenizerFast:
+def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None, **kwargs) -> PreTrainedTokenizerFast:
     """A tokenizer mapping each piece `pre_tokenizer` cuts to its id in `vocab` (which holds <pad>, <eos>, <bos>;
-    anything else becomes <pad>)."""
+    anything else becomes <pad>). `kwargs` go to PreTrainedTokenizerFast (e.g. `extra_special_tokens`)."""
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizer
     if decoder is not None:
@@ -69,14 +72,16 @@ def word_level_tokenizer(vocab: dict[str, int], pre_tokenizer, decoder=None) -> 
         unk_token="<pad>",
         # What causal-LM tokenizers declare; transformers 4.x would otherwise add token_type_ids, which generate rejects.
         model_input_names=["input_ids", "attention_mask"],
+        **kwargs,
     )
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with pad/eos/bos and a minimal chat template."""
+def make_tokenizer(**kwargs) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with pad/eos/bos and a minimal chat template (`kwargs`: see
+    `word_level_tokenizer`)."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + list(dict.fromkeys(CHARS)))}
     split = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tokenizer = word_level_tokenizer(vocab, split, decoders.Fuse())
+    tokenizer = word_level_tokenizer(vocab, split, decoders.Fuse(), **kwargs)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -274,3 +279,55 @@ class StandInTrainer:
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         return self._logps, self._entropies, None
+
+
+# ---- vLLM --------------------------------------------------------------------------------------------------------------
+
+
+class SharedVLLMEngine:
+    """`vllm.LLM` as TRL calls it, started once: every later call with the same arguments gets the same engine (TRL
+    starts one per trainer, 10-90 s on a CPU; tests and benchmarks build several trainers of one model). A trainer's
+    first weight sync loads its own weights, so it generates from its own model."""
+
+    def __init__(self):
+        from vllm import LLM
+
+        self._llm_class = LLM
+        self.llm = None
+        self.kwargs: dict | None = None
+        self.starts = 0
+        self.start_seconds: float | None = None  # how long the engine took to start
+
+    def __call__(self, **kwargs):
+        if self.llm is None:
+            started = time.perf_counter()
+            self.llm, self.kwargs = self._llm_class(**kwargs), kwargs
+            self.start_seconds = time.perf_counter() - started
+            self.starts += 1
+            return self.llm
+        changed = {k: (self.kwargs.get(k), v) for k, v in kwargs.items() if self.kwargs.get(k) != v}
+        assert not changed, (
+            f"a trainer asks vLLM for other engine settings than the shared engine's (was, now): {changed}"
+        )
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
+
+
+@contextmanager
+def shared_vllm_engine():
+    """Every TRL trainer built inside (colocate mode) generates with one `SharedVLLMEngine`, closed on exit."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    engine = SharedVLLMEngine()
+    original = vllm_generation.LLM
+    vllm_generation.LLM = engine
+    try:
+        yield engine
+    finally:
+        vllm_generation.LLM = original
+        engine.close()

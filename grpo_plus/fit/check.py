@@ -29,6 +29,12 @@ class FitCheckError(RuntimeError):
     """The worst step of this config does not fit the device's free memory (GRPOConfig.fit_check='error')."""
 
 
+def card_budget(spec: FitSpec, card_bytes: int, reserve_bytes: int) -> int:
+    """What the training side may use of a card of `card_bytes`: all of it but the reserve and, with colocated vLLM,
+    the engine's share (`vllm_gpu_memory_utilization` of the card's total, which vLLM sizes its KV cache to fill)."""
+    return int(card_bytes * (1 - spec.vllm_memory_fraction) - reserve_bytes)
+
+
 def device_budget(device: torch.device, reserve_gib: float = DEFAULT_RESERVE_GIB) -> tuple[int, int]:
     """(bytes the run may still use on `device`: free memory plus what tensors hold now, less the reserve;
     bytes its tensors hold now)."""
@@ -116,10 +122,19 @@ def prompt_lengths(dataset, processing_class, sample: int = 256) -> list[int]:
 def check_before_training(args, model, dataset, processing_class, device: torch.device,
                           mode: str) -> StepEstimate | None:  # fmt: skip
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory."""
+    if model.config.get_text_config() is not model.config:  # a vision-language model: its tower is not counted
+        logger.warning(
+            "grpo_plus fit check: %s is a vision-language model; the count has no vision tower or image tokens yet, "
+            "so training goes on unchecked (fit_check='off' skips this line).",
+            type(model).__name__,
+        )
+        return None
     lengths = prompt_lengths(dataset, processing_class)
     spec = FitSpec.from_args(args, model, max(lengths, default=128))
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
     budget, _ = device_budget(device)
+    if spec.vllm_memory_fraction:  # the engine, started with the trainer, holds tensors of this process: not ours
+        budget -= int(spec.vllm_memory_fraction * torch.cuda.mem_get_info(device)[1])
     return check_fit(spec, budget, str(device), mode)
 
 

@@ -433,7 +433,10 @@ class _AutocastStub:
 
 def generation(spec: FitSpec, rows: int | None = None) -> dict:
     """Generation's peak at full depth (module docstring); with an offloaded KV cache transformers keeps two layers
-    of it on the device (the one being updated and the next, prefetched) instead of all of them."""
+    of it on the device (the one being updated and the next, prefetched) instead of all of them. Nothing when vLLM
+    generates (a colocated engine's memory is its share of the card, `card_budget`)."""
+    if spec.vllm_generates:
+        return {"prefill": 0, "decode": 0, "kv_cache_on_device": 0, "peak": 0}
     points = [measure_generation(spec, layers, rows) for layers in (1, 2)]
     prefill, decode, cache = (
         first + (spec.layers - 1) * (second - first) for first, second in zip(*points, strict=True)

@@ -86,6 +86,8 @@ class FitSpec:
     # Prompts of different lengths, so the micro-batch has left padding: TRL's forward then builds a [rows, 1, S, S]
     # attention mask (and attention kernels that take one). The worst case of a dataset whose prompts differ.
     padded_prompts: bool = True
+    vllm_generates: bool = False  # use_vllm: the trainer's model never generates
+    vllm_memory_fraction: float = 0.0  # the card's share a colocated vLLM engine takes (vllm_gpu_memory_utilization)
 
     def replace(self, **changes) -> FitSpec:
         return dataclasses.replace(self, **changes)
@@ -144,6 +146,8 @@ class FitSpec:
         if lora is not None and getattr(args, "disable_dropout", False):  # TRL sets every dropout, LoRA's too, to 0
             lora = {**lora, "lora_dropout": 0.0}
         generation_kwargs = getattr(args, "generation_kwargs", None) or {}
+        vllm = bool(getattr(args, "use_vllm", False))
+        colocated = vllm and getattr(args, "vllm_mode", "colocate") == "colocate"
         return cls(
             model_config=model_config.to_dict(),
             weights_dtype=str(dtype).removeprefix("torch."),
@@ -163,6 +167,8 @@ class FitSpec:
             tiled_mlp_tokens=getattr(args, "tiled_mlp_tokens", None),
             offloaded_kv_cache=generation_kwargs.get("cache_implementation") == "offloaded",
             zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
+            vllm_generates=vllm,
+            vllm_memory_fraction=float(args.vllm_gpu_memory_utilization) if colocated else 0.0,
         )
 
 

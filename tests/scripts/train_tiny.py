@@ -62,6 +62,11 @@ class TinyArgs:
     record_batches: str | None = field(
         default=None, metadata={"help": "Write every micro-batch trained on, with its step, here (torch, per rank)."}
     )
+    vllm_logps: str | None = field(
+        default=None,
+        metadata={"help": "After training, sync the colocated vLLM engine and write the sampled tokens of the first "
+                  "prompt with the engine's and the model's log-probs here (json, per rank)."},
+    )  # fmt: skip
 
 
 def count_forwards(model) -> dict:
@@ -137,6 +142,25 @@ def record_selective_draws(trainer, path: str) -> None:
     record_draws(trainer, on_draw=write_line)
 
 
+def write_vllm_logps(trainer, tokenizer, path: str) -> None:
+    """Push the final weights into the colocated engine (collective under ZeRO-3), sample 6 tokens of the first prompt
+    and write them with the engine's and the model's log-probs."""
+    from vllm import SamplingParams
+
+    generation = trainer.vllm_generation
+    generation.sync_weights()
+    prompt = tokenizer(trainer.train_dataset[0]["prompt"])["input_ids"]
+    params = SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=0, ignore_eos=True)
+    out = generation.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    engine = [lp[t].logprob for t, lp in zip(tokens, out.logprobs, strict=True)]
+    with torch.no_grad():  # every rank calls the model once: ZeRO-3 gathers its weights collectively
+        logits = trainer.model_wrapped(torch.tensor([prompt + tokens], device=trainer.accelerator.device)).logits
+    model = logits[0, len(prompt) - 1 : -1].float().log_softmax(-1).gather(1, torch.tensor(tokens).unsqueeze(1))
+    Path(path).write_text(json.dumps({"prompt": prompt, "tokens": tokens, "engine": engine,
+                                      "model": model.squeeze(1).tolist()}))  # fmt: skip
+
+
 def main() -> None:
     parser = TrlParser((GRPOConfig, TinyArgs))
     training_args, tiny_args = parser.parse_args_and_config()
@@ -177,6 +201,8 @@ def main() -> None:
         torch.save(trained, f"{tiny_args.record_batches}.rank{trainer.accelerator.process_index}")
     if forwards is not None:
         Path(f"{tiny_args.count_forwards}.rank{trainer.accelerator.process_index}").write_text(json.dumps(forwards))
+    if tiny_args.vllm_logps:
+        write_vllm_logps(trainer, tokenizer, f"{tiny_args.vllm_logps}.rank{trainer.accelerator.process_index}")
     weights = gathered_weights(trainer) if tiny_args.dump_weights else None
     if trainer.accelerator.is_main_process:
         if tiny_args.dump_weights:

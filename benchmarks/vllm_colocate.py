@@ -1,0 +1,89 @@
+"""Whole GRPO steps with vLLM generating (colocate mode): stock TRL + vLLM against grpo_plus + vLLM, in one run.
+
+    make bench-vllm     (.venvs/vllm/bin/python benchmarks/vllm_colocate.py [--steps 10] [--warmup 2] [--threads 1])
+
+The demo config (recipes/configs/demo_cpu.yaml: SmolLM2-135M-Instruct + LoRA r=16 all-linear, one-digit sums,
+2 prompts x 8 completions of <= 20 tokens per optimizer step, dapo + clip-higher, correctness + 0.5 x format rewards)
+with `use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3` and TRL's default importance-sampling
+correction, on vLLM's CPU build (`make test-vllm`'s environment). Both trainers generate with one engine
+(`grpo_plus.app.testing.shared_vllm_engine`); each loads its own weights into it at each of its steps through vLLM's
+reload (`grpo_plus.vllm_sync`, which stock TRL gets too: its own sync cannot load on the CPU build). They train in
+lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...) with their own random state, so they sample
+the same completions from the same weights: the first step's are the same (its loss difference is printed); later
+steps part where the two runs' weights, 1e-7 apart, round to different bfloat16 values in the engine (TRL leaves
+vLLM's dtype on "auto"), so their mean completion lengths are printed to show the work stayed alike. Per optimizer step, after the warm-up steps:
+  step            on_step_begin -> on_step_end: weight sync, vLLM generation, scoring, old log-probs, training pass
+  generation      `_prepare_inputs` when it generates: sync, vLLM, scoring and TRL's no-grad old log-prob pass
+  training pass   the rest of TRL's `step_time`: forward + backward of every micro-batch
+Target (issue 33): whole step <= 0.6x stock TRL + vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from train_pass import ROOT, SIDES, demo_settings, run_steps  # noqa: E402
+
+VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+
+
+def main() -> None:
+    import statistics
+    import time
+
+    from lockstep import lockstep_arguments, start_report, write_report
+
+    from grpo_plus.app.testing import shared_vllm_engine
+    from grpo_plus.vllm_sync import reload_on_sync
+
+    json_path = ROOT / "outputs" / "bench-vllm" / "vllm.json"
+    parser = lockstep_arguments(__doc__, steps=10, repeats=0, json_path=json_path)
+    args = parser.parse_args()
+    report, started = start_report(args)
+    settings = {**demo_settings(args.steps), **VLLM_SETTINGS, "output_dir": str(ROOT / "outputs" / "bench-vllm")}
+
+    def stock_trl_reloads(trainers: dict) -> None:
+        reload_on_sync(trainers["trl"].vllm_generation)
+
+    print(f"demo config + colocated vLLM, {args.steps} lock-step optimizer steps per trainer ...", flush=True)
+    with shared_vllm_engine() as engine:
+        built = time.perf_counter()
+        result = run_steps(args.steps, args.warmup, settings=settings, prepare=stock_trl_reloads)
+        trainers = result.pop("trainers")
+        report["engine_start_seconds"] = engine.start_seconds
+        report["total_train_seconds"] = time.perf_counter() - built
+    lengths = {name: result[name]["completion_lengths"] for name in SIDES}
+    first_loss_difference = abs(result["trl"]["losses"][0] - result["ours"]["losses"][0])
+    report["demo_vllm"] = result
+    trl_side, ours = result["trl"], result["ours"]
+    mismatch = [
+        entry["sampling/sampling_logp_difference/mean"]
+        for entry in trainers["ours"].state.log_history
+        if "sampling/sampling_logp_difference/mean" in entry
+    ]
+    report["sampling_logp_difference_mean"] = mismatch
+    print(
+        "\n| demo config, colocated vLLM (median per step) | stock TRL + vLLM | grpo_plus + vLLM | ratio |\n"
+        "|---|---|---|---|\n"
+        f"| whole step (s) | {trl_side['step']:.2f} | {ours['step']:.2f} | **{ours['step'] / trl_side['step']:.2f}** |\n"
+        f"| generation + scoring + old log-probs (s) | {trl_side['generation']:.2f} | {ours['generation']:.2f} | "
+        f"{ours['generation'] / trl_side['generation']:.2f} |\n"
+        f"| training pass (s) | {trl_side['train_pass']:.2f} | {ours['train_pass']:.2f} | "
+        f"{ours['train_pass'] / trl_side['train_pass']:.2f} |\n"
+        f"| token positions in the training forward | {trl_side['positions']:.0f} | {ours['positions']:.0f} | "
+        f"{ours['positions'] / trl_side['positions']:.2f} |\n"
+        f"\nengine start {engine.start_seconds:.0f} s (once, shared); first step: mean completion length TRL "
+        f"{lengths['trl'][0]:.2f}, grpo_plus {lengths['ours'][0]:.2f}, |loss difference| {first_loss_difference:.1e}; "
+        f"over all {len(lengths['trl'])} steps mean completion length TRL {statistics.fmean(lengths['trl']):.2f}, "
+        f"grpo_plus {statistics.fmean(lengths['ours']):.2f}; dead-group share {trl_side['dead_groups']:.2f}; "
+        f"sampler/trainer log-prob difference (mean per step) {min(mismatch):.3f}-{max(mismatch):.3f}",
+        flush=True,
+    )
+    write_report(report, started, args.json)
+
+
+if __name__ == "__main__":
+    main()

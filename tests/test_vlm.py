@@ -1,0 +1,460 @@
+"""Vision-language models: TRL's VLM GRPO tests (`TestGRPOTrainerVLM` in TRL's tests/test_grpo_trainer.py), run on
+tiny local VLMs of each family TRL tests, with stock TRL and grpo_plus training to the same weights; the zero-waste
+training pass on image batches (each prompt and its images computed once per group, dead rows skipped), exact against
+TRL's own forward, with the saving counted (token positions, vision-tower patches).
+
+Runs use plain SGD in float32 (see tests/test_trainer_parity.py for why not Adam)."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+
+import pytest
+import torch
+import trl
+from helpers.probes import max_weight_diff
+
+import grpo_plus
+from grpo_plus.app.testing import tiny_run_kwargs
+from grpo_plus.app.tiny_vlms import VLM_FAMILIES, VisionLog, image_dataset, make_vlm, save_tiny_vlm
+from grpo_plus.multimodal import RowImages
+from grpo_plus.trl_compat import FORWARD_INPUT_KEYS, has_fused_lm_head, logps_unavailable_reason, version_gap
+from grpo_plus.zero_waste import ZeroWastePass
+
+pytestmark = [
+    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
+    # The tiny VLMs' processors are transformers 5's PIL ones, and the savings' floor is 5.24 (docs/guide/versions.md).
+    pytest.mark.skipif(version_gap("image_prompts") is not None, reason=str(version_gap("image_prompts"))),
+]
+needs_fused_lm_head = pytest.mark.skipif(not has_fused_lm_head(), reason="TRL 1.14 has no fused LM head")
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch):
+    """Trainers here write to relative output dirs (completions logs, checkpoints): keep them out of the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
+def distinct_characters_reward(completions, **kwargs):
+    """TRL's VLM tests reward the completion's length; a random tiny model rarely ends a completion early, so every
+    group would tie. Distinct characters vary within a group: most groups train, some tie (dead rows)."""
+    return [float(len(set(completion[0]["content"]))) for completion in completions]
+
+
+class GradientLog:
+    """Which trainable parameters ever received a non-zero gradient."""
+
+    def __init__(self, model):
+        self.nonzero: dict[str, bool] = {}
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                self.nonzero[name] = False
+                param.register_post_accumulate_grad_hook(self._hook(name))
+
+    def _hook(self, name):
+        def record(param):
+            self.nonzero[name] |= bool(param.grad is not None and param.grad.abs().max() > 0)
+
+        return record
+
+
+_SAVED: dict[str, tuple] = {}
+
+
+def saved_vlm(family: str):
+    """A fresh float32 load of the tiny `family` VLM saved once per session (TRL loads its reference model from the
+    model's path), and its processor."""
+    from transformers import AutoModelForImageTextToText
+
+    if family not in _SAVED:
+        path = tempfile.mkdtemp(prefix=f"tiny-{family}-")
+        _SAVED[family] = (path, save_tiny_vlm(path, family))
+    path, processor = _SAVED[family]
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32), processor
+
+
+def train(package, family, dataset=None, peft_config=None, **overrides):
+    """`package`'s GRPOTrainer on a fresh tiny `family` VLM (same seed for both packages); returns (trainer,
+    GradientLog, VisionLog)."""
+    settings = dict(
+        per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=2,
+        optim="sgd", learning_rate=0.1,
+    )  # fmt: skip
+    args = package.GRPOConfig(**tiny_run_kwargs(f"unused-{package.__name__}", **{**settings, **overrides}))
+    model, processor = saved_vlm(family)
+    torch.manual_seed(args.seed)
+    trainer = package.GRPOTrainer(
+        model=model,
+        processing_class=processor,
+        reward_funcs=distinct_characters_reward,
+        args=args,
+        train_dataset=dataset if dataset is not None else image_dataset(4),
+        peft_config=peft_config,
+    )
+    gradients, vision = GradientLog(trainer.model), VisionLog(trainer.model)
+    trainer.train()
+    return trainer, gradients, vision
+
+
+def assert_same_run(family, **kwargs):
+    """Stock TRL and grpo_plus train `family` to the same weights, which moved; TRL's own check that every parameter
+    trains holds (as gradients: SGD on a random tiny model moves some by less than float32 resolves). Returns both
+    runs' (trainer, GradientLog, VisionLog)."""
+    initial = {name: param.detach().clone() for name, param in make_vlm(family)[0].named_parameters()}
+    stock = train(trl, family, **kwargs)
+    plus = train(grpo_plus, family, **kwargs)
+    for trainer, _, _ in (stock, plus):
+        assert trainer.state.log_history[-1]["train_loss"] is not None
+    stock_weights = dict(stock[0].model.named_parameters())
+    plus_weights = dict(plus[0].model.named_parameters())
+    if kwargs.get("peft_config") is not None:  # LoRA's B matrices start at zero
+        initial = {name: torch.zeros_like(param) for name, param in stock_weights.items() if "lora_B" in name}
+    moved = max_weight_diff(initial, stock_weights)
+    assert moved > 1e-3, "training did not change the weights: the comparison would be vacuous"
+    diff = max_weight_diff(stock_weights, plus_weights)
+    assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
+    assert_every_parameter_trains(plus[1], family)
+    assert stock[1].nonzero == plus[1].nonzero
+    return stock, plus
+
+
+def assert_every_parameter_trains(gradients: GradientLog, family: str):
+    """TRL's check: every trainable parameter gets a gradient (LLaVA's CLIP post-layernorm feeds only the pooled
+    output, which LLaVA does not read)."""
+    assert gradients.nonzero, "no trainable parameter"
+    for name, nonzero in gradients.nonzero.items():
+        if family in ("llava", "llava_next") and "post_layernorm" in name:
+            assert not nonzero, f"{name} expected frozen by LLaVA's design, but trained"
+        else:
+            assert nonzero, f"Parameter {name} got no gradient."
+
+
+# ---- TRL's TestGRPOTrainerVLM, on local models, against stock TRL ------------------------------------------------
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_train_vlm(family):
+    stock, plus = assert_same_run(family)
+    logs = plus[0].state.log_history
+    # grpo_plus generated TRL's completions (same weights) with each image encoded once per group (G=2) ...
+    assert [entry["zero_waste/generation_images_frac"] for entry in logs if "loss" in entry] == [0.5, 0.5]
+    # ... and its training pass computed each live group's prompt and images once (dead groups: not at all)
+    assert all(entry["zero_waste/images_frac"] <= 0.5 for entry in logs if "loss" in entry)
+    # The zero-waste training pass encoded fewer image patches than TRL's run (each group's image once).
+    assert plus[2].patches < stock[2].patches, (plus[2].patches, stock[2].patches)
+
+
+def test_train_vlm_with_pad_to_multiple_of():
+    """Gemma 3 passes token_type_ids, which TRL pads along with the prompts."""
+    assert_same_run("gemma3", pad_to_multiple_of=7)
+
+
+def test_train_vlm_beta_non_zero():
+    stock, plus = assert_same_run("qwen2_5_vl", beta=0.1)
+    assert any("kl" in entry for entry in plus[0].state.log_history)
+
+
+def test_train_vlm_peft():
+    from peft import LoraConfig
+
+    # LoRA's A matrices get a gradient once B (initialised at zero) has moved: a step more.
+    stock, plus = assert_same_run(
+        "qwen2_5_vl", peft_config=LoraConfig(target_modules=["q_proj", "v_proj"]), max_steps=3
+    )
+    for trainer, _, _ in (stock, plus):
+        trained = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
+        assert trained and all("lora_" in name for name in trained), "only the adapter should train"
+
+
+def test_train_vlm_and_importance_sampling():
+    """steps_per_generation=2: TRL computes old log-probs (grpo_plus after the micro-batch split)."""
+    assert_same_run("qwen2_5_vl", steps_per_generation=2)
+
+
+def test_train_vlm_multi_image():
+    stock, plus = assert_same_run("qwen2_5_vl", dataset=image_dataset(4, images_per_prompt=2))
+    assert plus[2].patches < stock[2].patches
+
+
+def test_train_vlm_log_multimodal_false():
+    trainer, _, _ = train(grpo_plus, "gemma3", log_completions=True, log_multimodal=False)
+    assert len(trainer._logs["images"]) == 0
+
+
+# ---- the zero-waste training pass on image batches ---------------------------------------------------------------
+
+G = 4
+
+
+def generated_batch(family: str, images_per_prompt: int = 1, num_prompts: int = 2, **settings):
+    """A grpo_plus trainer on a tiny `family` VLM and one generation batch of `num_prompts` image prompts x G
+    completions, generated and scored by stock TRL's code (rows in TRL's order: each prompt's G rows together)."""
+    model, processor = make_vlm(family)
+    args = grpo_plus.GRPOConfig(
+        **tiny_run_kwargs("unused", per_device_train_batch_size=G * num_prompts, num_generations=G,
+                          max_completion_length=10, **settings)
+    )  # fmt: skip
+    dataset = image_dataset(num_prompts, images_per_prompt=images_per_prompt)
+    trainer = grpo_plus.GRPOTrainer(
+        model=model, processing_class=processor, reward_funcs=distinct_characters_reward, args=args,
+        train_dataset=dataset,
+    )  # fmt: skip
+    trainer.model.train()
+    torch.manual_seed(0)
+    rows = [dataset[i] for i in range(num_prompts) for _ in range(G)]
+    return trainer, trl.GRPOTrainer._generate_and_score_completions(trainer, rows)
+
+
+def logps_call(trainer, batch, method, **kwargs):
+    """`method` (TRL's or grpo_plus's `_get_per_token_logps_and_entropies`) on the batch, with its image inputs."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    images = {key: batch.get(key) for key in FORWARD_INPUT_KEYS}
+    return method(trainer, trainer.model, input_ids, attention_mask, batch["completion_ids"].shape[1], **images,
+                  **kwargs)  # fmt: skip
+
+
+@needs_fused_lm_head
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_shared_prompt_logps_equal_trl_forward_with_each_image_encoded_once(family):
+    """Every row's log-probs and entropies equal stock TRL's forward; each group's prompt (image tokens included) is
+    computed once and each image encoded once."""
+    trainer, batch = generated_batch(family)
+    vision = VisionLog(trainer.model)
+    reference_logps, reference_entropies, _ = logps_call(
+        trainer, batch, trl.GRPOTrainer._get_per_token_logps_and_entropies, compute_entropy=True
+    )
+    trl_patches, vision.patches = vision.patches, 0
+    trainer._zero_waste.positions = 0
+    logps, entropies, _ = logps_call(
+        trainer, batch, grpo_plus.GRPOTrainer._get_per_token_logps_and_entropies, compute_entropy=True
+    )
+    mask = batch["completion_mask"].bool()
+    assert mask.sum() > 0 and reference_logps[mask].abs().min() > 0
+    torch.testing.assert_close(logps[mask], reference_logps[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropies[mask], reference_entropies[mask], atol=1e-5, rtol=1e-5)
+    assert vision.patches * G == trl_patches, (vision.patches, trl_patches)  # two prompts, each image once
+    prompt_width = batch["prompt_ids"].shape[1]
+    full_positions = batch["prompt_ids"].numel() + batch["completion_ids"].numel()
+    # one prompt copy per group, not G: at most the two prompts plus every completion (and its repeated last prompt
+    # token)
+    assert trainer._zero_waste.positions <= 2 * prompt_width + batch["completion_ids"].numel() + 2 * G
+    assert trainer._zero_waste.positions < 0.6 * full_positions
+
+
+@needs_fused_lm_head
+def test_gemma3_packed_forward_keeps_bidirectional_attention_inside_images(monkeypatch):
+    """Negative control: Gemma 3's image tokens attend each other both ways; packs without those pairs would not be
+    TRL's forward (this is what the previous test would catch)."""
+    trainer, batch = generated_batch("gemma3")
+    reference, _, _ = logps_call(trainer, batch, trl.GRPOTrainer._get_per_token_logps_and_entropies)
+    monkeypatch.setattr("grpo_plus.zero_waste.bidirectional_blocks", lambda config, images: None)
+    causal_only, _, _ = logps_call(trainer, batch, grpo_plus.GRPOTrainer._get_per_token_logps_and_entropies)
+    mask = batch["completion_mask"].bool()
+    assert (causal_only - reference)[mask].abs().max() > 1e-3
+
+
+@needs_fused_lm_head
+@pytest.mark.parametrize("family", ["qwen2_vl", "idefics3", "llava_next"])
+def test_no_grad_chunks_keep_image_rows_and_match_trl(family):
+    """TRL's no-grad passes chunk rows (batch_size): each chunk gets its rows' images, two prompts per chunk."""
+    trainer, batch = generated_batch(family, num_prompts=3)
+    with torch.no_grad():
+        reference, _, _ = logps_call(
+            trainer, batch, trl.GRPOTrainer._get_per_token_logps_and_entropies, batch_size=2 * G
+        )
+        logps, _, _ = logps_call(
+            trainer, batch, grpo_plus.GRPOTrainer._get_per_token_logps_and_entropies, batch_size=2 * G
+        )
+    mask = batch["completion_mask"].bool()
+    torch.testing.assert_close(logps[mask], reference[mask], atol=1e-5, rtol=1e-5)
+
+
+def loss_and_grads(trainer, inputs):
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: param.grad.clone() for name, param in trainer.model.named_parameters() if param.grad is not None}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3", "llava"])
+def test_dead_rows_are_skipped_with_their_images_and_the_gradient_is_trls(family):
+    """A group with advantage 0 is not computed (nor its images encoded); the loss and gradient equal the full pass."""
+    trainer, batch = generated_batch(family, num_prompts=3, images_per_prompt=2 if family == "qwen2_5_vl" else 1)
+    batch["advantages"] = torch.linspace(-1.0, 1.0, 3 * G)
+    batch["advantages"][G : 2 * G] = 0.0  # the middle group is dead
+    trainer.current_gradient_accumulation_steps = 1
+    trainer._zero_waste = ZeroWastePass(trainer, enabled=False, shared_prompt=False)
+    vision = VisionLog(trainer.model)
+    full_loss, full_grads = loss_and_grads(trainer, batch)
+    full_patches, vision.patches = vision.patches, 0
+    trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True)
+    loss, grads = loss_and_grads(trainer, batch)
+    torch.testing.assert_close(loss, full_loss, atol=1e-6, rtol=1e-5)
+    assert grads.keys() == full_grads.keys() and any("vision" in n or "visual" in n for n in grads)
+    for name in full_grads:
+        torch.testing.assert_close(grads[name], full_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+    assert vision.patches * 3 * G == full_patches * 2, (vision.patches, full_patches)  # two live groups, once each
+
+
+def test_rows_whose_images_cannot_be_told_apart_are_computed_in_full(caplog, monkeypatch):
+    """Image inputs of a layout RowImages does not know (here: one pixel tensor too many for the rows' image count):
+    no row is skipped and TRL's forward gets every row and every input unchanged, and the note says why."""
+    trainer, batch = generated_batch("llava")
+    batch["pixel_values"] = torch.cat([batch["pixel_values"], batch["pixel_values"][:1]])
+    batch["advantages"] = torch.zeros(2 * G)
+    calls = []
+
+    def trl_forward(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        calls.append((input_ids.shape, kwargs["pixel_values"].shape))
+        return torch.zeros(input_ids.shape[0], logits_to_keep), None, None
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", trl_forward)
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.zero_waste"):
+        policy = trainer._zero_waste.micro_batch_logps(trainer.model, batch, compute_entropy=False)
+    assert policy.trained_rows is None
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    assert calls == [(input_ids.shape, batch["pixel_values"].shape)]
+    assert any("pixel_values has 9 entries for 8 rows" in record.getMessage() for record in caplog.records)
+
+
+def test_row_images_select_is_trls_contiguous_slicing_for_any_rows():
+    """RowImages cuts each layout per row: the rows (1, 0) of a two-image-per-row Qwen batch are row 1's patches and
+    grids, then row 0's."""
+    grid = torch.tensor([[1, 2, 2], [1, 4, 2], [1, 2, 4], [1, 2, 2]])
+    pixel_values = torch.arange(24, dtype=torch.float32).unsqueeze(1)  # 4 + 8 + 8 + 4 patch rows
+    images = RowImages.from_inputs(
+        {"pixel_values": pixel_values, "image_grid_thw": grid, "num_images": [2, 2],
+         "mm_token_type_ids": torch.tensor([[0, 1, 1], [1, 1, 0]])}, 2
+    )  # fmt: skip
+    selected = images.select(torch.tensor([1, 0]), columns=slice(0, 2))
+    assert selected["pixel_values"].squeeze(1).tolist() == list(range(12, 24)) + list(range(0, 12))
+    assert selected["image_grid_thw"].tolist() == [[1, 2, 4], [1, 2, 2], [1, 2, 2], [1, 4, 2]]
+    assert selected["num_images"] == [2, 2]
+    assert selected["mm_token_type_ids"].tolist() == [[1, 1], [0, 1]]
+    assert images.row_keys().tolist() == [0, 1]
+    per_row = RowImages.from_inputs({"pixel_values": torch.zeros(3, 2, 4), "num_images": [2, 2, 2]}, 3)
+    assert per_row.row_keys().tolist() == [0, 0, 0]  # Idefics3's layout: one padded tensor per row
+    assert RowImages.from_inputs({"pixel_values": torch.zeros(5, 4), "num_images": [1, 1]}, 2).startswith(
+        "pixel_values has 5 entries"
+    )
+
+
+# ---- zero-waste generation of image prompts ----------------------------------------------------------------------
+
+
+def generation_inputs(family: str, num_prompts: int = 2, images_per_prompt: int = 1):
+    """(model in eval mode, generate's inputs for num_prompts image prompts x G rows as TRL builds them, each row's
+    image count, tokenizer)."""
+    from trl.data_utils import apply_chat_template, prepare_multimodal_messages
+
+    model, processor = make_vlm(family)
+    dataset = image_dataset(num_prompts, images_per_prompt=images_per_prompt)
+    rows = [dataset[i] for i in range(num_prompts) for _ in range(G)]
+    images = [row["images"] if images_per_prompt > 1 else [row["image"]] for row in rows]
+    prompts = [
+        prepare_multimodal_messages(row["prompt"], images=row_images)
+        for row, row_images in zip(rows, images, strict=True)
+    ]
+    texts = [apply_chat_template({"prompt": prompt}, processor)["prompt"] for prompt in prompts]
+    inputs = processor(images=images, text=texts, padding=True, return_tensors="pt")
+    return model.eval(), dict(inputs), [len(row) for row in images], processor.tokenizer
+
+
+def sampling_settings(tokenizer):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=8, do_sample=True, temperature=0.7, top_k=30, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id], sequence_bias=[[[tokenizer.eos_token_id], 2.0]], disable_compile=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_image_prompts_sample_model_generates_ids_with_each_prompt_prefilled_and_each_image_encoded_once(family):
+    from grpo_plus.generation import generate
+
+    model, inputs, num_images, tokenizer = generation_inputs(
+        family, images_per_prompt=2 if family == "qwen2_vl" else 1
+    )
+    config = sampling_settings(tokenizer)
+    vision = VisionLog(model)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        reference = model.generate(**inputs, generation_config=config)
+        state_after = torch.get_rng_state()
+        reference_patches, vision.patches = vision.patches, 0
+        torch.manual_seed(seed)
+        ours, stats = generate(model, num_images=num_images, **inputs, generation_config=config)
+        assert stats.fallback is None, stats.fallback
+        assert torch.equal(torch.get_rng_state(), state_after), "the random draws were not the same"
+        assert torch.equal(ours, reference)
+        completions = reference[:, inputs["input_ids"].shape[1] :]
+        ends = {int((row == tokenizer.eos_token_id).int().argmax()) for row in completions}
+        assert len(ends) > 1, "rows should end at different steps"
+        assert vision.patches * G == reference_patches, (vision.patches, reference_patches)
+        vision.patches = 0
+        assert stats.prefill_positions * G == stats.full_prefill_positions
+        assert stats.images * G == stats.full_images == G * sum(num_images[::G])
+
+
+def test_images_without_a_row_count_generate_with_model_generate(caplog):
+    """Image inputs whose rows cannot be told apart (no image count): transformers' own generate, and why."""
+    from grpo_plus.generation import generate
+
+    model, inputs, _, tokenizer = generation_inputs("gemma3")
+    config = sampling_settings(tokenizer)
+    torch.manual_seed(0)
+    reference = model.generate(**inputs, generation_config=config)
+    torch.manual_seed(0)
+    ours, stats = generate(model, **inputs, generation_config=config)
+    assert torch.equal(ours, reference)
+    assert "no per-row image count" in stats.fallback
+
+
+def test_count_shapes_pictures_hold_as_many_shapes_as_their_answer():
+    """The image task's truth: each answer is the number of grid cells of its picture that hold a shape; train and
+    held-out pictures differ."""
+    import numpy as np
+
+    from grpo_plus.app.vlm import make_image_dataset
+
+    train, test = (
+        make_image_dataset("train", size=12, image_size=90),
+        make_image_dataset("test", size=4, image_size=90),
+    )
+    for row in train:
+        pixels = np.asarray(row["image"]).astype(int)
+        cells = [pixels[y * 30 : (y + 1) * 30, x * 30 : (x + 1) * 30] for y in range(3) for x in range(3)]
+        filled = sum(int((np.abs(cell - [245, 245, 240]).sum(axis=-1) > 0).any()) for cell in cells)
+        assert filled == row["answer"] and 1 <= filled <= 6
+        assert row["prompt"][0]["content"][0]["type"] == "image"
+    assert len({row["answer"] for row in train}) > 2
+    assert not any(np.array_equal(np.asarray(a["image"]), np.asarray(b["image"])) for a in train for b in test)
+
+
+def test_the_guides_example_trains_with_each_image_encoded_once_per_group(capsys):
+    """docs/guide/vlm.md's example (skipped by tests/test_docs.py, which also runs below the floor): it runs, and the
+    fractions it prints are what its comment says."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "vlm.md").read_text()
+    code = re.search(r"<!-- docs-test: skip -->\n```python\n(.*?)```", page, re.DOTALL).group(1)
+    exec(compile(code, "docs/guide/vlm.md", "exec"), {})
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "0.25 0.25"
+
+
+def test_fit_check_says_it_does_not_count_a_vision_language_model(caplog):
+    """The trainer's fit check (on CUDA) has no vision tower to count: it says so once and lets training go on,
+    instead of counting the language model alone or failing in its child process."""
+    from grpo_plus.fit import check_before_training
+
+    model, processor = make_vlm("qwen2_5_vl")
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused"))
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.fit"):
+        result = check_before_training(args, model, image_dataset(2), processor, torch.device("cpu"), mode="error")
+    assert result is None
+    assert any("vision-language model" in record.getMessage() for record in caplog.records)

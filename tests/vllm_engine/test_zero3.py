@@ -1,0 +1,52 @@
+"""DeepSpeed ZeRO-3 with colocated vLLM, on the real engines: 2 CPU processes over gloo, each with its own engine.
+
+Under ZeRO-3 each process holds a shard of every weight. TRL's sync gathers each parameter's shards (collectively,
+every process taking part) before the push, and grpo_plus loads that stream through vLLM's reload
+(`grpo_plus.vllm_sync`), so after training each rank's engine must sample with the trained weights: its log-probs
+are the model's, and far from the untrained model's. The first DeepSpeed run on a machine compiles its CPU
+communication op (cached; `make test-engines` pays it first in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.models import save_tiny_model
+from helpers.probes import TRAIN_TINY, accelerate_launch, run_python, train_tiny_flags
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra (pip install -e '.[test]')")
+
+ZERO3 = Path(__file__).resolve().parents[2] / "recipes" / "accelerate_configs" / "deepspeed_zero3.yaml"
+
+
+def test_zero3_gathers_the_trained_weights_into_each_ranks_engine(tmp_path):
+    model_dir = save_tiny_model(tmp_path / "model", hidden_size=128)
+    out = tmp_path / "run"
+    flags = train_tiny_flags(
+        model_dir, out, omit=("use_cpu",), optim="sgd", learning_rate=2.0, max_steps=3, use_vllm=True,
+        vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, loss_type="dapo",
+    )  # fmt: skip
+    flags += ["--ddp_backend", "gloo", "--reward", "odd_dead", "--prompts", "2+4=|4+2="]
+    flags += ["--dump_logs", f"{out}.json", "--vllm_logps", f"{out}.logps"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = run_python(TRAIN_TINY, *flags, launcher=accelerate_launch(2, config_file=ZERO3), env=env, timeout=900)
+    assert result.stdout.count("engine=DeepSpeedEngine") == 2, result.stdout[-2000:]
+    logs = json.loads(Path(f"{out}.json").read_text())
+    assert any(entry.get("grad_norm", 0) > 0 for entry in logs), "nothing trained: the check below proves nothing"
+    initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for rank in range(2):
+        sampled = json.loads(Path(f"{out}.logps.rank{rank}").read_text())
+        engine, model = torch.tensor(sampled["engine"]), torch.tensor(sampled["model"])
+        with torch.no_grad():
+            logits = initial(torch.tensor([sampled["prompt"] + sampled["tokens"]])).logits
+        start = len(sampled["prompt"]) - 1
+        tokens = torch.tensor(sampled["tokens"]).unsqueeze(1)
+        untrained = logits[0, start:-1].log_softmax(-1).gather(1, tokens).squeeze(1)
+        # The engine computes in bfloat16 (TRL leaves vLLM's dtype on "auto"): log-probs agree to ~1e-2.
+        assert (engine - model).abs().max() < 0.05, f"rank {rank}: the engine is not on the trained weights"
+        assert (model - untrained).abs().max() > 0.5, f"rank {rank}: training moved too little for the check to tell"
