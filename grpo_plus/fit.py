@@ -150,6 +150,7 @@ class FitSpec:
     padded_prompts: bool = True
     vllm_generates: bool = False  # use_vllm: the trainer's model never generates
     vllm_memory_fraction: float = 0.0  # the card's share a colocated vLLM engine takes (vllm_gpu_memory_utilization)
+    vllm_quantization: str = "auto"  # what that engine serves the weights in (GRPOConfig.vllm_quantization)
 
     def replace(self, **changes) -> FitSpec:
         return dataclasses.replace(self, **changes)
@@ -231,6 +232,7 @@ class FitSpec:
             zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
             vllm_generates=vllm,
             vllm_memory_fraction=float(args.vllm_gpu_memory_utilization) if colocated else 0.0,
+            vllm_quantization=str(getattr(args, "vllm_quantization", "auto")),
         )
 
 
@@ -923,6 +925,20 @@ def card_budget(spec: FitSpec, card_bytes: int, reserve_bytes: int) -> int:
     """What the training side may use of a card of `card_bytes`: all of it but the reserve and, with colocated vLLM,
     the engine's share (`vllm_gpu_memory_utilization` of the card's total, which vLLM sizes its KV cache to fill)."""
     return int(card_bytes * (1 - spec.vllm_memory_fraction) - reserve_bytes)
+
+
+def engine_weights(spec: FitSpec, card_bytes: int) -> tuple[str, int]:
+    """(format, bytes) of a colocated vLLM engine's weights on a card of `card_bytes`: bfloat16, or fp8 where
+    `vllm_quantization` asks for it or picks it for a 4-bit base ('auto', grpo_plus.vllm_sync; a GPU that runs
+    vLLM's fp8 assumed)."""
+    from .vllm_sync import VLLM_QUANTIZATION_AUTO, quantization_by_memory, served_weight_bytes
+
+    sizes = served_weight_bytes(spec.config())
+    chosen = spec.vllm_quantization
+    if chosen == VLLM_QUANTIZATION_AUTO:
+        engine = spec.vllm_memory_fraction * card_bytes
+        chosen = quantization_by_memory(sizes["bfloat16"], engine, fp8_runs=True) if spec.four_bit else None
+    return ("fp8", sizes["fp8"]) if chosen == "fp8" else ("bfloat16", sizes["bfloat16"])
 
 
 def device_budget(device: torch.device, reserve_gib: float = DEFAULT_RESERVE_GIB) -> tuple[int, int]:
