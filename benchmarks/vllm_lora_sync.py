@@ -60,7 +60,7 @@ def build(package, path, tokenizer, base: str, settings: dict):
     set_seed(0)
     trainer = package.GRPOTrainer(
         model=load(path, base),
-        reward_funcs=[tasks.correctness_reward],
+        reward_funcs=[tasks.correctness_reward, tasks.format_reward],
         args=package.GRPOConfig(**settings),
         train_dataset=tasks.make_dataset("train", "add-1d", seed=0),
         processing_class=tokenizer,
@@ -142,7 +142,7 @@ def demo_batch(tokenizer) -> list[dict]:
 
     rows = tasks.make_dataset("train", "add-1d", seed=0).select(range(2))
     prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True) for row in rows]
-    prompts = [p["input_ids"] if isinstance(p, dict) else p for p in prompts]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
     return [{"prompt_token_ids": p} for p in prompts for _ in range(8)]
 
 
