@@ -308,6 +308,16 @@ class GRPOConfig(trl.GRPOConfig):
             "choices": ["warn", "error", "off"],
         },
     )
+    vllm_quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "What a colocated vLLM engine (use_vllm=True, vllm_mode='colocate') serves the weights in. 'auto': "
+            "TRL's choice (the checkpoint's precision), except for a 4-bit bitsandbytes base, for which TRL asks vLLM "
+            "for bitsandbytes (gone in vLLM 0.31): there bfloat16 when its weights take at most half the engine's "
+            "share of the GPU, else fp8 where vLLM runs it. 'none': the engine's dtype. Any other name (e.g. 'fp8') "
+            "goes to vLLM's `quantization` as it is (an online method: vLLM quantizes the synced weights).",
+        },
+    )
     advantage_estimator: str = field(
         default=DEFAULT_ESTIMATOR,
         metadata={
@@ -515,6 +525,7 @@ class PlusSettings:
     activation_offloading: bool
     tiled_mlp_tokens: int | None
     fit_check: str
+    vllm_quantization: str
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
     selective: SelectiveRolloutSettings
@@ -536,6 +547,7 @@ class PlusSettings:
             activation_offloading=own.activation_offloading,
             tiled_mlp_tokens=own.tiled_mlp_tokens,
             fit_check=own.fit_check,
+            vllm_quantization=own.vllm_quantization,
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
@@ -559,6 +571,14 @@ class PlusSettings:
             )
         if self.fit_check not in FIT_CHECK_MODES:
             raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
+        if not isinstance(self.vllm_quantization, str) or self.vllm_quantization.lower() == "bitsandbytes":
+            raise not_allowed(
+                "vllm_quantization",
+                self.vllm_quantization,
+                "'auto', 'none' or an online quantization vLLM has (e.g. 'fp8'); not 'bitsandbytes': vLLM 0.31 has "
+                "no bitsandbytes, and grpo_plus syncs a 4-bit base dequantized, for the engine to serve in bfloat16 "
+                "or quantize itself",
+            )
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
         self.algorithms.validate(args, trl_native)

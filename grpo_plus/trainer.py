@@ -54,7 +54,7 @@ from .trl_compat import (
 )
 from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .validation import check_dataset, guard_reward_funcs
-from .vllm_sync import reload_on_sync, sleep_mode_blocker
+from .vllm_sync import engine_precision, reload_on_sync, sleep_mode_blocker
 from .zero_waste import ZeroWastePass
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
             if (reason := sleep_mode_blocker(args)) is not None:  # before TRL loads the model and starts vLLM
                 raise ValueError(reason)
-        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        with engine_precision(args):  # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes")
+            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
-        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, on every build (vllm_sync)
+        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
             reload_on_sync(self.vllm_generation)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step

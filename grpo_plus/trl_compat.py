@@ -49,6 +49,8 @@ __all__ = [
     "cache_argument_name",
     "colocate_weight_stream_name",
     "colocated_model_runner",
+    "colocate_distribution",
+    "vllm_engine_factory",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
@@ -621,3 +623,21 @@ def colocate_weight_stream_name() -> str:
 def colocated_model_runner(llm):
     """The model runner of a colocated `vllm.LLM`, where TRL's colocate sync finds the model."""
     return llm.llm_engine.model_executor.driver_worker.model_runner
+
+
+def colocate_distribution(generation):
+    """TRL's `DistributedBackend` of a `VLLMGeneration`: `gather_params(params)` (ZeRO-3's gather, a no-op elsewhere),
+    `is_fsdp`, the same object TRL's own weight stream uses."""
+    return generation._dist
+
+
+# TRL builds the colocated engine with `LLM(...)` looked up in this module's namespace (VLLMGeneration._init_vllm),
+# passing quantization="bitsandbytes" when the model has 4-bit bitsandbytes layers.
+VLLM_ENGINE_MODULE, VLLM_ENGINE_FACTORY = "trl.generation.vllm_generation", "LLM"
+
+
+def vllm_engine_factory():
+    """(module, attribute name) where TRL looks up the class it builds the colocated vLLM engine with."""
+    import importlib
+
+    return importlib.import_module(VLLM_ENGINE_MODULE), VLLM_ENGINE_FACTORY

@@ -92,6 +92,7 @@ def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
         ),
         (dict(scale_rewards="groups"), "scale_rewards='groups' is not registered. Did you mean 'group'?"),
         (dict(dual_clip=0.5), "dual_clip=0.5 is not allowed"),
+        (dict(vllm_quantization="bitsandbytes"), "vllm_quantization='bitsandbytes' is not allowed"),
         # what TRL itself fails on (TRL 1.16: its sampler's negative length; torch.quantile's q = 1.5)
         (dict(num_iterations=-1), "num_iterations=-1 is not allowed"),
         (dict(top_entropy_quantile=-0.5), "top_entropy_quantile=-0.5 is not allowed"),

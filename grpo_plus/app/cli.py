@@ -172,7 +172,15 @@ def _fit(args: argparse.Namespace) -> int:
 
     spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts)
     budget = card_budget(spec, int(args.memory_gib * GIB), int(args.reserve_gib * GIB))
-    vllm = f", {spec.vllm_memory_fraction:g} of it for colocated vLLM" if spec.vllm_memory_fraction else ""
+    vllm = ""
+    if spec.vllm_memory_fraction:
+        from ..fit import engine_weights
+
+        served, weights = engine_weights(spec, int(args.memory_gib * GIB))
+        engine = spec.vllm_memory_fraction * args.memory_gib * GIB
+        room = f"{(engine - weights) / GIB:.1f} GiB left for its KV cache" if weights < engine else "NO room: raise it"
+        vllm = (f", {spec.vllm_memory_fraction:g} of it ({engine / GIB:.1f} GiB) for colocated vLLM: its weights "
+                f"{weights / GIB:.1f} GiB in {served}, {room}")  # fmt: skip
     if budget <= 0:
         raise ValueError(
             f"--memory-gib {args.memory_gib} leaves nothing after the {args.reserve_gib} GiB reserve{vllm}"

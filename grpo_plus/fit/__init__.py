@@ -34,6 +34,7 @@ from .check import (
     check_before_training,
     check_fit,
     device_budget,
+    engine_weights,
     prompt_lengths,
 )
 from .count import (
@@ -96,6 +97,7 @@ __all__ = [
     "check_fit",
     "counting_trainer",
     "device_budget",
+    "engine_weights",
     "estimate",
     "extrapolate",
     "fit_report",

@@ -35,6 +35,20 @@ def card_budget(spec: FitSpec, card_bytes: int, reserve_bytes: int) -> int:
     return int(card_bytes * (1 - spec.vllm_memory_fraction) - reserve_bytes)
 
 
+def engine_weights(spec: FitSpec, card_bytes: int) -> tuple[str, int]:
+    """(format, bytes) of a colocated vLLM engine's weights on a card of `card_bytes`: bfloat16, or fp8 where
+    `vllm_quantization` asks for it or picks it for a 4-bit base ('auto', grpo_plus.vllm_sync; a GPU that runs
+    vLLM's fp8 assumed)."""
+    from ..vllm_sync import VLLM_QUANTIZATION_AUTO, quantization_by_memory, served_weight_bytes
+
+    sizes = served_weight_bytes(spec.config())
+    chosen = spec.vllm_quantization
+    if chosen == VLLM_QUANTIZATION_AUTO:
+        engine = spec.vllm_memory_fraction * card_bytes
+        chosen = quantization_by_memory(sizes["bfloat16"], engine, fp8_runs=True) if spec.four_bit else None
+    return ("fp8", sizes["fp8"]) if chosen == "fp8" else ("bfloat16", sizes["bfloat16"])
+
+
 def device_budget(device: torch.device, reserve_gib: float = DEFAULT_RESERVE_GIB) -> tuple[int, int]:
     """(bytes the run may still use on `device`: free memory plus what tensors hold now, less the reserve;
     bytes its tensors hold now)."""

@@ -88,6 +88,7 @@ class FitSpec:
     padded_prompts: bool = True
     vllm_generates: bool = False  # use_vllm: the trainer's model never generates
     vllm_memory_fraction: float = 0.0  # the card's share a colocated vLLM engine takes (vllm_gpu_memory_utilization)
+    vllm_quantization: str = "auto"  # what that engine serves the weights in (GRPOConfig.vllm_quantization)
 
     def replace(self, **changes) -> FitSpec:
         return dataclasses.replace(self, **changes)
@@ -169,6 +170,7 @@ class FitSpec:
             zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
             vllm_generates=vllm,
             vllm_memory_fraction=float(args.vllm_gpu_memory_utilization) if colocated else 0.0,
+            vllm_quantization=str(getattr(args, "vllm_quantization", "auto")),
         )
 
 
