@@ -121,12 +121,17 @@ VLLM_LOCK    ?= constraints-vllm.txt
 # GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
 VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
 
-.PHONY: test-vllm bench-vllm
+.PHONY: test-vllm bench-vllm bench-vllm-lora
 test-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
 bench-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_colocate.py
+
+# LoRA weight syncs: TRL's in-place merge against grpo_plus's out-of-place one (seconds, bytes, base drift), and
+# vLLM's own LoRA (enable_lora) against merged weights (docs/guide/vllm.md).
+bench-vllm-lora: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_lora_sync.py
 
 $(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
 	rm -rf $(VLLM_ENV)

@@ -1,4 +1,4 @@
-"""Forward + backward cost of grpo_plus.losses.compute_policy_loss vs TRL 1.16's inline loss math.
+"""Forward + backward cost of grpo_plus.objective.compute_policy_loss vs TRL 1.16's inline loss math.
 
 Run from the repo root:  .venv/bin/python benchmarks/core_overhead.py [--quick] [--device cpu|cuda|all]
 
@@ -24,7 +24,8 @@ from trl import GRPOTrainer
 
 import grpo_plus
 from grpo_plus.app.testing import StandInTrainer
-from grpo_plus.losses import _is_binary, compute_policy_loss
+from grpo_plus.objective import compute_policy_loss
+from grpo_plus.objective.loss import _is_binary
 
 
 def make_inputs(batch: int, length: int, device: str, seed: int = 0):

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/memory.py [--quick] [--configs NAME ...] [--json outputs/bench-memory/memory.json]
 
-What is counted (grpo_plus/memory.py, grpo_plus/fit.py): TRL's and grpo_plus's real `_compute_loss`, forward and
+What is counted (grpo_plus/fit/: memory.py, count.py): TRL's and grpo_plus's real `_compute_loss`, forward and
 backward, on a fake accelerator (FakeTensors: shapes, dtypes and devices, no data), with every storage an operator
 allocates counted from its creation until it is freed, per device; generation as its prefill and one decode step with
 every row's KV cache at full length; weights, LoRA, gradients and AdamW from the shapes. Every completion full length,
@@ -35,14 +35,14 @@ from shapes import markdown_table  # benchmarks/shapes.py
 
 from grpo_plus import fit
 from grpo_plus.app.cli import fit_spec_from_yaml
-from grpo_plus.memory import GIB
+from grpo_plus.fit.memory import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
 
 RECIPES = ROOT / "recipes" / "configs"
 FIT_RECIPES = ("demo_cpu", "qwen2.5-0.5b_lora", "qwen2.5-1.5b_lora", "qwen2.5-7b_qlora")
 PROMPT_TOKENS = {"demo_cpu": 56}  # the demo's chat-templated prompts (DESIGN.md); 128 for the Qwen recipes
-BUDGET = int(22 * GIB)
+BUDGET = int((24 - fit.CARD_RESERVE_GIB) * GIB)  # a 24 GiB card less what tensors cannot use
 
 
 def gib(value: float) -> str:

@@ -7,7 +7,8 @@ The demo config (recipes/configs/demo_cpu.yaml: SmolLM2-135M-Instruct + LoRA r=1
 with `use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3` and TRL's default importance-sampling
 correction, on vLLM's CPU build (`make test-vllm`'s environment). Both trainers generate with one engine
 (`grpo_plus.app.testing.shared_vllm_engine`); each loads its own weights into it at each of its steps through vLLM's
-reload (`grpo_plus.vllm_sync`, which stock TRL gets too: its own sync cannot load on the CPU build). They train in
+reload (`grpo_plus.vllm_sync`, which stock TRL gets too: its own sync cannot load on the CPU build), stock TRL with its
+own stream (the adapter merged into the base in place), grpo_plus with its out-of-place one. They train in
 lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...) with their own random state, so they sample
 the same completions from the same weights: the first step's are the same (its loss difference is printed); later
 steps part where the two runs' weights, 1e-7 apart, round to different bfloat16 values in the engine (TRL leaves
@@ -46,7 +47,7 @@ def main() -> None:
     settings = {**demo_settings(args.steps), **VLLM_SETTINGS, "output_dir": str(ROOT / "outputs" / "bench-vllm")}
 
     def stock_trl_reloads(trainers: dict) -> None:
-        reload_on_sync(trainers["trl"].vllm_generation)
+        reload_on_sync(trainers["trl"].vllm_generation, lora_merge_in_place=True)  # TRL's own stream, reloaded
 
     print(f"demo config + colocated vLLM, {args.steps} lock-step optimizer steps per trainer ...", flush=True)
     with shared_vllm_engine() as engine:

@@ -1,5 +1,6 @@
 """The published algorithms in a GRPOTrainer: which estimator, policy loss and KL estimator a config names (validated
-here), the adaptive KL coefficient over training steps (saved in checkpoints), and ReMax's greedy generation.
+here), the adaptive KL coefficient over training steps (saved in checkpoints), a round's advantages from every
+process's rewards (with what the estimator reads besides them), and ReMax's greedy generation.
 
 The formulas are the core's (`grpo_plus.objective`); this module holds what the trainer needs around them, and
 `trainer.py` wires it in.
@@ -23,11 +24,12 @@ from .objective import (
     POLICY_LOSSES,
     AdaptiveKLController,
     PolicyLossOutput,
+    combine_rewards,
+    compute_advantages,
 )
 from .objective.advantages import scale_rewards_problem
-from .objective.loss import policy_loss_problem, resolve_policy_loss_options
+from .objective.loss import policy_loss_options_problem, policy_loss_problem
 from .objective.policy_losses import OPTIONS
-from .registry import did_you_mean
 from .settings import ConfigError, not_allowed
 
 # The defaults of GRPOConfig's algorithm fields (one default per setting: config.py uses these).
@@ -54,9 +56,7 @@ class AlgorithmSettings:
         options that are TRL fields (sapo_temperature_pos / _neg)."""
         name = own.policy_loss
         declared = POLICY_LOSSES.entry(name).trait(OPTIONS, {}) if name in POLICY_LOSSES else {}
-        options = {
-            option: getattr(own, option, getattr(args, option, default)) for option, default in declared.items()
-        }
+        options = {name: getattr(own, name, getattr(args, name, option.default)) for name, option in declared.items()}
         return cls(
             advantage_estimator=own.advantage_estimator,
             policy_loss=name,
@@ -77,26 +77,12 @@ class AlgorithmSettings:
     def validate(self, args: Any, trl_native: bool) -> None:
         """Raise ConfigError for a name that is not registered or a combination that cannot run; canonicalize aliases
         on `args` (a plain trl.GRPOConfig has none of these fields: its defaults need no check)."""
-        how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
-        for name, registry in (
-            ("advantage_estimator", ADVANTAGE_ESTIMATORS),
-            ("policy_loss", POLICY_LOSSES),
-            ("kl_estimator", KL_ESTIMATORS),
-        ):
-            value = getattr(self, name)
-            allowed = registry.names(with_aliases=True)
-            if value not in allowed:
-                hint = did_you_mean(value, allowed, cutoff=0.5)
-                raise ConfigError(
-                    f"{name}={value!r} is not registered.{hint} Allowed: {', '.join(allowed)}. {how.format(name)}"
-                )
-            if hasattr(args, name):
-                setattr(args, name, registry.resolve(value))
-        estimator, loss = (
-            ADVANTAGE_ESTIMATORS.resolve(self.advantage_estimator),
-            POLICY_LOSSES.resolve(self.policy_loss),
-        )
-        kl = KL_ESTIMATORS.resolve(self.kl_estimator)
+        names = {}
+        for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS):  # each `field` is one of ours
+            names[registry.field] = registry.check(getattr(self, registry.field), error=ConfigError)
+            if hasattr(args, registry.field):
+                setattr(args, registry.field, names[registry.field])
+        estimator, loss, kl = names["advantage_estimator"], names["policy_loss"], names["kl_estimator"]
         self._check_estimator(args, estimator)
         self._check_policy_loss(args, loss, trl_native)
         self._check_kl(args, kl, trl_native)
@@ -166,18 +152,9 @@ class AlgorithmSettings:
         )
         if problem is not None and not trl_native:
             raise ConfigError(problem)
-        options = resolve_policy_loss_options(loss, self.policy_loss_options)
-        for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            if name in options and not options[name] > 0:
-                raise not_allowed(name, options[name], "> 0 (the share of tokens the method acts on)")
-        if "clip_cov_lb" in options and not options["clip_cov_lb"] < options["clip_cov_ub"]:
-            bounds = f"below clip_cov_ub={options['clip_cov_ub']} (the covariance band is (lb, ub))"
-            raise not_allowed("clip_cov_lb", options["clip_cov_lb"], bounds)
-        if "kl_cov_coef" in options and options["kl_cov_coef"] < 0:
-            raise not_allowed("kl_cov_coef", options["kl_cov_coef"], ">= 0")
-        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if name in options and not options[name] > 0:
-                raise not_allowed(name, options[name], "> 0")
+        problem = policy_loss_options_problem(loss, self.policy_loss_options)
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _check_kl(self, args: Any, kl: str, trl_native: bool) -> None:
         if trl_native and (kl != DEFAULT_KL_ESTIMATOR or self.adaptive_kl):
@@ -247,6 +224,69 @@ class KLCoefficient:
         self._window = None
         if self.controller is not None:
             self.controller.load_state_dict(state)
+
+
+# ---- the advantages of a round --------------------------------------------------------------------------------------
+
+
+def local_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    scale_rewards: str,
+    estimator: str,
+    logged: list,
+    rows: slice,
+    width: int,
+    **estimator_inputs: torch.Tensor,
+) -> torch.Tensor:
+    """The advantages of every process's completions (from the gathered `rewards`), this process's `rows` of them
+    (per-token ones cut or padded to its `width` completion columns: every process pads to its own); `logged` (the
+    completions log's advantages) gets every row's, as TRL logs them."""
+    advantages = compute_advantages(rewards, num_generations, scale_rewards, estimator=estimator, **estimator_inputs)
+    for _ in range(min(len(advantages), len(logged))):
+        logged.pop()
+    logged.extend((advantages if advantages.dim() == 1 else advantages.mean(dim=1)).tolist())
+    local = advantages[rows]
+    if local.dim() == 2:
+        local = torch.nn.functional.pad(local[:, :width], (0, max(width - local.shape[1], 0)))
+    return local
+
+
+def estimator_inputs(
+    settings: AlgorithmSettings,
+    output: dict[str, Any],
+    gather: Callable[[torch.Tensor], torch.Tensor],
+    greedy_rewards: Callable[[], torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """What the estimator reads besides the rewards, over every process's completions: their masks (rebuilt from the
+    gathered lengths) and ReMax's greedy baselines (`greedy_rewards()`), as it declared (`requires`)."""
+    needed = {}
+    if settings.needs("completion_mask"):
+        lengths = (output["completion_mask"] * output.get("tool_mask", 1)).sum(dim=1)
+        needed["completion_mask"] = mask_from_lengths(gather(lengths))
+    if settings.needs("reward_baselines"):
+        needed["reward_baselines"] = greedy_rewards()
+    return needed
+
+
+def greedy_rewards(
+    trainer: Any,
+    inputs: list[dict[str, Any]],
+    num_generations: int,
+    calculate_rewards: Callable[..., torch.Tensor],
+    metrics: dict[str, list],
+) -> torch.Tensor:
+    """ReMax's baseline: the reward of one greedy completion per prompt of this process's groups, generated by TRL's
+    own `trainer._generate` with sampling off (zero-waste generation included) and scored by `calculate_rewards` (TRL's,
+    gathered: every process's prompts in order); logged as `remax/greedy_reward`."""
+    firsts = first_of_each_group(inputs, num_generations)
+    prompts = [row["prompt"] for row in firsts]
+    # TRL's _generate logs lengths and counts tokens as training samples; the baseline is neither.
+    with greedy_decoding(trainer), unlogged(metrics, trainer.state):
+        _, completion_ids, _, completions, *_ = trainer._generate(prompts)
+    rewards = combine_rewards(calculate_rewards(firsts, prompts, completions, completion_ids), trainer.reward_weights)
+    metrics["remax/greedy_reward"].append(torch.nanmean(rewards).item())
+    return rewards
 
 
 # ---- what the estimators read besides rewards --------------------------------------------------------------------

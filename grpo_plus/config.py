@@ -28,7 +28,6 @@ from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
 from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
-from .registry import did_you_mean
 from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
 from .settings import ConfigError, not_allowed
@@ -53,40 +52,19 @@ _CLIP_COV, _KL_COV = POLICY_LOSSES.entry("clip_cov").trait(OPTIONS), POLICY_LOSS
 _HEALTH_DEFAULTS = HealthSettings()
 
 
-def _unknown(field_name: str, value: Any, allowed: list[str], how_to_add: str) -> ConfigError:
-    hint = did_you_mean(value, allowed, cutoff=0.5)
-    return ConfigError(f"{field_name}={value!r} is not registered.{hint} Allowed: {', '.join(allowed)}. {how_to_add}")
-
-
 def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     """Check the GRPO objective fields of a (grpo_plus or TRL) config; canonicalize aliases in place."""
     settings = PlusSettings.from_args(args)
     load_plugins(settings.plugins)
     _check_field_types(args)
-    how = "Register your own with grpo_plus.register_{} (import its module first, or list it in `plugins`)."
-
-    loss_types = [*LOSS_TYPES.names(with_aliases=True), *TRL_NATIVE_LOSS_TYPES]
-    if args.loss_type not in loss_types:
-        raise _unknown("loss_type", args.loss_type, loss_types, how.format("loss_type"))
+    args.loss_type = LOSS_TYPES.check(args.loss_type, also=TRL_NATIVE_LOSS_TYPES, error=ConfigError)
     trl_native = args.loss_type in TRL_NATIVE_LOSS_TYPES
-    if not trl_native:
-        args.loss_type = LOSS_TYPES.resolve(args.loss_type)
-
-    levels = IMPORTANCE_SAMPLERS.names(with_aliases=True)
-    if args.importance_sampling_level not in levels:
-        raise _unknown(
-            "importance_sampling_level", args.importance_sampling_level, levels, how.format("importance_sampling")
-        )
-    args.importance_sampling_level = IMPORTANCE_SAMPLERS.resolve(args.importance_sampling_level)
-
+    args.importance_sampling_level = IMPORTANCE_SAMPLERS.check(args.importance_sampling_level, error=ConfigError)
     if isinstance(args.scale_rewards, bool):
         args.scale_rewards = "group" if args.scale_rewards else "none"
     elif isinstance(args.scale_rewards, str) and args.scale_rewards.lower() in _BOOL_STRINGS:
         args.scale_rewards = _BOOL_STRINGS[args.scale_rewards.lower()]
-    normalizers = ADVANTAGE_NORMALIZERS.names(with_aliases=True)
-    if args.scale_rewards not in normalizers:
-        raise _unknown("scale_rewards", args.scale_rewards, normalizers, how.format("advantage_normalizer"))
-    args.scale_rewards = ADVANTAGE_NORMALIZERS.resolve(args.scale_rewards)
+    args.scale_rewards = ADVANTAGE_NORMALIZERS.check(args.scale_rewards, error=ConfigError)
 
     _check_ranges(args)
     _check_combinations(args, trl_native, settings)
@@ -330,6 +308,16 @@ class GRPOConfig(trl.GRPOConfig):
             "choices": ["warn", "error", "off"],
         },
     )
+    vllm_quantization: str = field(
+        default="auto",
+        metadata={
+            "help": "What a colocated vLLM engine (use_vllm=True, vllm_mode='colocate') serves the weights in. 'auto': "
+            "TRL's choice (the checkpoint's precision), except for a 4-bit bitsandbytes base, for which TRL asks vLLM "
+            "for bitsandbytes (gone in vLLM 0.31): there bfloat16 when its weights take at most half the engine's "
+            "share of the GPU, else fp8 where vLLM runs it. 'none': the engine's dtype. Any other name (e.g. 'fp8') "
+            "goes to vLLM's `quantization` as it is (an online method: vLLM quantizes the synced weights).",
+        },
+    )
     advantage_estimator: str = field(
         default=DEFAULT_ESTIMATOR,
         metadata={
@@ -373,23 +361,23 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
     clip_cov_ratio: float = field(
-        default=_CLIP_COV["clip_cov_ratio"],
+        default=_CLIP_COV["clip_cov_ratio"].default,
         metadata={"help": "policy_loss='clip_cov': share r of tokens whose gradient is cut (at least one)."},
     )
     clip_cov_lb: float = field(
-        default=_CLIP_COV["clip_cov_lb"],
+        default=_CLIP_COV["clip_cov_lb"].default,
         metadata={"help": "policy_loss='clip_cov': lower bound of the covariance band tokens are cut from."},
     )
     clip_cov_ub: float = field(
-        default=_CLIP_COV["clip_cov_ub"],
+        default=_CLIP_COV["clip_cov_ub"].default,
         metadata={"help": "policy_loss='clip_cov': upper bound of the covariance band tokens are cut from."},
     )
     kl_cov_ratio: float = field(
-        default=_KL_COV["kl_cov_ratio"],
+        default=_KL_COV["kl_cov_ratio"].default,
         metadata={"help": "policy_loss='kl_cov': share k of tokens (largest covariance) that get the KL penalty."},
     )
     kl_cov_coef: float = field(
-        default=_KL_COV["kl_cov_coef"],
+        default=_KL_COV["kl_cov_coef"].default,
         metadata={
             "help": "policy_loss='kl_cov': coefficient of |logp - old_logp| on those tokens (verl: ppo_kl_coef)."
         },
@@ -537,6 +525,7 @@ class PlusSettings:
     activation_offloading: bool
     tiled_mlp_tokens: int | None
     fit_check: str
+    vllm_quantization: str
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
     selective: SelectiveRolloutSettings
@@ -558,6 +547,7 @@ class PlusSettings:
             activation_offloading=own.activation_offloading,
             tiled_mlp_tokens=own.tiled_mlp_tokens,
             fit_check=own.fit_check,
+            vllm_quantization=own.vllm_quantization,
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
@@ -581,6 +571,14 @@ class PlusSettings:
             )
         if self.fit_check not in FIT_CHECK_MODES:
             raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
+        if not isinstance(self.vllm_quantization, str) or self.vllm_quantization.lower() == "bitsandbytes":
+            raise not_allowed(
+                "vllm_quantization",
+                self.vllm_quantization,
+                "'auto', 'none' or an online quantization vLLM has (e.g. 'fp8'); not 'bitsandbytes': vLLM 0.31 has "
+                "no bitsandbytes, and grpo_plus syncs a 4-bit base dequantized, for the engine to serve in bfloat16 "
+                "or quantize itself",
+            )
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
         self.algorithms.validate(args, trl_native)

@@ -111,12 +111,31 @@ class Registry(Generic[F]):
         return sorted([*self._entries, *self._aliases]) if with_aliases else sorted(self._entries)
 
     def resolve(self, name: str) -> str:
-        """Canonical name for `name` or an alias; raises ValueError listing what is allowed."""
-        if isinstance(name, str) and name in self._entries:
-            return name
-        if isinstance(name, str) and name in self._aliases:
-            return self._aliases[name]
-        raise ValueError(self.unknown_message(name))
+        """Canonical name for `name` or an alias; raises ValueError listing what is allowed (`check`)."""
+        return self.check(name)
+
+    def check(self, value: object, *, also: Iterable[str] = (), error: type[ValueError] = ValueError) -> str:
+        """The canonical name of `value` (a registered name or alias), or `value` itself when it is one of `also`
+        (names something else handles, e.g. TRL's own loss types); anything else raises `error` naming the field,
+        the closest allowed name and every allowed one. The one check of a name, wherever it is given."""
+        if isinstance(value, str) and value in self._entries:
+            return value
+        if isinstance(value, str) and value in self._aliases:
+            return self._aliases[value]
+        also = tuple(also)
+        if isinstance(value, str) and value in also:
+            return value
+        raise error(self.unknown_message(value, also))
+
+    def snapshot(self) -> tuple[dict[str, Entry[F]], dict[str, str]]:
+        """What is registered now (for `restore`): tests and plugin reloads put a registry back as it was."""
+        return dict(self._entries), dict(self._aliases)
+
+    def restore(self, snapshot: tuple[dict[str, Entry[F]], dict[str, str]]) -> None:
+        """Put back what `snapshot()` saw: names registered since are gone, names removed since are back."""
+        entries, aliases = snapshot
+        self._entries.clear(), self._entries.update(entries)
+        self._aliases.clear(), self._aliases.update(aliases)
 
     def entries(self) -> list[Entry[F]]:
         """Every registered entry, sorted by name."""
@@ -128,10 +147,11 @@ class Registry(Generic[F]):
     def get(self, name: str) -> F:
         return self.entry(name).fn
 
-    def unknown_message(self, name: object) -> str:
-        allowed = self.names(with_aliases=True)
+    def unknown_message(self, name: object, also: Iterable[str] = ()) -> str:
+        allowed = [*self.names(with_aliases=True), *also]
         hint = did_you_mean(name, allowed, cutoff=0.5)
+        register = f"grpo_plus.register_{self.kind.replace(' ', '_')}"
         return (
-            f"Unknown {self.field} {name!r}.{hint} Registered {self.kind} names: {', '.join(allowed)}. "
-            f"Register your own with grpo_plus.register_{self.kind.replace(' ', '_')}(name)."
+            f"{self.field}={name!r} is not registered.{hint} Allowed: {', '.join(allowed)}. Register your own with "
+            f"{register}(name) (import its module first, or list it in the config's `plugins`)."
         )

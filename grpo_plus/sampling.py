@@ -142,6 +142,28 @@ class DynamicSampling:
     checkpoint_name = "dynamic_sampling"
     version = 1
 
+    @classmethod
+    def for_dataset(cls, settings: DynamicSamplingSettings, dataset: Any, num_generations: int,
+                    seed: int) -> DynamicSampling | None:  # fmt: skip
+        """The trainer's dynamic sampling over `dataset` (its refill prompts), or None when the settings leave it off."""
+        from datasets import IterableDataset
+
+        if not settings.enabled:
+            return None
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
+        return cls(settings, len(dataset), num_generations, seed=seed)
+
+    @staticmethod
+    def log(stats: dict[str, float], metrics: dict[str, list], per_step: float, num_processes: int) -> None:
+        """A generation batch's `collect` statistics as the trainer logs them: generation calls per optimizer step
+        (`per_step` generation batches to a step), groups trained over every process."""
+        metrics["dynamic_sampling/generation_calls_per_step"].append(stats["rounds"] / per_step)
+        stats = {**stats, "trained_groups": stats["trained_groups_per_process"] * num_processes}
+        del stats["trained_groups_per_process"]
+        for name, value in stats.items():
+            metrics[f"dynamic_sampling/{name}"].append(value)
+
     def __init__(self, settings: DynamicSamplingSettings, dataset_size: int, num_generations: int, seed: int):
         self.settings, self.dataset_size, self.num_generations, self.seed = (
             settings,

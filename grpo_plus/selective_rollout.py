@@ -109,6 +109,18 @@ class SelectiveRollout:
 
     checkpoint_name = "selective_rollout"
 
+    @classmethod
+    def for_dataset(cls, enabled: bool, settings: SelectiveRolloutSettings, dataset: Any, seed: int,
+                    shuffle: bool) -> SelectiveRollout | None:  # fmt: skip
+        """The trainer's selective rollout over `dataset` (rows addressed by index), or None when it is off."""
+        from datasets import IterableDataset
+
+        if not enabled:
+            return None
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError("selective_rollout=True needs a map-style train_dataset (rows addressed by index).")
+        return cls(len(dataset), settings, seed=seed, shuffle=shuffle)
+
     def __init__(self, dataset_size: int, settings: SelectiveRolloutSettings, seed: int, shuffle: bool = True):
         if dataset_size < 1:
             raise ValueError("selective_rollout needs a non-empty train_dataset.")

@@ -190,12 +190,13 @@ def pack_shared_prompts(
     their `row_keys` (B,) entries are equal too (a VLM's rows: the same images). `prompt_blocks` (B, prompt width):
     an id per prompt column, -1 or a block whose positions attend each other both ways (Gemma 3's image tokens).
     """
-    prompt_width = prompt_ids.shape[1]
     completion_mask_cpu = completion_mask.detach().cpu()
     prompt_mask_cpu = prompt_mask.detach().cpu()
     prompt_ids_cpu, completion_ids_cpu = prompt_ids.detach().cpu(), completion_ids.detach().cpu()
     attended = completion_mask_cpu.bool()
-    lengths = [int(row.nonzero()[-1]) + 1 if row.any() else 0 for row in attended]
+    # Each row's length: one past its last attended column (0 for a row with none), for all rows at once.
+    ends = torch.where(attended, torch.arange(1, attended.shape[1] + 1), 0)
+    lengths = ends.amax(dim=1).tolist() if ends.shape[1] else [0] * ends.shape[0]
 
     keys_cpu = None if row_keys is None else row_keys.detach().cpu()
     blocks_cpu = None if prompt_blocks is None else prompt_blocks.detach().cpu()
@@ -206,32 +207,41 @@ def pack_shared_prompts(
             continue
         prefix_columns = prompt_mask_cpu[rows[0], :-1].nonzero().squeeze(1)
         for pack_rows in plan_packs(len(prefix_columns), [lengths[r] for r in rows], hidden_size):
-            pack, prompt_row = _Pack(), rows[pack_rows[0]]
-            pack.add(
-                prompt_ids_cpu[prompt_row, prefix_columns],
-                prefix_columns,
-                segment=_PREFIX,
-                attended=torch.ones(len(prefix_columns), dtype=torch.bool),
-                targets=torch.full((len(prefix_columns),), IGNORE_INDEX),
-                origin_row=prompt_row,
-                blocks=None if blocks_cpu is None else blocks_cpu[prompt_row, prefix_columns],
-            )
-            for segment, index in enumerate(pack_rows):
-                row, length = rows[index], lengths[rows[index]]
-                scored = attended[row, :length]
-                pack.add(
-                    torch.cat([prompt_ids_cpu[row, -1:], completion_ids_cpu[row, : length - 1]]),
-                    torch.arange(prompt_width - 1, prompt_width - 1 + length),
-                    segment=segment,
-                    attended=torch.cat([torch.ones(1, dtype=torch.bool), attended[row, : length - 1]]),
-                    targets=completion_ids_cpu[row, :length].masked_fill(~scored, IGNORE_INDEX),
-                    origin_row=row,
-                    destination_row=row,
-                    destination_columns=scored.nonzero().squeeze(1),
-                )
-            pack.prompt_row = prompt_row
+            prompt_row = rows[pack_rows[0]]
+            pack = _Pack(prompt_row=prompt_row)
+            prompt_blocks_row = None if blocks_cpu is None else blocks_cpu[prompt_row, prefix_columns]
+            pack.add_prefix(prompt_ids_cpu[prompt_row, prefix_columns], prefix_columns, prompt_blocks_row)
+            pack_completions(pack, torch.tensor([rows[i] for i in pack_rows]), lengths, prompt_ids_cpu,
+                             completion_ids_cpu, attended)  # fmt: skip
             packs.append(pack)
     return _stack_packs(packs, pad_token_id, prompt_ids.device, bidirectional_blocks=blocks_cpu is not None)
+
+
+def pack_completions(pack: _Pack, rows: torch.Tensor, lengths: list[int], prompt_ids: torch.Tensor,
+                     completion_ids: torch.Tensor, attended: torch.Tensor) -> None:  # fmt: skip
+    """Append the completions of TRL rows `rows` to `pack`, one segment each, in order: a segment is the prompt's last
+    token and the completion but its last token (what predicts each completion token), at the positions of TRL's
+    layout, its scored tokens as targets. All rows at once: a [rows, longest] block, cut to each row's length."""
+    width = max(lengths[row] for row in rows.tolist())
+    columns = torch.arange(width)
+    inside = columns < torch.tensor([lengths[row] for row in rows.tolist()]).unsqueeze(1)  # each segment's positions
+    inputs = torch.cat([prompt_ids[rows, -1:], completion_ids[rows, : width - 1]], dim=1)
+    keys = torch.cat([torch.ones(len(rows), 1, dtype=torch.bool), attended[rows, : width - 1]], dim=1)
+    scored = attended[rows, :width]  # within each row's length by definition of the length
+    targets = completion_ids[rows, :width].masked_fill(~scored, IGNORE_INDEX)
+    segments = torch.arange(pack.completions, pack.completions + len(rows)).unsqueeze(1).expand(-1, width)
+    positions = (prompt_ids.shape[1] - 1 + columns).expand(len(rows), -1)
+    scored_rows, scored_columns = scored.nonzero(as_tuple=True)
+    pack.token_ids.append(inputs[inside])
+    pack.position_ids.append(positions[inside])
+    pack.segments.append(segments[inside])
+    pack.attended.append(keys[inside])
+    pack.targets.append(targets[inside])
+    pack.destination_rows.append(rows[scored_rows])
+    pack.destination_columns.append(scored_columns)
+    pack.origin_rows.append(rows.unsqueeze(1).expand(-1, width)[inside])
+    pack.blocks.append(torch.full((int(inside.sum()),), -1))  # completions attend causally
+    pack.completions += len(rows)
 
 
 @dataclass
@@ -248,29 +258,18 @@ class _Pack:
     origin_rows: list[torch.Tensor] = field(default_factory=list)  # TRL row each position repeats (its column: the id)
     blocks: list[torch.Tensor] = field(default_factory=list)  # bidirectional block of each position, -1 for none
     prompt_row: int = 0
+    completions: int = 0  # completion segments in the pack
 
-    def add(
-        self,
-        token_ids,
-        position_ids,
-        segment,
-        attended,
-        targets,
-        origin_row,
-        destination_row=None,
-        destination_columns=None,
-        blocks=None,
-    ):
+    def add_prefix(self, token_ids: torch.Tensor, position_ids: torch.Tensor, blocks: torch.Tensor | None) -> None:
+        """The shared prompt (of TRL row `prompt_row`): every position attended, none scored; `blocks` its
+        positions' bidirectional blocks, None for none."""
         self.token_ids.append(token_ids)
         self.position_ids.append(position_ids)
-        self.segments.append(torch.full((len(token_ids),), segment))
-        self.attended.append(attended)
-        self.targets.append(targets)
-        self.origin_rows.append(torch.full((len(token_ids),), origin_row))
+        self.segments.append(torch.full((len(token_ids),), _PREFIX))
+        self.attended.append(torch.ones(len(token_ids), dtype=torch.bool))
+        self.targets.append(torch.full((len(token_ids),), IGNORE_INDEX))
+        self.origin_rows.append(torch.full((len(token_ids),), self.prompt_row))
         self.blocks.append(torch.full((len(token_ids),), -1) if blocks is None else blocks)
-        if destination_row is not None:
-            self.destination_rows.append(torch.full((len(destination_columns),), destination_row))
-            self.destination_columns.append(destination_columns)
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self.token_ids)
@@ -310,7 +309,7 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device, bidirectional_bl
         source_position.append(scored)
         destination_row.append(torch.cat(pack.destination_rows))
         destination_col.append(torch.cat(pack.destination_columns))
-    shares_prompts = any(len(pack.segments) > 2 for pack in packs)  # the prefix and 2+ completion segments
+    shares_prompts = any(pack.completions > 1 for pack in packs)  # the prefix and 2+ completion segments
     mask_free = not shares_prompts and not bidirectional_blocks and bool((valid | (segments == _PADDING)).all())
     block_mask = None if mask_free else block_attention_mask(segments, valid, blocks).to(device)
 

@@ -18,21 +18,20 @@ from typing import Any
 
 import torch
 import trl
-from datasets import IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .algorithms import KLCoefficient, first_of_each_group, greedy_decoding, mask_from_lengths, unlogged
+from .algorithms import KLCoefficient, estimator_inputs, greedy_rewards, local_advantages
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .fit import check_before_training
-from .generation import GenerationStats, generate_patched, generation_blocker
+from .generation import generate_patched, generation_blocker
 from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
 from .health import TrainingHealthGuard
 from .loss_metrics import log_loss_metrics
 from .multi_turn import TurnCache
-from .objective import combine_rewards, compute_advantages, compute_policy_loss
+from .objective import combine_rewards, compute_policy_loss
 from .offloading import training_step_context
 from .quantization import keep_4bit_trainable_on_cpu
 from .sampling import DynamicSampling, shuffle_groups
@@ -49,12 +48,13 @@ from .trl_compat import (
     get_soft_overlong_punishment,
     is_async_callable,
     logps_unavailable_reason,
+    policy_weights,
     split_tensor_dict,
     uses_continuous_batching,
 )
 from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .validation import check_dataset, guard_reward_funcs
-from .vllm_sync import reload_on_sync, sleep_mode_blocker
+from .vllm_sync import engine_precision, reload_on_sync, sleep_mode_blocker
 from .zero_waste import ZeroWastePass
 
 logger = logging.getLogger(__name__)
@@ -69,9 +69,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
             if (reason := sleep_mode_blocker(args)) is not None:  # before TRL loads the model and starts vLLM
                 raise ValueError(reason)
-        super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        with engine_precision(args):  # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes")
+            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
-        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, on every build (vllm_sync)
+        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
             reload_on_sync(self.vllm_generation)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
@@ -84,8 +85,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None  # the last round's rewards, gathered from all processes
-        self._dynamic_sampling = self._make_dynamic_sampling()
-        self._selective_rollout = self._make_selective_rollout()
+        self._dynamic_sampling = DynamicSampling.for_dataset(
+            self.plus.dynamic_sampling, self.train_dataset, self.num_generations, seed=self.args.seed + 1
+        )
+        self._selective_rollout = SelectiveRollout.for_dataset(
+            self.plus.selective_rollout, self.plus.selective, self.train_dataset, self.args.seed, self.shuffle_dataset
+        )
         self._selective_draw = None  # the draw whose completions are being generated and scored
         self._turn_cache: TurnCache | None = None  # the caches of a round's tool turns (grpo_plus.multi_turn)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
@@ -110,14 +115,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         if self.plus.tiled_mlp_tokens:
             tile_mlps(policy, self.plus.tiled_mlp_tokens)
-        self._offload_step = training_step_context(
-            self.model, self.accelerator.device, self.plus.activation_offloading
-        )
-        if self.plus.fit_check != "off" and self.accelerator.device.type == "cuda":
+        device = self.accelerator.device
+        self._offload_step = training_step_context(self.model, device, self.plus.activation_offloading)
+        if self.plus.fit_check != "off" and device.type == "cuda":
             check_before_training(
-                self.args, policy, self.train_dataset, self.processing_class, self.accelerator.device,
-                mode=self.plus.fit_check,
-            )  # fmt: skip
+                self.args, policy, self.train_dataset, self.processing_class, device, self.plus.fit_check
+            )
 
     def training_step(self, *args, **kwargs):
         with self._offload_step:  # as TRL's SFTTrainer wraps its training step (activation_offloading)
@@ -204,60 +207,28 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._selective_rollout.record(self._selective_draw, self._round_rewards(), self.num_generations)
             self._selective_draw = None
         if self.multi_objective_aggregation == "sum_then_normalize":
-            estimator_inputs = self._estimator_inputs(inputs, output)
-            output["advantages"] = self._local_advantages(
-                len(inputs), output["completion_ids"].shape[1], **estimator_inputs
-            )
+            output["advantages"] = self._round_advantages(inputs, output)
         return output
+
+    def _round_advantages(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> torch.Tensor:
+        """The estimator's advantages from every process's rewards (grpo_plus.algorithms), this process's rows."""
+        algorithms, start = self.plus.algorithms, self.accelerator.process_index * len(inputs)
+        needed = estimator_inputs(algorithms, output, self.accelerator.gather, lambda: self._greedy_rewards(inputs))
+        num_generations = self.num_generations if self.model.training else self.num_generations_eval
+        return local_advantages(
+            self._round_rewards(), num_generations, self.scale_rewards, algorithms.advantage_estimator,
+            self._logs["advantages"], slice(start, start + len(inputs)), output["completion_ids"].shape[1], **needed,
+        )  # fmt: skip
 
     def _round_rewards(self) -> torch.Tensor:
         """The last round's weighted rewards, every process's completions, NaN where no function scored."""
         return combine_rewards(self._rewards_per_func, self.reward_weights)
 
-    def _local_advantages(self, local_batch_size: int, width: int, **estimator_inputs) -> torch.Tensor:
-        """Advantages from the gathered rewards, sliced to this process (per-token ones to its `width` completion
-        columns); the completions log gets them too."""
-        num_generations = self.num_generations if self.model.training else self.num_generations_eval
-        advantages = compute_advantages(
-            self._round_rewards(),
-            num_generations,
-            self.scale_rewards,
-            estimator=self.plus.algorithms.advantage_estimator,
-            **estimator_inputs,
-        )
-        logged = self._logs["advantages"]
-        for _ in range(min(len(advantages), len(logged))):
-            logged.pop()
-        logged.extend((advantages if advantages.dim() == 1 else advantages.mean(dim=1)).tolist())
-        start = self.accelerator.process_index * local_batch_size
-        local = advantages[start : start + local_batch_size]
-        if local.dim() == 2:  # per token: every process's completions were padded to its own width
-            local = torch.nn.functional.pad(local[:, :width], (0, max(width - local.shape[1], 0)))
-        return local
-
-    def _estimator_inputs(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """What the advantage estimator reads besides the rewards, over every process's completions."""
-        algorithms, estimator_inputs = self.plus.algorithms, {}
-        if algorithms.needs("completion_mask"):
-            lengths = (output["completion_mask"] * output.get("tool_mask", 1)).sum(dim=1)
-            estimator_inputs["completion_mask"] = mask_from_lengths(self.accelerator.gather(lengths))
-        if algorithms.needs("reward_baselines"):
-            estimator_inputs["reward_baselines"] = self._greedy_rewards(inputs)
-        return estimator_inputs
-
     def _greedy_rewards(self, inputs: list[dict[str, Any]]) -> torch.Tensor:
-        """ReMax's baseline: the reward of one greedy completion per prompt, generated and scored by TRL's own
-        `_generate` and `_calculate_rewards` (zero-waste generation included), every process's prompts in order."""
+        """ReMax's baseline (grpo_plus.algorithms.greedy_rewards), scored by TRL's own `_calculate_rewards`."""
         mode = "train" if self.model.training else "eval"
-        firsts = first_of_each_group(inputs, self.num_generations if mode == "train" else self.num_generations_eval)
-        prompts = [row["prompt"] for row in firsts]
-        # TRL's _generate logs lengths and counts tokens as training samples; the baseline is neither.
-        with greedy_decoding(self), unlogged(self._metrics[mode], self.state):
-            _, completion_ids, _, completions, *_ = self._generate(prompts)
-        rewards_per_func = super()._calculate_rewards(firsts, prompts, completions, completion_ids)
-        rewards = combine_rewards(rewards_per_func, self.reward_weights)
-        self._metrics[mode]["remax/greedy_reward"].append(torch.nanmean(rewards).item())
-        return rewards
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        return greedy_rewards(self, inputs, num_generations, super()._calculate_rewards, self._metrics[mode])
 
     def _prepare_inputs(self, generation_batch):
         if self._dynamic_sampling is not None and self.model.training:
@@ -269,14 +240,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         return inputs
 
     # ---- dynamic sampling (DAPO, grpo_plus.sampling) ---------------------------------------------------------------
-
-    def _make_dynamic_sampling(self) -> DynamicSampling | None:
-        if not self.plus.dynamic_sampling.enabled:
-            return None
-        if isinstance(self.train_dataset, IterableDataset):
-            raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
-        size = len(self.train_dataset)
-        return DynamicSampling(self.plus.dynamic_sampling, size, self.num_generations, seed=self.args.seed + 1)
 
     def _prepare_informative_inputs(self, generation_batch):
         """TRL's buffering, but shuffling whole groups so no micro-batch holds part of a group."""
@@ -301,11 +264,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             micro_batches=self.args.steps_per_generation,
         )
         per_step = self.args.steps_per_generation * self.num_iterations / self.current_gradient_accumulation_steps
-        metrics = self._metrics["train"]
-        metrics["dynamic_sampling/generation_calls_per_step"].append(stats["rounds"] / per_step)
-        stats["trained_groups"] = stats.pop("trained_groups_per_process") * self.accelerator.num_processes
-        for name, value in stats.items():
-            metrics[f"dynamic_sampling/{name}"].append(value)
+        self._dynamic_sampling.log(stats, self._metrics["train"], per_step, self.accelerator.num_processes)
         return output
 
     def _draw_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
@@ -323,14 +282,6 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- selective rollout (GRESO, grpo_plus.selective_rollout) ------------------------------------------------------
     # Every process holds the same history (it is updated from the rewards TRL gathers from all processes) and draws
     # the same global batch, then takes its slice.
-
-    def _make_selective_rollout(self) -> SelectiveRollout | None:
-        if not self.plus.selective_rollout:
-            return None
-        if isinstance(self.train_dataset, IterableDataset) or not hasattr(self.train_dataset, "__len__"):
-            raise ValueError("selective_rollout=True needs a map-style train_dataset (rows addressed by index).")
-        size = len(self.train_dataset)
-        return SelectiveRollout(size, self.plus.selective, seed=self.args.seed, shuffle=self.shuffle_dataset)
 
     def _draw_selective_inputs(self, num_rows: int) -> list[dict[str, Any]]:
         """Replace a generation round's prompts with a selective draw (predicted-dead prompts skipped, the round
@@ -363,20 +314,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._zero_waste.note_fallback("generation", reason)
             return trl_generation(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model_wrapped)
+        metrics = self._metrics["train" if self.model.training else "eval"]
         num_images = None if images is None else [len(row) if row else 0 for row in images]
-        with generate_patched(model, self._log_generation, self._turn_cache, num_images):
+        record = functools.partial(self._zero_waste.record_generation, metrics=metrics)
+        with generate_patched(model, record, self._turn_cache, num_images):
             return trl_generation(*args, **kwargs)
-
-    def _log_generation(self, stats: GenerationStats) -> None:
-        if stats.fallback is not None:
-            self._zero_waste.note_fallback("generation", stats.fallback)
-        if stats.turns_blocker is not None:
-            self._zero_waste.note_fallback("each tool turn's history in generation", stats.turns_blocker)
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["zero_waste/generation_positions_frac"].append(stats.positions_frac)
-        self._metrics[mode]["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
-        if stats.full_images:
-            self._metrics[mode]["zero_waste/generation_images_frac"].append(stats.images / stats.full_images)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste) -----------------------------------------------------------------
 
@@ -405,7 +347,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             model_inputs,
         )  # fmt: skip
 
-    # ---- loss (grpo_plus.losses) ----------------------------------------------------------------------------------
+    # ---- loss (grpo_plus.objective) -------------------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
         if self.loss_type in TRL_NATIVE_LOSS_TYPES:
@@ -420,22 +362,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         old_logps = inputs.get("old_per_token_logps")
         old_logps = logps.detach() if old_logps is None else old_logps
 
-        entropy_mask = None
-        if self.top_entropy_quantile < 1.0:
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
-        policy_weights = entropy_mask
-        if self.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's off-policy sequence mask, as TRL applies it
-            off_policy = self.get_off_policy_mask(
-                advantages=advantages,
-                per_token_logps=logps,
-                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps),
-                mask=mask,
-                off_policy_threshold=self.off_policy_mask_threshold,
-            )
-            policy_weights = off_policy if policy_weights is None else off_policy * policy_weights
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            ratio = inputs["importance_sampling_ratio"]
-            policy_weights = ratio if policy_weights is None else policy_weights * ratio
+        entropy_mask, weights = policy_weights(self, inputs, advantages, logps, old_logps, entropies, mask)
 
         accumulation_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = inputs["num_items_in_batch"]
@@ -463,7 +390,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             num_items_in_batch=num_items,
             num_processes=self.accelerator.num_processes,
             gradient_accumulation_steps=accumulation_steps,
-            policy_weights=policy_weights,
+            policy_weights=weights,
         )
         loss = out.loss
         if mode == "train":

@@ -10,8 +10,11 @@ or constant.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import inspect
+import textwrap
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +49,8 @@ __all__ = [
     "cache_argument_name",
     "colocate_weight_stream_name",
     "colocated_model_runner",
+    "colocate_distribution",
+    "vllm_engine_factory",
     "get_soft_overlong_punishment",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
@@ -58,9 +63,11 @@ __all__ = [
     "version_gap",
     "nanmax",
     "nanmin",
+    "policy_weights",
     "reference_model",
     "split_tensor_dict",
     "tested_trl_versions_text",
+    "trl_loss_fields",
     "unwrap_model_for_generation",
 ]
 
@@ -388,6 +395,38 @@ def entropy_bonus(trainer: trl.GRPOTrainer, entropies: torch.Tensor, mask: torch
     return coef * mean_entropy
 
 
+def policy_weights(
+    trainer: trl.GRPOTrainer,
+    inputs: dict,
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    entropies: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(entropy mask, weights of the policy term) as TRL's `_compute_loss` builds them: the high-entropy token mask
+    (`top_entropy_quantile < 1`), DeepSeek-V3.2's off-policy sequence mask (`off_policy_mask_threshold`) and vLLM's
+    importance-sampling ratio, multiplied; None where none applies. TRL does this inline in `_compute_loss`, with its
+    own `get_high_entropy_mask` / `get_off_policy_mask`, which are called here as TRL calls them."""
+    entropy_mask = None
+    if trainer.top_entropy_quantile < 1.0:
+        entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+    weights = entropy_mask
+    if trainer.off_policy_mask_threshold is not None:
+        off_policy = trainer.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=logps,
+            sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps),
+            mask=mask,
+            off_policy_threshold=trainer.off_policy_mask_threshold,
+        )
+        weights = off_policy if weights is None else off_policy * weights
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        ratio = inputs["importance_sampling_ratio"]
+        weights = ratio if weights is None else weights * ratio
+    return entropy_mask, weights
+
+
 def has_fused_lm_head() -> bool:
     """True if TRL scores completions through its fused LM head (1.15+: `model(..., labels=..., fused_lm_head=True)`
     returns `.log_probs` / `.entropy`); False if it computes full logits (1.14). The zero-waste pass scores its
@@ -440,6 +479,85 @@ def loop_keeps_running_loss_on_trainer() -> bool:
     """Whether transformers' training loop keeps its running loss on the trainer (`self._tr_loss`, transformers >= 5)
     rather than in a local variable of `_inner_training_loop` (4.x), which it passes to `_maybe_log_save_evaluate`."""
     return "self._tr_loss" in inspect.getsource(transformers.Trainer._inner_training_loop)
+
+
+@functools.cache
+def trl_loss_fields(trainer_class: type | None = None) -> frozenset[str]:
+    """The GRPOConfig fields TRL's training loss reads, read from TRL's own source so that a release reading another
+    field is counted without an edit here: in `_compute_loss` and the trainer methods it calls, every
+    `self.args.<field>`, and every `self.<attribute>` that `__init__` sets from `args.<field>` (directly or through
+    other attributes and local variables, e.g. `epsilon_low` from `epsilon`). Only GRPOConfig fields are kept."""
+    trainer_class = trainer_class or trl.GRPOTrainer
+    methods = {}
+    for klass in reversed(trainer_class.__mro__):  # the most derived definition wins
+        for name, value in vars(klass).items():
+            if inspect.isfunction(value) and klass.__module__.startswith("trl"):
+                methods[name] = value
+    init = _method_tree(methods["__init__"])
+    # What each `self.<attribute>` of __init__ is set from: args fields, other attributes, and local variables that
+    # hold an args field as it is (`coef = args.router_aux_loss_coef`; a local computed from more, e.g. the model
+    # loaded from model_init_kwargs, is not the loss's setting).
+    sources: dict[str, set[str]] = {}
+    for node in ast.walk(init):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            read = {f"args.{name}" for name in _args_fields(node.value)}
+            for target in targets:
+                if isinstance(target, ast.Attribute) and _is_self(target.value):
+                    read |= {f"self.{name}" for name in _self_attributes(node.value)}
+                    read |= {f"local.{n.id}" for n in ast.walk(node.value) if isinstance(n, ast.Name)}
+                    sources.setdefault(f"self.{target.attr}", set()).update(read)
+                elif isinstance(target, ast.Name) and isinstance(node.value, ast.Attribute):
+                    sources.setdefault(f"local.{target.id}", set()).update(read)
+
+    def fields_of(name: str, seen: set[str]) -> set[str]:
+        if name in seen:
+            return set()
+        seen.add(name)
+        out = set()
+        for source in sources.get(name, ()):
+            out |= {source[5:]} if source.startswith("args.") else fields_of(source, seen)
+        return out
+
+    fields, visited, pending = set(), set(), ["_compute_loss"]
+    while pending:
+        name = pending.pop()
+        if name in visited or name not in methods:
+            continue
+        visited.add(name)
+        tree = _method_tree(methods[name])
+        fields |= _args_fields(tree)
+        for attribute in _self_attributes(tree):
+            pending.append(attribute)  # a method it calls (others are not in `methods`)
+            fields |= fields_of(f"self.{attribute}", set())
+    config_fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
+    return frozenset(fields & config_fields)
+
+
+def _method_tree(function) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _self_attributes(tree: ast.AST) -> set[str]:
+    """Names read as `self.<name>` in `tree`."""
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and _is_self(node.value)}
+
+
+def _args_fields(tree: ast.AST) -> set[str]:
+    """Names read as `args.<name>` or `self.args.<name>` in `tree`."""
+    fields = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if isinstance(value, ast.Name) and value.id == "args":
+                fields.add(node.attr)
+            elif isinstance(value, ast.Attribute) and value.attr == "args" and _is_self(value.value):
+                fields.add(node.attr)
+    return fields
 
 
 def cache_argument_name() -> str:
@@ -505,3 +623,21 @@ def colocate_weight_stream_name() -> str:
 def colocated_model_runner(llm):
     """The model runner of a colocated `vllm.LLM`, where TRL's colocate sync finds the model."""
     return llm.llm_engine.model_executor.driver_worker.model_runner
+
+
+def colocate_distribution(generation):
+    """TRL's `DistributedBackend` of a `VLLMGeneration`: `gather_params(params)` (ZeRO-3's gather, a no-op elsewhere),
+    `is_fsdp`, the same object TRL's own weight stream uses."""
+    return generation._dist
+
+
+# TRL builds the colocated engine with `LLM(...)` looked up in this module's namespace (VLLMGeneration._init_vllm),
+# passing quantization="bitsandbytes" when the model has 4-bit bitsandbytes layers.
+VLLM_ENGINE_MODULE, VLLM_ENGINE_FACTORY = "trl.generation.vllm_generation", "LLM"
+
+
+def vllm_engine_factory():
+    """(module, attribute name) where TRL looks up the class it builds the colocated vLLM engine with."""
+    import importlib
+
+    return importlib.import_module(VLLM_ENGINE_MODULE), VLLM_ENGINE_FACTORY

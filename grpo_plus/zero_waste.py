@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import trl
 
+from .generation import GenerationStats
 from .multimodal import (
     RowImages,
     bidirectional_blocks,
@@ -90,6 +91,17 @@ class ZeroWastePass:
         if (part, reason) not in self._notes:
             self._notes.add((part, reason))
             logger.warning("Zero-waste pass: %s computed in full, because %s.", part, reason)
+
+    def record_generation(self, stats: GenerationStats, metrics: dict[str, list]) -> None:
+        """What one zero-waste generation call reports: why a part stood aside (said once), the positions computed."""
+        if stats.fallback is not None:
+            self.note_fallback("generation", stats.fallback)
+        if stats.turns_blocker is not None:
+            self.note_fallback("each tool turn's history in generation", stats.turns_blocker)
+        metrics["zero_waste/generation_positions_frac"].append(stats.positions_frac)
+        metrics["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
+        if stats.full_images:
+            metrics["zero_waste/generation_images_frac"].append(stats.images / stats.full_images)
 
     def find_row_skip_blocker(self) -> str | None:
         """None when zero-advantage rows may be left out of the training forward, else why not."""

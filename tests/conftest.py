@@ -48,13 +48,14 @@ def restore_environment():
 
 @pytest.fixture(autouse=True)
 def restore_registries():
-    """Undo modes a test registered (plugins, user modes): later tests see the built-in registries."""
-    from grpo_plus.objective import REGISTRIES as registries
+    """Undo modes a test registered or removed (plugins, user modes, overrides): every test starts from, and leaves,
+    the built-in registries. The one way tests restore a registry (`Registry.snapshot` / `restore`)."""
+    from grpo_plus.objective import REGISTRIES
 
-    saved = [(registry, dict(registry._entries), dict(registry._aliases)) for registry in registries]
+    snapshots = [(registry, registry.snapshot()) for registry in REGISTRIES]
     yield
-    for registry, entries, aliases in saved:
-        registry._entries, registry._aliases = entries, aliases
+    for registry, snapshot in snapshots:
+        registry.restore(snapshot)
 
 
 @pytest.fixture(scope="session")

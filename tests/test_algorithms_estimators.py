@@ -177,7 +177,7 @@ def test_exactly_zero_for_equal_rewards_that_float_means_miss():
     [
         (dict(estimator="opo"), r"advantage_estimator='opo' needs completion_mask; it was None"),
         (dict(estimator="remax"), r"advantage_estimator='remax' needs reward_baselines; it was None"),
-        (dict(estimator="rlooo"), r"Unknown advantage_estimator 'rlooo'. Did you mean 'rloo'\?"),
+        (dict(estimator="rlooo"), r"advantage_estimator='rlooo' is not registered. Did you mean 'rloo'\?"),
         (dict(estimator="opo", completion_mask=torch.ones(7, 3)), r"completion_mask has 7 rows, rewards 8"),
         (dict(estimator="remax", reward_baselines=torch.ones(3)), r"reward_baselines must have shape \(2,\).*\(8,\)"),
     ],

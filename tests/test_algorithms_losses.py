@@ -350,8 +350,11 @@ def test_adaptive_kl_controller_state_round_trips_and_rejects_bad_state():
         (dict(policy_loss="cispo", delta=2.0), r"delta=2.0 cannot be combined with policy_loss='cispo'.*ppo_clip"),
         (dict(policy_loss="sapo", dual_clip=3.0), "dual_clip=3.0 cannot be combined with policy_loss='sapo'"),
         (dict(policy_loss="clip_cov", policy_loss_options={"kl_cov_ratio": 0.1}), "takes no option.*clip_cov_ratio"),
-        (dict(policy_loss="gmpoo"), r"Unknown policy_loss 'gmpoo'. Did you mean 'gmpo'\?"),
-        (dict(kl_estimator="k4"), r"Unknown kl_estimator 'k4'"),
+        (dict(policy_loss="clip_cov", policy_loss_options={"clip_cov_lb": 6.0}), r"must be below clip_cov_ub=5.0"),
+        (dict(policy_loss="kl_cov", policy_loss_options={"kl_cov_coef": -1.0}), r"kl_cov_coef=-1.0 .* must be >= 0"),
+        (dict(policy_loss="sapo", policy_loss_options={"sapo_temperature_neg": 0.0}), "sapo_temperature_neg=0.0"),
+        (dict(policy_loss="gmpoo"), r"policy_loss='gmpoo' is not registered. Did you mean 'gmpo'\?"),
+        (dict(kl_estimator="k4"), r"kl_estimator='k4' is not registered"),
     ],
 )
 def test_bad_combinations_fail_naming_the_setting(settings, match):
@@ -375,3 +378,28 @@ def test_a_registered_policy_loss_gets_its_options_and_composes():
     gpg = compute_policy_loss(logps, old, advantages, mask, policy_loss="gpg", loss_type="grpo")
     assert out.loss.item() == pytest.approx(3 * gpg.loss.item(), rel=1e-12)
     assert math.isfinite(out.metrics["ratio/mean"])
+
+
+def test_a_registered_policy_loss_declares_its_options_bounds_beside_it():
+    """An option's allowed values live in its declaration (`Option`): a value outside them fails in the core, and the
+    bound may name another option of the same loss."""
+    from grpo_plus import register_policy_loss
+    from grpo_plus.objective import Option, PolicyTerm
+
+    @register_policy_loss(
+        "banded_pg_test",
+        options={"low": Option(0.5, "below high={high}", lambda value, options: value < options["high"]),
+                 "high": Option(2.0, "> 0", lambda value, options: value > 0)},
+    )  # fmt: skip
+    def banded_policy_gradient(ctx):
+        """l = -clip(w, low, high) A logp."""
+        weights = ctx.weights.clamp(ctx.options["low"], ctx.options["high"]).detach()
+        return PolicyTerm(-weights * ctx.advantages * ctx.logps)
+
+    logps, old, _, advantages, mask = inputs(13)
+    settings = dict(policy_loss="banded_pg_test", loss_type="grpo")
+    compute_policy_loss(logps, old, advantages, mask, **settings, policy_loss_options={"low": 1.0})  # < high=2.0
+    with pytest.raises(ValueError, match=r"low=3.0 is not allowed: low must be below high=2.0"):
+        compute_policy_loss(logps, old, advantages, mask, **settings, policy_loss_options={"low": 3.0})
+    with pytest.raises(ValueError, match=r"high=-1.0 is not allowed: high must be > 0"):
+        compute_policy_loss(logps, old, advantages, mask, **settings, policy_loss_options={"high": -1.0, "low": -2})

@@ -16,8 +16,9 @@ from grpo_plus import (
     register_importance_sampling,
     register_loss_type,
 )
-from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
+from grpo_plus.objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES
 from grpo_plus.objective.common import WARNED_ONCE
+from grpo_plus.settings import ConfigError
 
 B, T = 3, 5
 
@@ -117,29 +118,41 @@ def test_unknown_names_list_registered_and_closest(field, wrong, closest, regist
     with pytest.raises(ValueError) as info:
         call(**{field: wrong, "max_completion_length": T})
     message = str(info.value)
-    assert message.startswith(f"Unknown {field} {wrong!r}.")
+    assert message.startswith(f"{field}={wrong!r} is not registered.")
     if closest is not None:
         assert f"Did you mean {closest!r}?" in message
     for name in registered:
         assert name in message
 
 
-@pytest.fixture
-def cleanup():
-    """(registry, name) pairs registered by a test, removed afterwards even when it fails."""
-    entries = []
-    yield entries
-    for registry, name in entries:
-        if name in registry:
-            registry.unregister(name)
+def test_one_check_for_names_everywhere():
+    """`Registry.check` is how every registered name is checked (the core, the config): canonical names for aliases,
+    names another component handles passed through, anything else the error asked for with the closest name."""
+    assert ADVANTAGE_NORMALIZERS.check("local") == "group"
+    assert LOSS_TYPES.check("cispo", also=("cispo",)) == "cispo"
+    with pytest.raises(ConfigError, match=r"loss_type='dapoo' is not registered. Did you mean 'dapo'\?.*cispo"):
+        LOSS_TYPES.check("dapoo", also=("cispo",), error=ConfigError)
+    with pytest.raises(ValueError, match=r"Allowed: .*Register your own with grpo_plus.register_loss_type\(name\)"):
+        LOSS_TYPES.check(3)
 
 
-def test_register_twice_needs_override(cleanup):
+def test_snapshot_and_restore_put_a_registry_back():
+    built_in = call(loss_type="grpo").loss
+    snapshot = LOSS_TYPES.snapshot()
+    register_loss_type("snapshot_test")(lambda masked_loss, ctx: masked_loss.sum())
+    register_loss_type("grpo", override=True, aliases=("grpo_alias_test",))(lambda masked_loss, ctx: masked_loss.sum())
+    LOSS_TYPES.unregister("dapo")
+    LOSS_TYPES.restore(snapshot)
+    assert LOSS_TYPES.snapshot() == snapshot
+    assert "snapshot_test" not in LOSS_TYPES and "grpo_alias_test" not in LOSS_TYPES and "dapo" in LOSS_TYPES
+    assert call(loss_type="grpo").loss.item() == built_in.item()  # the built-in again
+
+
+def test_register_twice_needs_override():
     @register_loss_type("twice_loss_test")
     def first(masked_loss, ctx):
         return masked_loss.sum()
 
-    cleanup.append((LOSS_TYPES, "twice_loss_test"))
     with pytest.raises(ValueError, match=r"'twice_loss_test' already registered; pass override=True"):
         register_loss_type("twice_loss_test")(lambda masked_loss, ctx: masked_loss.sum() * 2)
     out = call(loss_type="twice_loss_test")
@@ -158,13 +171,11 @@ def test_register_twice_needs_override(cleanup):
         register_importance_sampling("token")(lambda log_ratio, mask: log_ratio)
 
 
-def test_override_with_an_alias_that_was_an_entry(cleanup):
+def test_override_with_an_alias_that_was_an_entry():
     register_loss_type("alias_target_test")(lambda masked_loss, ctx: masked_loss.sum())
-    cleanup.append((LOSS_TYPES, "alias_target_test"))
     register_loss_type("alias_owner_test", aliases=("alias_target_test",), override=True)(
         lambda masked_loss, ctx: 3 * masked_loss.sum()
     )
-    cleanup.append((LOSS_TYPES, "alias_owner_test"))
     assert LOSS_TYPES.resolve("alias_target_test") == "alias_owner_test"
     assert "alias_target_test" not in available_loss_types()  # no longer a canonical name
     names = available_loss_types(with_aliases=True)
@@ -179,25 +190,23 @@ def test_requires_unknown_field():
     assert "requires_test" not in available_loss_types()
 
 
-def test_requires_known_field_is_enforced(cleanup):
+def test_requires_known_field_is_enforced():
     register_loss_type("needs_len_test", requires=("max_completion_length",))(
         lambda masked_loss, ctx: masked_loss.sum() / ctx.L
     )
-    cleanup.append((LOSS_TYPES, "needs_len_test"))
     with pytest.raises(ValueError, match=r"loss_type='needs_len_test' needs max_completion_length"):
         call(loss_type="needs_len_test")
     out = call(loss_type="needs_len_test", max_completion_length=10)
     torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum() / 10)
 
 
-def test_loss_type_must_return_scalar(cleanup):
+def test_loss_type_must_return_scalar():
     register_loss_type("per_sequence_test")(lambda masked_loss, ctx: masked_loss.sum(-1))
-    cleanup.append((LOSS_TYPES, "per_sequence_test"))
     with pytest.raises(ValueError, match=r"'per_sequence_test' must return a scalar, got shape \(3,\)"):
         call(loss_type="per_sequence_test")
 
 
-def test_user_loss_type_end_to_end(cleanup):
+def test_user_loss_type_end_to_end():
     """seq_mean_token_sum: sum over each sequence's tokens, mean over sequences, / S (a constant per-token weight
     across sequences of different length, without Dr. GRPO's L)."""
     seen: list[AggregationContext] = []
@@ -207,7 +216,6 @@ def test_user_loss_type_end_to_end(cleanup):
         seen.append(ctx)
         return (masked_loss * ctx.mask).sum(-1).mean() / ctx.S
 
-    cleanup.append((LOSS_TYPES, "seq_mean_token_sum"))
     assert "seq_mean_token_sum" in available_loss_types()
     assert "smts" in available_loss_types(with_aliases=True)
 
@@ -241,14 +249,13 @@ def test_user_loss_type_end_to_end(cleanup):
     assert hand_leaf.grad.abs().max() > 0
 
 
-def test_user_importance_sampling_end_to_end(cleanup):
+def test_user_importance_sampling_end_to_end():
     """sequence_sum: log w[i] = sum_t m*(logp - old_logp), the unnormalized sequence likelihood ratio, (B, 1)."""
 
     @register_importance_sampling("sequence_sum")
     def sequence_sum(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return (log_ratio * mask).sum(-1, keepdim=True)
 
-    cleanup.append((IMPORTANCE_SAMPLERS, "sequence_sum"))
     assert "sequence_sum" in available_importance_sampling_levels()
 
     logps, old_logps, _, advantages, mask = inputs(drift_noise=0.05)
@@ -276,5 +283,5 @@ def test_user_importance_sampling_end_to_end(cleanup):
     assert out.metrics["ratio/mean"] == pytest.approx(ratio.detach().mean().item(), abs=1e-12)
 
     IMPORTANCE_SAMPLERS.unregister("sequence_sum")
-    with pytest.raises(ValueError, match=r"Unknown importance_sampling_level 'sequence_sum'"):
+    with pytest.raises(ValueError, match=r"importance_sampling_level='sequence_sum' is not registered"):
         call(importance_sampling_level="sequence_sum")

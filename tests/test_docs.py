@@ -16,9 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from grpo_plus.advantages import ADVANTAGE_NORMALIZERS
-from grpo_plus.losses import IMPORTANCE_SAMPLERS, LOSS_TYPES
-
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = "<!-- docs-test: skip -->"
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\s`]*)[^`]*$")
@@ -74,19 +71,15 @@ SKIPPED = [block for page in PAGES for block in python_blocks(page) if block.ski
 
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
-    """A fresh working directory, offline, no GPU; the registries, sys.path and new modules restored afterwards."""
+    """A fresh working directory, offline, no GPU; sys.path and new modules restored afterwards (the registries by
+    conftest's restore_registries, as for every test)."""
     monkeypatch.chdir(tmp_path)
     for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(sys, "path", list(sys.path))
-    registries = [(registry, dict(registry._entries), dict(registry._aliases)) for registry in
-                  (LOSS_TYPES, IMPORTANCE_SAMPLERS, ADVANTAGE_NORMALIZERS)]  # fmt: skip
     modules = set(sys.modules)
     yield tmp_path
-    for registry, entries, aliases in registries:
-        registry._entries.clear(), registry._entries.update(entries)
-        registry._aliases.clear(), registry._aliases.update(aliases)
     for name in set(sys.modules) - modules:
         if str(tmp_path) in str(getattr(sys.modules[name], "__file__", "") or ""):
             del sys.modules[name]  # a module an example wrote into its working directory
@@ -98,7 +91,10 @@ def test_documented_python_examples_run(page, isolated):
 
 
 @pytest.mark.parametrize("block", SKIPPED, ids=lambda block: block.where)
-def test_skipped_examples_are_reported(block):
+def test_skipped_examples_compile_and_are_reported(block):
+    """A block that cannot run here still has to be Python a reader can paste: it compiles (a syntax error fails
+    here), then it is reported as skipped, naming its page and line."""
+    compile(block.code, f"{block.where} (```python block)", "exec")
     pytest.skip(f"{block.where}: marked `{SKIP_MARKER}`")
 
 
@@ -120,6 +116,14 @@ def test_a_broken_example_fails_naming_its_page_and_line(isolated):
     with pytest.raises(NameError, match="rewards") as error:
         run_page(python_blocks(page))
     assert error.traceback[-1].frame.code.path == f"{page}:9 (```python block)"
+
+
+def test_a_skipped_example_that_does_not_compile_fails(isolated):
+    page = write_page(isolated, f"# A page\n\n{SKIP_MARKER}\n```python\ntrainer.train(\n```\n")
+    (block,) = python_blocks(page)
+    assert block.skipped
+    with pytest.raises(SyntaxError):
+        test_skipped_examples_compile_and_are_reported(block)
 
 
 def test_blocks_share_a_namespace_in_order_and_skips_and_other_fences_do_not_run(isolated):

@@ -14,8 +14,7 @@ import torch
 from helpers.losses import PolicyLossInputs, policy_loss_inputs
 
 from grpo_plus import available_policy_losses
-from grpo_plus.losses import compute_policy_loss
-from grpo_plus.objective import POLICY_LOSSES, SPLIT_INVARIANT
+from grpo_plus.objective import POLICY_LOSSES, SPLIT_INVARIANT, compute_policy_loss
 
 B, T = 16, 12
 L = 15  # max_completion_length

@@ -195,7 +195,7 @@ def test_depth_extrapolation_and_the_generation_count(monkeypatch):
     points = [fit.measure_pass(spec, "grpo_plus", layers) for layers in (1, 2, 3)]
     assert fit.extrapolate(points, 3) == points[2]
     counted = {layers: fit.measure_generation(spec, layers) for layers in (1, 2)}  # counted once, for both caches
-    monkeypatch.setattr(fit, "measure_generation", lambda spec, layers, rows=None: counted[layers])
+    monkeypatch.setattr(fit.count, "measure_generation", lambda spec, layers, rows=None: counted[layers])
     dynamic = fit.generation(spec)
     config = spec.config()
     head_dim = config.hidden_size // config.num_attention_heads
@@ -298,8 +298,8 @@ def test_the_trainer_checks_the_fit_on_a_cuda_device_with_the_runs_own_spec(tmp_
     args = grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, tiled_mlp_tokens=64, gradient_accumulation_steps=2,
                                                   fit_check="error"))  # fmt: skip
     seen = []
-    monkeypatch.setattr(fit, "device_budget", lambda device: (10 * fit.GIB, 0))
-    monkeypatch.setattr(fit, "check_fit", lambda spec, budget, device, mode: seen.append((spec, budget, mode)))
+    monkeypatch.setattr(fit.check, "device_budget", lambda device: (10 * fit.GIB, 0))
+    monkeypatch.setattr(fit.check, "check_fit", lambda spec, budget, device, mode: seen.append((spec, budget, mode)))
     trainer = grpo_plus.GRPOTrainer(model=make_model(tokenizer), processing_class=tokenizer,
                                     reward_funcs=[length_reward], args=args, train_dataset=prompt_dataset(8),
                                     peft_config=LoraConfig(**LORA))  # fmt: skip

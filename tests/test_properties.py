@@ -9,7 +9,7 @@ from helpers.losses import policy_loss_and_grad, policy_loss_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_plus.advantages import available_advantage_normalizers, compute_advantages
+from grpo_plus.objective import available_advantage_normalizers, compute_advantages
 
 PROPERTY_SETTINGS = settings(max_examples=50, deadline=None)
 

@@ -73,3 +73,49 @@ def test_rows_with_gradient_and_chunks():
     # TRL's chunks of consecutive rows: how many depends on the row count only, never on which prompts repeat.
     assert row_chunks(5, max_rows=4) == [range(0, 4), range(4, 5)]
     assert row_chunks(4, max_rows=None) == [range(0, 4)]
+
+
+def test_packing_computes_each_scored_token_from_what_trl_attends_random_batches():
+    """An oracle from TRL's layout, on random batches (ragged completions, masked tokens inside them, left-padded
+    prompts, groups sharing a prompt, every pack size the planner picks): every scored completion token is computed
+    exactly once, at its TRL position, from its preceding token, seeing exactly the (position, token) pairs TRL's
+    attention mask lets it see in `cat(prompt, completion)`."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(high: int, size=()) -> torch.Tensor:
+        return torch.randint(0, high, size, generator=generator)
+
+    for _ in range(150):
+        groups, group_size, prompt_width, width = (
+            int(draw(3)) + 1,
+            int(draw(5)) + 1,
+            int(draw(5)) + 2,
+            int(draw(8)) + 1,
+        )
+        rows = groups * group_size
+        prompt_mask = torch.ones(groups, prompt_width, dtype=torch.long)
+        for group in range(groups):
+            prompt_mask[group, : int(draw(prompt_width - 1))] = 0  # left padding; the last column always attended
+        prompt_ids = (draw(40, (groups, prompt_width)) + 3) * prompt_mask
+        prompt_ids, prompt_mask = (t.repeat_interleave(group_size, dim=0) for t in (prompt_ids, prompt_mask))
+        completion_ids = draw(40, (rows, width)) + 3
+        completion_mask = (torch.rand(rows, width, generator=generator) > 0.2).long()
+        for row in range(rows):
+            completion_mask[row, int(draw(width + 1)) :] = 0
+        batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, int(draw(3000)) + 1)
+
+        sequence, attended = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+        computed = list(zip(*[t.tolist() for t in (*batch.source, *batch.destination)], strict=True))
+        assert sorted([row, column] for _, _, row, column in computed) == completion_mask.nonzero().tolist()
+        causal = torch.ones(batch.input_ids.shape[1], batch.input_ids.shape[1], dtype=torch.bool).tril()
+        for pack, position, row, column in computed:
+            at = prompt_width + column - 1  # the TRL column whose token predicts completion[row, column]
+            assert batch.input_ids[pack, position] == sequence[row, at]
+            assert batch.position_ids[pack, position] == at
+            assert batch.targets[pack, position] == completion_ids[row, column]
+            keys = causal[position] if batch.block_mask is None else batch.block_mask[pack, 0, position]
+            seen = sorted(
+                zip(batch.position_ids[pack, keys].tolist(), batch.input_ids[pack, keys].tolist(), strict=True)
+            )
+            expected = [(j, int(sequence[row, j])) for j in range(at + 1) if attended[row, j]]
+            assert seen == expected, (row, column)

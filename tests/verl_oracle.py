@@ -7,7 +7,8 @@ b178a3cd56f58b2d502255daba591e92833930a7 (2026-01-29; the files last changed in 
   reinforce_plus_plus_baseline, rloo, opo, reinforce_plus_plus, remax, gpg}_outcome_advantage, agg_loss,
   compute_policy_loss_{gpg, clip_cov, kl_cov, geo_mean}, kl_penalty, kl_penalty_forward
 verl is Apache-2.0 (Copyright 2024 Bytedance Ltd. and/or its affiliates); it is not a dependency of grpo_plus and this
-file is not grpo_plus code: it is what grpo_plus's estimators are compared with (tests/test_algorithms_verl.py).
+file is not grpo_plus code: it is what grpo_plus's estimators and losses are compared with
+(tests/test_algorithms_estimators.py, tests/test_algorithms_losses.py).
 
 Known verl behaviour the tests rely on: `kl_penalty` passes a "+"-suffixed name on to `kl_penalty_forward`, which
 does not know it (NotImplementedError at this commit); verl's k3 is clamped (grpo_plus's k3 is TRL's, unclamped:

@@ -92,7 +92,7 @@ def _notes(field: str, entry) -> list[str]:
             notes.append("reads zero-advantage rows (no zero-waste row skipping)")
         options = entry.trait("options") or {}
         if options:
-            notes.append("options: " + ", ".join(f"{k}={v}" for k, v in options.items()))
+            notes.append("options: " + ", ".join(f"{name}={option.default}" for name, option in options.items()))
     return notes
 
 
@@ -172,7 +172,15 @@ def _fit(args: argparse.Namespace) -> int:
 
     spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts)
     budget = card_budget(spec, int(args.memory_gib * GIB), int(args.reserve_gib * GIB))
-    vllm = f", {spec.vllm_memory_fraction:g} of it for colocated vLLM" if spec.vllm_memory_fraction else ""
+    vllm = ""
+    if spec.vllm_memory_fraction:
+        from ..fit import engine_weights
+
+        served, weights = engine_weights(spec, int(args.memory_gib * GIB))
+        engine = spec.vllm_memory_fraction * args.memory_gib * GIB
+        room = f"{(engine - weights) / GIB:.1f} GiB left for its KV cache" if weights < engine else "NO room: raise it"
+        vllm = (f", {spec.vllm_memory_fraction:g} of it ({engine / GIB:.1f} GiB) for colocated vLLM: its weights "
+                f"{weights / GIB:.1f} GiB in {served}, {room}")  # fmt: skip
     if budget <= 0:
         raise ValueError(
             f"--memory-gib {args.memory_gib} leaves nothing after the {args.reserve_gib} GiB reserve{vllm}"
@@ -189,6 +197,7 @@ def _bool(text: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..fit import CARD_RESERVE_GIB
     from . import tasks
     from .compare import DEFAULT_PRESETS
     from .embedded import EMBEDDED_MODEL_NAME
@@ -232,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fit.add_argument("--config", required=True, help="a recipe config YAML (recipes/configs/*.yaml)")
     fit.add_argument("--memory-gib", type=float, default=24.0, help="the GPU's memory (default: a 24 GB card)")
-    fit.add_argument("--reserve-gib", type=float, default=2.0,
-                     help="kept for the CUDA context, kernel workspaces and allocator slack (default 2)")  # fmt: skip
+    fit.add_argument("--reserve-gib", type=float, default=CARD_RESERVE_GIB,
+                     help=f"kept for the CUDA context, kernel workspaces and allocator slack (default {CARD_RESERVE_GIB:g})")  # fmt: skip
     fit.add_argument("--prompt-tokens", type=int, default=128, help="the longest prompt, in tokens (default 128)")
     fit.add_argument("--equal-prompts", action="store_true",
                      help="every prompt has the same length (no padding; default: prompts differ, as in most datasets)")  # fmt: skip

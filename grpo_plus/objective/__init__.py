@@ -34,6 +34,7 @@ from .loss import PolicyLossOutput, compute_policy_loss
 from .policy_losses import (
     POLICY_LOSSES,
     ClipInputs,
+    Option,
     PolicyLossContext,
     PolicyTerm,
     available_policy_losses,
@@ -65,6 +66,7 @@ __all__ = [
     "AdvantageInputs",
     "AggregationContext",
     "ClipInputs",
+    "Option",
     "PolicyLossContext",
     "PolicyLossOutput",
     "PolicyTerm",

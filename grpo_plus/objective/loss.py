@@ -251,13 +251,29 @@ def policy_loss_problem(
 
 
 def resolve_policy_loss_options(policy_loss: str, given: Mapping[str, float] | None) -> Mapping[str, float]:
-    """The loss's declared options with `given` values over the defaults; an option it does not declare is an error."""
+    """The loss's declared options with `given` values over the defaults; an option it does not declare, or a value
+    its declaration does not allow, is an error (`policy_loss_options_problem`)."""
+    problem = policy_loss_options_problem(policy_loss, given)
+    if problem is not None:
+        raise ValueError(problem)
+    declared = POLICY_LOSSES.entry(policy_loss).trait(OPTIONS, {})
+    return MappingProxyType({**{name: option.default for name, option in declared.items()}, **(given or {})})
+
+
+def policy_loss_options_problem(policy_loss: str, given: Mapping[str, float] | None) -> str | None:
+    """Why `given` cannot be `policy_loss`'s options (an undeclared name, a value out of its declared bounds), or
+    None."""
     declared = POLICY_LOSSES.entry(policy_loss).trait(OPTIONS, {})
     unknown = set(given or {}) - set(declared)
     if unknown:
         allowed = ", ".join(declared) or "none"
-        raise ValueError(f"policy_loss={policy_loss!r} takes no option {sorted(unknown)}; its options: {allowed}.")
-    return MappingProxyType({**declared, **(given or {})})
+        return f"policy_loss={policy_loss!r} takes no option {sorted(unknown)}; its options: {allowed}."
+    values = {**{name: option.default for name, option in declared.items()}, **(given or {})}
+    for name, option in declared.items():
+        problem = option.problem(name, values[name], values)
+        if problem is not None:
+            return problem
+    return None
 
 
 def compute_policy_loss(

@@ -75,6 +75,30 @@ class PolicyTerm:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Option:
+    """A policy loss's own setting, declared beside the loss: its default and, optionally, the values it allows.
+
+    `is_allowed(value, options)` gets the value and every option of the loss (their values as given or defaulted),
+    so a bound may name another option; `allowed` says in words what it accepts ("> 0"; "{other}" is replaced by
+    that option's value)."""
+
+    default: float
+    allowed: str = ""
+    is_allowed: Callable[[float, Mapping[str, float]], bool] | None = None
+
+    def problem(self, name: str, value: float, options: Mapping[str, float]) -> str | None:
+        """Why `value` cannot be option `name`, or None."""
+        if self.is_allowed is None or self.is_allowed(value, options):
+            return None
+        return f"{name}={value!r} is not allowed: {name} must be {self.allowed.format(**options)}."
+
+
+def positive(default: float, what: str = "") -> Option:
+    """An option that must be > 0 (`what` says what it is, for the error)."""
+    return Option(default, f"> 0{f' ({what})' if what else ''}", lambda value, options: value > 0)
+
+
 PolicyLoss = Callable[[PolicyLossContext], PolicyTerm]
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "policy_loss")
 
@@ -88,7 +112,7 @@ def register_policy_loss(
     split_invariant: bool = False,
     takes: tuple[str, ...] = (),
     importance_sampling_levels: tuple[str, ...] | None = None,
-    options: Mapping[str, float] | None = None,
+    options: Mapping[str, float | Option] | None = None,
     paper: str = "",
 ):
     """Decorator: register `fn(ctx: PolicyLossContext) -> PolicyTerm` under `name`.
@@ -97,7 +121,8 @@ def register_policy_loss(
     its gradient whatever its log-probs (the trainer may then leave such rows out of the training forward), and
     `split_invariant=True` when each row's loss depends on that row alone. `takes` names the clip settings it reads
     besides epsilon / epsilon_high ("delta", "dual_clip"); others set are an error. `importance_sampling_levels` limits
-    the levels it accepts (None: any). `options` declares its own settings and their defaults (`ctx.options`).
+    the levels it accepts (None: any). `options` declares its own settings: name -> default, or an `Option` with the
+    values it allows (`ctx.options` holds their values; a bad value fails at config time and in `compute_policy_loss`).
     """
     unknown = set(takes) - set(CLIP_SETTINGS)
     if unknown:
@@ -113,7 +138,12 @@ def register_policy_loss(
             IMPORTANCE_SAMPLING_LEVELS: None
             if importance_sampling_levels is None
             else tuple(importance_sampling_levels),
-            OPTIONS: MappingProxyType(dict(options or {})),
+            OPTIONS: MappingProxyType(
+                {
+                    name: value if isinstance(value, Option) else Option(value)
+                    for name, value in (options or {}).items()
+                }
+            ),
             PAPER: paper,
         },
     )
@@ -180,7 +210,15 @@ def _verl_masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 @register_policy_loss(
     "clip_cov",
     importance_sampling_levels=("token",),
-    options={"clip_cov_ratio": 2e-4, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0},
+    options={
+        "clip_cov_ratio": positive(2e-4, "the share of tokens the method acts on"),
+        "clip_cov_lb": Option(
+            1.0,
+            "below clip_cov_ub={clip_cov_ub} (the covariance band is (lb, ub))",
+            lambda value, options: value < options["clip_cov_ub"],
+        ),
+        "clip_cov_ub": Option(5.0),
+    },  # fmt: skip
     paper="https://arxiv.org/abs/2505.22617",
 )
 def clip_covariance(ctx: PolicyLossContext) -> PolicyTerm:
@@ -214,7 +252,10 @@ def clip_covariance(ctx: PolicyLossContext) -> PolicyTerm:
 @register_policy_loss(
     "kl_cov",
     importance_sampling_levels=("token",),
-    options={"kl_cov_ratio": 2e-4, "kl_cov_coef": 1.0},
+    options={
+        "kl_cov_ratio": positive(2e-4, "the share of tokens the method acts on"),
+        "kl_cov_coef": Option(1.0, ">= 0", lambda value, options: value >= 0),
+    },
     paper="https://arxiv.org/abs/2505.22617",
 )
 def kl_covariance(ctx: PolicyLossContext) -> PolicyTerm:
@@ -269,7 +310,7 @@ def clipped_is_weight(ctx: PolicyLossContext) -> PolicyTerm:
     "sapo",
     zero_advantage_rows_contribute_nothing=True,
     split_invariant=True,
-    options={"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05},
+    options={"sapo_temperature_pos": positive(1.0), "sapo_temperature_neg": positive(1.05)},
     paper="https://arxiv.org/abs/2511.20347",
 )
 def soft_gate(ctx: PolicyLossContext) -> PolicyTerm:

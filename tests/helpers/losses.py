@@ -1,4 +1,4 @@
-"""Inputs for the pure-torch policy loss (grpo_plus.losses.compute_policy_loss): ragged masks, log-prob drift and
+"""Inputs for the pure-torch policy loss (grpo_plus.objective.compute_policy_loss): ragged masks, log-prob drift and
 advantage signs chosen per test, the rest drawn from a seeded generator."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from grpo_plus.losses import compute_policy_loss
+from grpo_plus.objective import compute_policy_loss
 
 
 class PolicyLossInputs(NamedTuple):

@@ -144,7 +144,9 @@ def use_row_seeded_sampling(model, seed: int, row_offset: int = 0) -> RowSeededS
     original_generate = model.generate
 
     def generate(*args, **kwargs):
-        kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), sampler]
+        config = kwargs.get("generation_config")
+        if config is None or config.do_sample:  # greedy decoding (ReMax's baseline) stays argmax
+            kwargs["logits_processor"] = [*kwargs.get("logits_processor", []), sampler]
         try:
             return original_generate(*args, **kwargs)
         finally:

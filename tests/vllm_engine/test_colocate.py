@@ -59,7 +59,9 @@ def build(package, model_dir, output_dir, *, reward_funcs=(odd_prompts_dead_rewa
         train_dataset=prompt_dataset(2),  # every step: one dead group ("1+1=") and one live group ("2+4=")
         peft_config=peft_config,
     )
-    reload_on_sync(trainer.vllm_generation)  # grpo_plus's trainer has it already; stock TRL gets the same sync
+    # grpo_plus's trainer has it already (LoRA merged out of place); stock TRL gets the reload around its own stream
+    # (LoRA merged into the base in place): in float32 both send the engine the same sums
+    reload_on_sync(trainer.vllm_generation, lora_merge_in_place=True)
     return trainer
 
 
@@ -203,6 +205,7 @@ def test_zero_waste_pass_matches_stock_trl_with_importance_sampling_correction(
 
 
 def test_lora_matches_stock_trl(shared_engine, model_dir, tmp_path):
-    """TRL merges the adapters into the base for each sync (and unmerges after); the engine generates from that."""
+    """TRL merges the adapters into the base for each sync (and unmerges after), grpo_plus merges them out of place
+    (tests/vllm_engine/test_lora_sync.py): on a float32 base the engine gets the same weights, and samples the same."""
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
     assert_same_run(model_dir, tmp_path, peft_config=lora, learning_rate=2.0)

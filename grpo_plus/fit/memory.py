@@ -272,6 +272,14 @@ class MemoryCounter(TorchDispatchMode):
         any_fake = any(is_fake(t) for t in tensors)
         if func is torch.ops.aten._local_scalar_dense.default and any_fake:
             return self._item(args[0])
+        if func is torch.ops.aten._to_copy.default and any_fake and not self.all_fake and _to_host(kwargs):
+            shadow = self._shadow_of(args[0])
+            if shadow is not None and args[0].numel() <= SHADOW_LIMIT:
+                # A small tensor copied to the host is its real values there: what the code then does with it on the
+                # CPU (index lists, masks: grpo_plus's packing) runs as plain CPU operators, not fake ones twice.
+                outputs = func(shadow, *args[1:], **kwargs)
+                self._record(outputs, tensors, func)
+                return outputs
         if any_fake or self.all_fake or _aims_at_accelerator(kwargs) or self._too_large_for_real(func, args, kwargs):
             outputs = self._run_fake(func, args, kwargs, tensors)
         else:
@@ -281,7 +289,12 @@ class MemoryCounter(TorchDispatchMode):
 
     def _too_large_for_real(self, func, args, kwargs) -> bool:
         """Whether an operator on real CPU inputs would make a tensor too large to compute here (e.g. a dense
-        [width x width] mask at 30K tokens): its fake outputs are checked first, and then it runs fake."""
+        [width x width] mask at 30K tokens): bounded from the inputs' shapes where the operator says how (views,
+        elementwise operators, what makes no more than it reads), else its fake outputs are checked first; then it
+        runs fake."""
+        bound = _output_bound(func, args)
+        if bound is not None:
+            return bound > SHADOW_LIMIT
         fake_args, fake_kwargs = tree_map(
             lambda v: self.fake_mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, (args, kwargs)
         )
@@ -412,6 +425,36 @@ class MemoryCounter(TorchDispatchMode):
             yield
         finally:
             self.all_fake = previous
+
+
+def _to_host(kwargs) -> bool:
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "cpu"
+
+
+# Operators whose outputs hold no more elements than their tensor inputs together (times the index width for nonzero).
+_NO_LARGER = {
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("nonzero", "clone", "_to_copy", "amax", "amin", "any", "all", "sum", "masked_select", "fill_",
+                 "copy_", "index_put_", "lift_fresh", "unique_dim", "_unique2", "cumsum", "cat")
+    for overload in getattr(torch.ops.aten, name).overloads()
+}  # fmt: skip
+
+
+def _output_bound(func, args) -> int | None:
+    """At most how many elements `func` makes from `args` (real CPU tensors), known from their shapes alone; None when
+    only running it (fake) would tell."""
+    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return None  # a factory: its size comes from its arguments
+    if func.is_view:
+        return 0
+    if torch.Tag.pointwise in func.tags:
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+        return int(torch.Size(shape).numel())
+    if func in _NO_LARGER:
+        return sum(t.numel() for t in tensors) * max(max((t.dim() for t in tensors), default=1), 1)
+    return None
 
 
 def _aims_at_accelerator(kwargs) -> bool:
@@ -549,6 +592,32 @@ class PassMemory:
 # ---- patches that make a count see what a GPU run does ----------------------------------------------------------------
 
 
+def _distinct_steps(*args) -> range | list[int]:
+    """`range(*args)`, of which only the first two steps and the last when it has more than three: the steps a tile
+    loop's memory can tell apart (the first tile, a tile after a full one, the last, possibly partial, tile)."""
+    steps = range(*args)
+    return steps if len(steps) <= 3 else [steps[0], steps[1], steps[-1]]
+
+
+@contextlib.contextmanager
+def distinct_tiles(module, enabled: bool = True) -> Iterator[None]:
+    """Within the block, the tile loops of `module` (`for start in range(0, n, tile)`) run their distinct tiles only.
+
+    In a fake count a tile's operators allocate the same bytes as every other full tile's and free them before the
+    next tile but one (what a tile makes is dropped when the next tile rebinds its names), and the work the skipped
+    tiles do is their values, which a fake count has none of: the peak over the first two tiles and the last is the
+    peak over all of them, at a fraction of the operators (TRL's chunked LM head: tokens / 4096 x vocabulary / chunk
+    tiles, forward and backward). Only for fake counts: real compute needs every tile's values."""
+    if not enabled:
+        yield
+        return
+    module.range = _distinct_steps  # shadows the builtin for the module's own loops
+    try:
+        yield
+    finally:
+        del module.range
+
+
 @contextlib.contextmanager
 def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Iterator[None]:
     """TRL's chunked log-prob function (TRL >= 1.15) with its [4096 x chunk] tile buffers fake, and, `lm_head="cuda"`,
@@ -565,7 +634,7 @@ def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Ite
 
     def counted(step):
         def run(ctx, *args, **kwargs):
-            with counter.faking():
+            with counter.faking(), distinct_tiles(chunked_logprob, counter.fake_mode is not None):
                 return step(ctx, *args, **kwargs)
 
         return staticmethod(run)
@@ -609,26 +678,36 @@ def storage_addresses() -> Iterator[None]:
 
 @contextlib.contextmanager
 def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
-    """`torch.tensor(data, device=accelerator)` builds its tensor outside torch's dispatch (on the CPU, then copied),
-    which a fake accelerator cannot take: within this block it becomes a fake tensor on that device with the data as
-    its shadow (transformers' KV cache starts from `torch.tensor([], device=...)`)."""
-    original = torch.tensor
+    """`torch.tensor(data, device=accelerator)` and `accelerator_tensor.new_tensor(data)` build their tensor outside
+    torch's dispatch (on the CPU, then copied), which a fake accelerator cannot take: within this block it becomes a
+    fake tensor on that device with the data as its shadow (transformers' KV cache starts from
+    `torch.tensor([], device=...)`; grpo_plus's adaptive KL coefficient appends a count with `new_tensor`)."""
+    original, original_new_tensor = torch.tensor, torch.Tensor.new_tensor
 
-    def tensor(data, *args, device=None, **kwargs):
-        if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
-            return original(data, *args, device=device, **kwargs)
-        real = original(data, *args, **kwargs)
+    def on_device(real: torch.Tensor, device) -> torch.Tensor:
         with counter.fake_mode:
             fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
         fake._shadow = real
         counter._record(fake, [], torch.tensor)
         return fake
 
-    torch.tensor = tensor
+    def tensor(data, *args, device=None, **kwargs):
+        if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
+            return original(data, *args, device=device, **kwargs)
+        return on_device(original(data, *args, **kwargs), device)
+
+    def new_tensor(self, data, *args, dtype=None, device=None, **kwargs):
+        device = self.device if device is None else torch.device(device)
+        if device.type == "cpu" or counter.fake_mode is None or not is_fake(self):
+            return original_new_tensor(self, data, *args, dtype=dtype, device=device, **kwargs)
+        real = original(data, dtype=self.dtype if dtype is None else dtype, **kwargs)
+        return on_device(real, device)
+
+    torch.tensor, torch.Tensor.new_tensor = tensor, new_tensor
     try:
         yield
     finally:
-        torch.tensor = original
+        torch.tensor, torch.Tensor.new_tensor = original, original_new_tensor
 
 
 @contextlib.contextmanager

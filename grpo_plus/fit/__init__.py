@@ -1,0 +1,121 @@
+"""Will a GRPO config fit the GPU? The worst step's peak, counted before step 1 from the config alone.
+
+The worst step of a run is the one whose every completion reaches `max_completion_length` and whose every group has
+signal (no row skipped). Its peak on the accelerator is
+
+    static (weights, 4-bit where quantized; trainable weights, their gradients, the optimizer's state)
+    + the largest of: generation (prefill, then the KV cache of every row at full length and one decode step),
+                      the training pass of one micro-batch (forward + backward, counted).
+
+Generation and the training pass are counted by running the real code on fake tensors (`grpo_plus.fit.memory`): the
+trainer's own `_compute_loss` (TRL's or grpo_plus's), transformers' model with the config's shapes, PEFT's LoRA layers,
+TRL's fused LM head and activation offloading, on a fake accelerator, at 1 and 2 decoder layers, extrapolated to the
+model's depth (decoder layers are identical, so every count is affine in the depth). What is not counted: the CUDA
+context and cuBLAS / attention workspaces (outside `max_memory_allocated`), the allocator's block rounding and
+fragmentation (`max_memory_reserved - max_memory_allocated`), bitsandbytes' dequantization buffers beyond one layer's
+weight, and the host memory offloading uses. `DEFAULT_RESERVE_GIB` and `FRAGMENTATION` are the margins taken for them.
+
+Sides: `trl` is stock `trl.GRPOTrainer` with the config's TRL settings; `grpo_plus` adds grpo_plus's own settings
+(`activation_offloading`, `tiled_mlp_tokens`, the zero-waste pass). `with_memory_options` switches on every memory
+setting a side has: for TRL gradient checkpointing and an offloaded KV cache for generation
+(`generation_kwargs={"cache_implementation": "offloaded"}`), for grpo_plus also activation offloading and a tiled MLP.
+
+The package, along its seams: `spec` (what a count depends on), `count` (the counts), `search` (the longest completion,
+the largest group, settings that fit, the report `grpo-plus fit` prints), `check` (the trainer's check, run in a child
+process: `python -m grpo_plus.fit`), `memory` (counting on fake tensors).
+"""
+
+from .check import (
+    CARD_RESERVE_GIB,
+    DEFAULT_RESERVE_GIB,
+    FRAGMENTATION,
+    FitCheckError,
+    card_budget,
+    check_before_training,
+    check_fit,
+    device_budget,
+    engine_weights,
+    prompt_lengths,
+)
+from .count import (
+    StepEstimate,
+    build_policy,
+    counting_trainer,
+    estimate,
+    extrapolate,
+    generation,
+    measure_generation,
+    measure_pass,
+    static_bytes,
+    synthetic_micro_batch,
+    training_pass,
+)
+from .memory import GIB, PassMemory
+from .search import (
+    GROUP_LIMIT,
+    LENGTH_STEP,
+    FitReport,
+    fit_report,
+    format_report,
+    largest_group,
+    largest_within,
+    longest_completion,
+    suggestions,
+)
+from .spec import (
+    KNOWN_MODELS,
+    KNOWN_SHAPES,
+    SIDES,
+    TILED_MLP_TOKENS,
+    FitSpec,
+    for_side,
+    known_config,
+    lora_fields,
+    optimizer_states,
+    with_memory_options,
+)
+
+__all__ = [
+    "CARD_RESERVE_GIB",
+    "DEFAULT_RESERVE_GIB",
+    "FRAGMENTATION",
+    "GIB",
+    "GROUP_LIMIT",
+    "KNOWN_MODELS",
+    "KNOWN_SHAPES",
+    "LENGTH_STEP",
+    "SIDES",
+    "TILED_MLP_TOKENS",
+    "FitCheckError",
+    "FitReport",
+    "FitSpec",
+    "PassMemory",
+    "StepEstimate",
+    "build_policy",
+    "card_budget",
+    "check_before_training",
+    "check_fit",
+    "counting_trainer",
+    "device_budget",
+    "engine_weights",
+    "estimate",
+    "extrapolate",
+    "fit_report",
+    "for_side",
+    "format_report",
+    "generation",
+    "known_config",
+    "largest_group",
+    "largest_within",
+    "longest_completion",
+    "lora_fields",
+    "measure_generation",
+    "measure_pass",
+    "optimizer_states",
+    "prompt_lengths",
+    "static_bytes",
+    "suggestions",
+    "synthetic_micro_batch",
+    "training_pass",
+    "with_memory_options",
+]

@@ -1,0 +1,555 @@
+"""Counting one step of a spec on the fake accelerator (`grpo_plus.fit.memory`): the training pass of a micro-batch
+through the trainer's own `_compute_loss`, generation's prefill and decode step, at 1 and 2 decoder layers extended to
+the model's depth; the weights, gradients and optimizer state from the shapes; the worst step's peak (`estimate`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..trl_compat import cache_argument_name
+from .memory import (
+    FAKE_ACCELERATOR,
+    CudaAttentionKernels,
+    MemoryCounter,
+    PassMemory,
+    SavedBytes,
+    accelerator_autocast,
+    fake_accelerator,
+    fake_inputs,
+    fake_parameters,
+    fused_lm_head_counting,
+    new_fake_mode,
+    readable_values,
+    storage_addresses,
+    tensors_from_data,
+)
+from .spec import FitSpec, for_side, known_config
+
+# ---- fake models and batches ----------------------------------------------------------------------------------------
+
+
+def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, completion_length: int, vocab_size: int,
+                          seed: int = 0, first_token: int = 3, padded: bool = False,
+                          reference: bool = False) -> dict:  # fmt: skip
+    """A training micro-batch as TRL's `_prepare_inputs` hands it to `_compute_loss`, worst case for memory: `rows` rows
+    in groups of `group_size` consecutive rows sharing a prompt, every completion `completion_length` tokens long (no
+    EOS, no padding), every advantage non-zero; `padded`: the first group's prompt is one token shorter (left
+    padding, as TRL pads prompts of different lengths); `reference`: with the reference model's log-probs (beta > 0:
+    the KL term)."""
+    generator = torch.Generator().manual_seed(seed)
+    groups = -(-rows // group_size)
+    prompts = torch.randint(first_token, vocab_size, (groups, prompt_length), generator=generator)
+    prompt_ids = prompts.repeat_interleave(group_size, dim=0)[:rows]
+    completion_ids = torch.randint(first_token, vocab_size, (rows, completion_length), generator=generator)
+    completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
+    advantages = torch.randn(rows, generator=generator)
+    advantages[advantages == 0] = 1.0
+    prompt_mask = torch.ones_like(prompt_ids)
+    if padded and prompt_length > 1:
+        prompt_mask[:group_size, 0] = 0
+        prompt_ids[:group_size, 0] = 0
+    batch = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": advantages,
+        "num_items_in_batch": completion_mask.sum().float(),
+    }
+    if reference:
+        batch["ref_per_token_logps"] = -torch.rand(rows, completion_length, generator=generator)
+    return batch
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer with exactly `vocab_size` ids: <pad> <eos> <bos>, then the words w3 .. w{vocab_size - 1} (one token
+    per word, so a prompt written as "w5 w17 ..." has an exact length and any sampled id decodes)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<pad>",
+        model_input_names=["input_ids", "attention_mask"],
+    )  # fmt: skip
+
+
+def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str = "cpu", seed: int = 0):
+    """The policy as TRL sets it up, at `layers` decoder layers: LoRA through PEFT, TRL's fused LM head on the base
+    model, gradient checkpointing (non-reentrant) with input grads enabled, grpo_plus's tiled MLP when the spec asks.
+    Fake weights on `device` with `fake_mode`, random real ones (on the CPU) without.
+
+    A 4-bit base (`four_bit`) is what `prepare_model_for_kbit_training` leaves (everything but the quantized linear
+    layers in fp32, LoRA weights in bf16 as TRL converts them), with bf16 stand-ins for the 4-bit linear layers: a
+    bitsandbytes 4-bit matmul keeps only the quantized weight for backward, as a frozen bf16 layer keeps only its
+    weight; the transient dequantized weight is added separately (`static_bytes`)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ..tiled_mlp import tile_mlps
+
+    torch.manual_seed(seed)
+    dtype = getattr(torch, spec.weights_dtype)
+    with torch.device("meta") if fake_mode is not None else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(spec.config(layers), dtype=dtype)
+    if spec.four_bit:
+        quantized = {
+            id(module.weight) for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+        }  # fmt: skip
+        for param in model.parameters():
+            if id(param) not in quantized:
+                param.data = param.data.float()
+    if spec.lora is not None:
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **spec.lora))
+        if spec.four_bit:
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.data = param.data.to(torch.bfloat16)
+    _add_fused_lm_head(model, spec)
+    if fake_mode is not None:
+        fake_parameters(model, fake_mode, device)
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if spec.lora is not None:
+            model.enable_input_require_grads()
+    if spec.tiled_mlp_tokens:
+        tile_mlps(model, spec.tiled_mlp_tokens)
+    model.train()
+    return model
+
+
+def _add_fused_lm_head(model, spec: FitSpec) -> None:
+    try:
+        from trl.trainer.utils import add_fused_lm_head
+    except ImportError:  # TRL 1.14: full logits
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    temperature = spec.loss.get("temperature", 1.0)
+    add_fused_lm_head(base, temperature=temperature, outputs=("log_probs", "entropy"))
+
+
+# ---- the counting trainers ---------------------------------------------------------------------------------------------
+
+_TRAINERS: dict = {}
+
+
+def counting_trainer(side: str, spec: FitSpec):
+    """A (TRL or grpo_plus) GRPOTrainer with the spec's objective (`spec.loss`), built once per process on a tiny model;
+    only its `_compute_loss` is used, handed the fake model to run (nothing of the tiny model enters it). Its `bf16` is the
+    spec's (grpo_plus reads the field); the autocast a count runs under is the count's own (`counting`), not read from
+    accelerate, which keeps one state per process."""
+    # What makes it a counting trainer (a tiny CPU run, no engine), over the config's objective.
+    own = dict(
+        use_cpu=True, bf16=spec.mixed_precision == "bf16", fp16=False, per_device_train_batch_size=2,
+        num_generations=2, max_completion_length=8, steps_per_generation=None, use_vllm=False,
+        gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+    )  # fmt: skip
+    objective = {name: value for name, value in spec.loss.items() if name not in own}
+    key = (side, spec.mixed_precision, json.dumps(objective, sort_keys=True, default=str))
+    if key in _TRAINERS:
+        _keep_accelerate_state()
+        return _TRAINERS[key]
+    import tempfile
+
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    import grpo_plus
+
+    package = trl if side == "trl" else grpo_plus
+    config = known_config("tiny-qwen2")
+    args = package.GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo-plus-fit-"), **objective, **own)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if args.beta != 0.0:  # TRL then takes the reference from the adapter-disabled model instead of loading one
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", r=1, target_modules=["q_proj"]))
+    with quiet():
+        trainer = package.GRPOTrainer(
+            model=model,
+            reward_funcs=[_zero_reward],
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": "w3 w4"}] * 2),
+            processing_class=word_tokenizer(config.vocab_size),
+        )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    _TRAINERS[key] = trainer
+    return trainer
+
+
+def _keep_accelerate_state() -> None:
+    """accelerate keeps one state per process, and building a TrainingArguments (a GRPOConfig, e.g. the next spec's)
+    resets it: a counting trainer built earlier then cannot answer `accelerator.num_processes`. Bring it back on the
+    CPU (a counting trainer never runs on a device)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        Accelerator(cpu=True)
+
+
+def _zero_reward(completions, **kwargs) -> list[float]:
+    return [0.0] * len(completions)
+
+
+@contextlib.contextmanager
+def quiet():
+    """Building the counting trainer logs nothing a user needs (its tiny model, TRL's notes)."""
+    import warnings
+
+    import transformers
+
+    previous = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(previous)
+
+
+# ---- counting -------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: str = "cuda",
+             kernels: list | None = None):  # fmt: skip
+    """What a count of the training pass runs inside (grpo_plus.memory's patches)."""
+    attention = CudaAttentionKernels() if device == FAKE_ACCELERATOR else contextlib.nullcontext()
+    if kernels is not None and isinstance(attention, CudaAttentionKernels):
+        attention.kernels = kernels
+    with (
+        # Backward in this thread: autograd sizes its per-device worker threads once per process, before a stand-in
+        # accelerator registered later exists, and an error in a worker thread would abort the process.
+        torch.autograd.set_multithreading_enabled(False),
+        tensors_from_data(counter),
+        fused_lm_head_counting(counter, lm_head),
+        accelerator_autocast(trainer, device, mixed),
+        storage_addresses(),
+        readable_values(),
+        attention,
+        counter,
+    ):
+        yield
+
+
+def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
+                 real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
+                 around=contextlib.nullcontext, kernels: list | None = None) -> PassMemory:  # fmt: skip
+    """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers, with the
+    trainable weights' gradients already allocated (as from the second micro-batch on: their bytes are static).
+
+    `real=True` computes it for real on the CPU instead (random weights), counted by the same counter: what the fake
+    count is checked against (its counts are the CPU's, reported as the accelerator's). `lm_head`: see
+    `grpo_plus.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton). `at_peak`:
+    a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a context
+    manager factory entered around the forward + backward alone (a profiler, for the validation). `kernels`: a list to
+    fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
+    spec = for_side(spec, side)
+    rows = rows or spec.rows
+    plain = not real and lm_head == "cuda" and at_peak is None and around is contextlib.nullcontext and kernels is None
+    plain = plain and _PASSES is not None
+    key = (side, _training_key(spec), layers, rows, group)
+    if plain and key in _PASSES:
+        return _PASSES[key]
+    device = "cpu" if real else fake_accelerator()
+    fake_mode = None if real else new_fake_mode()
+    trainer = counting_trainer(side, spec)
+    model = build_policy(spec, layers, fake_mode, device)
+    with fake_mode or contextlib.nullcontext():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    config = spec.config(layers)
+    batch = synthetic_micro_batch(
+        rows,
+        min(group or spec.num_generations, rows),
+        spec.prompt_tokens,
+        spec.completion_tokens,
+        config.vocab_size,
+        padded=spec.padded_prompts,
+        reference=spec.loss.get("beta", 0.0) != 0.0,
+    )
+    inputs = batch if real else fake_inputs(batch, fake_mode, device)
+    counter = MemoryCounter(fake_mode)
+    if at_peak is not None:
+        counter.describe = {}
+    saved = SavedBytes(counter)
+    with around(), counting(counter, trainer, device, spec.mixed_precision, lm_head, kernels):
+        offload = contextlib.nullcontext()
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
+        if spec.activation_offloading and not real:
+            from ..offloading import offloading_context
+
+            offload, hooks = offloading_context(model, device), contextlib.nullcontext()
+        with offload:
+            with hooks:
+                loss = trainer._compute_loss(model, dict(inputs))
+            saved_bytes, after_forward, forward_peak = saved.bytes, counter.live, counter.peak
+            loss.backward()
+            del loss
+    if at_peak is not None:
+        at_peak.extend(counter.at_peak)
+    counted = PassMemory(saved_bytes, after_forward, forward_peak, counter.peak, counter.live, counter.host_peak,
+                         counter.items_faked)  # fmt: skip
+    if plain:
+        _PASSES[key] = counted
+    return counted
+
+
+# Counts made within `remembered_counts()`, by what they depend on: a report asks for the same count more than once (a
+# training pass does not depend on generation's settings, generation not on the training pass's), and a count takes
+# seconds. None outside it: every count is made afresh.
+_PASSES: dict[tuple, PassMemory] | None = None
+_GENERATIONS: dict[tuple, tuple[int, int, int]] | None = None
+
+
+@contextlib.contextmanager
+def remembered_counts():
+    """Within the block, a count asked for again is not made again (what `grpo-plus fit` and the trainer's check
+    run in)."""
+    global _PASSES, _GENERATIONS
+    previous = _PASSES, _GENERATIONS
+    if _PASSES is None:
+        _PASSES, _GENERATIONS = {}, {}
+    try:
+        yield
+    finally:
+        _PASSES, _GENERATIONS = previous
+
+
+def _training_key(spec: FitSpec) -> str:
+    """What a training pass count depends on: the spec less generation's own settings."""
+    return spec.replace(generation_rows=0, offloaded_kv_cache=False, zero_waste_generation=True).to_json()
+
+
+def _generation_key(spec: FitSpec) -> str:
+    """What a generation count depends on: the spec less the training pass's own settings (the sampling temperature
+    stays: the count draws a token)."""
+    loss = {"temperature": spec.loss.get("temperature", 1.0)}
+    return spec.replace(rows=0, gradient_checkpointing=False, tiled_mlp_tokens=None, activation_offloading=False,
+                        optimizer_states=0.0, padded_prompts=True, loss=loss).to_json()  # fmt: skip
+
+
+def extrapolate(points: list[PassMemory], depth: int, start: int = 1) -> PassMemory:
+    """Counts at depths start, start + 1 extended to `depth` (affine in the depth)."""
+    first, second = (dataclasses.asdict(p) for p in points[:2])
+    return PassMemory(**{k: first[k] + (depth - start) * (second[k] - first[k]) for k in first})
+
+
+def training_pass(spec: FitSpec, side: str, rows: int | None = None, group: int | None = None) -> PassMemory:
+    """The training pass's counts at the model's full depth (from 1 and 2 decoder layers)."""
+    points = [measure_pass(spec, side, layers, rows, group) for layers in (1, 2)]
+    return extrapolate(points, spec.layers)
+
+
+def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> tuple[int, int, int]:
+    """(prefill peak, decode-step peak, KV cache) bytes of generation at `layers` decoder layers, every row alive at full length:
+    the prefill of the prompts (each distinct prompt once with zero-waste generation) and one decode step with a
+    KV cache of every row at the full length already there (transformers' DynamicCache, its bytes included), then
+    the draw (temperature, softmax, multinomial over the vocabulary)."""
+    rows = rows or spec.generation_rows
+    if _GENERATIONS is None:
+        return _measure_generation(spec, layers, rows)
+    key = (_generation_key(spec), layers, rows)
+    if key not in _GENERATIONS:
+        _GENERATIONS[key] = _measure_generation(spec, layers, rows)
+    return _GENERATIONS[key]
+
+
+def _measure_generation(spec: FitSpec, layers: int, rows: int) -> tuple[int, int, int]:
+    from transformers.cache_utils import DynamicCache
+
+    device = fake_accelerator()
+    fake_mode = new_fake_mode()
+    model = build_policy(spec.replace(gradient_checkpointing=False, tiled_mlp_tokens=None), layers, fake_mode, device)
+    model.eval()
+    config = spec.config(layers)
+    prefill_rows = -(-rows // spec.num_generations) if spec.zero_waste_generation else rows
+    prompt = fake_inputs({"ids": torch.randint(3, config.vocab_size, (prefill_rows, spec.prompt_tokens))},
+                         fake_mode, device)["ids"]  # fmt: skip
+    trainer_stub = _AutocastStub(spec.mixed_precision, device)
+    counter = MemoryCounter(fake_mode)
+    with (
+        torch.no_grad(),
+        counting(counter, trainer_stub, device, spec.mixed_precision),
+        trainer_stub.accelerator.autocast(),
+    ):
+        prefilled = model(input_ids=prompt, use_cache=True, logits_to_keep=1)[cache_argument_name()]
+    prefill = counter.peak
+    # The cache holds what the attention layers make: keys after rotary embedding (fp32 where the residual stream is,
+    # as with a 4-bit base prepared by prepare_model_for_kbit_training), values from the projection.
+    key_dtype, value_dtype = prefilled.layers[0].keys.dtype, prefilled.layers[0].values.dtype
+    del prefilled
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    length = spec.prompt_tokens + spec.completion_tokens - 1
+    shape = (rows, config.num_key_value_heads, length, head_dim)
+    token = fake_inputs({"ids": torch.randint(3, config.vocab_size, (rows, 1))}, fake_mode, device)["ids"]
+    counter = MemoryCounter(fake_mode)  # one counter for the cache and the step: the step frees cache storages
+    with (
+        torch.no_grad(),
+        counting(counter, trainer_stub, device, spec.mixed_precision),
+        trainer_stub.accelerator.autocast(),
+    ):
+        cache = DynamicCache(config=config)
+        for layer in range(layers):
+            cache.update(torch.empty(shape, dtype=key_dtype, device=device),
+                         torch.empty(shape, dtype=value_dtype, device=device), layer)  # fmt: skip
+        cache_bytes = counter.live
+        logits = model(input_ids=token, use_cache=True, logits_to_keep=1, **{cache_argument_name(): cache}).logits
+        scores = logits[:, -1, :].float() / max(spec.loss.get("temperature", 1.0), 1e-6)
+        torch.multinomial(torch.softmax(scores, dim=-1), 1)
+    return prefill, counter.peak, cache_bytes
+
+
+class _AutocastStub:
+    """A stand-in trainer for a generation count: its `accelerator.autocast()` is the autocast accelerate wraps the
+    prepared model's forward in (generation runs under it too)."""
+
+    class _Accelerator:
+        def __init__(self, mixed: str, device: str):
+            self.mixed_precision, self.device = mixed, device
+
+        def autocast(self):
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+            return contextlib.nullcontext() if dtype is None else torch.autocast(self.device, dtype=dtype)
+
+    def __init__(self, mixed: str, device: str):
+        self.accelerator = self._Accelerator(mixed, device)
+
+
+def generation(spec: FitSpec, rows: int | None = None) -> dict:
+    """Generation's peak at full depth (module docstring); with an offloaded KV cache transformers keeps two layers
+    of it on the device (the one being updated and the next, prefetched) instead of all of them. Nothing when vLLM
+    generates (a colocated engine's memory is its share of the card, `card_budget`)."""
+    if spec.vllm_generates:
+        return {"prefill": 0, "decode": 0, "kv_cache_on_device": 0, "peak": 0}
+    points = [measure_generation(spec, layers, rows) for layers in (1, 2)]
+    prefill, decode, cache = (
+        first + (spec.layers - 1) * (second - first) for first, second in zip(*points, strict=True)
+    )
+    if spec.offloaded_kv_cache:
+        per_layer = points[1][2] - points[0][2]
+        decode -= max(spec.layers - 2, 0) * per_layer
+        cache = min(spec.layers, 2) * per_layer
+    return {"prefill": prefill, "decode": decode, "kv_cache_on_device": cache, "peak": max(prefill, decode)}
+
+
+def nf4_bytes(numel: int) -> int:
+    """bitsandbytes nf4 with double quantization: 4 bits a weight, a uint8 absmax per 64-weight block, then per 256
+    blocks an fp32 absmax of those, plus the 256-entry fp32 code and an fp32 offset."""
+    blocks = math.ceil(numel / 64)
+    return numel // 2 + blocks + 4 * math.ceil(blocks / 256) + 4 * 256 + 4
+
+
+_STATIC: dict[str, dict] = {}
+
+
+def static_bytes(spec: FitSpec) -> dict:
+    """Bytes that stay for the whole run, from the model's shapes: frozen weights (nf4 where 4-bit), trainable
+    weights, their gradients and the optimizer's state; for a 4-bit base also one dequantized weight (the largest
+    linear layer, in bf16), which bitsandbytes makes for each matmul; without LoRA and with beta > 0, TRL's reference
+    model (a second copy of the weights)."""
+    key = spec.replace(rows=0, num_generations=0, generation_rows=0, prompt_tokens=0, completion_tokens=0).to_json()
+    if key not in _STATIC:
+        _STATIC[key] = _static_bytes(spec)
+    return dict(_STATIC[key])
+
+
+def _static_bytes(spec: FitSpec) -> dict:
+    model = build_policy(spec.replace(gradient_checkpointing=False, tiled_mlp_tokens=None), None,
+                         new_fake_mode(), "cpu")  # fmt: skip
+    frozen = trainable = dequantized = 0
+    seen = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        size = param.numel() * param.element_size()
+        if param.requires_grad:
+            trainable += size
+        elif (
+            spec.four_bit
+            and name.endswith("weight")
+            and param.dim() == 2
+            and "lm_head" not in name
+            and ("embed" not in name)
+        ):
+            frozen += nf4_bytes(param.numel())
+            dequantized = max(dequantized, param.numel() * 2)
+        else:
+            frozen += size
+    reference = frozen + trainable if spec.lora is None and spec.loss.get("beta", 0.0) > 0 else 0
+    return {
+        "weights": frozen,
+        "trainable": trainable,
+        "gradients": trainable,
+        "optimizer": int(spec.optimizer_states * trainable),
+        "reference_model": reference,
+        "dequantized_layer": dequantized,
+    }
+
+
+# ---- the worst step -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepEstimate:
+    """The worst step's peak of one side, per part (bytes)."""
+
+    side: str
+    spec: FitSpec
+    static: dict
+    training: PassMemory
+    generation: dict
+    seconds: tuple[float, float] | None = None  # (wall, CPU) of the trainer's check, when it ran one
+
+    @property
+    def static_total(self) -> int:
+        return sum(self.static.values())
+
+    @property
+    def training_peak(self) -> int:
+        return self.training.peak
+
+    @property
+    def total(self) -> int:
+        return self.static_total + max(self.training_peak, self.generation["peak"])
+
+    @property
+    def binding(self) -> str:
+        return "training pass" if self.training_peak >= self.generation["peak"] else "generation"
+
+    def parts(self) -> dict[str, int]:
+        static = self.static
+        return {
+            "weights": static["weights"] + static["reference_model"] + static["dequantized_layer"],
+            "trainable weights + gradients + optimizer": static["trainable"]
+            + static["gradients"]
+            + static["optimizer"],
+            "training pass (activations, peak)": self.training_peak,
+            "generation (KV cache + step)": self.generation["peak"],
+            "worst step": self.total,
+        }
+
+
+def estimate(spec: FitSpec, side: str, rows: int | None = None, group: int | None = None,
+             generation_rows: int | None = None) -> StepEstimate:  # fmt: skip
+    """The worst step's peak of `side` for `spec`."""
+    spec = for_side(spec, side)
+    static = static_bytes(spec)
+    training = training_pass(spec, side, rows, group)
+    return StepEstimate(side, spec, static, training, generation(spec, generation_rows))

@@ -1,0 +1,247 @@
+"""What `grpo-plus fit` answers beyond the config's own step: the longest completion and the largest group that fit a
+budget, the settings that would make an over-budget config fit, and the report it prints."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .count import StepEstimate, estimate, remembered_counts
+from .memory import GIB
+from .spec import SIDES, TILED_MLP_TOKENS, FitSpec, for_side, with_memory_options
+
+LENGTH_STEP = 128  # completion lengths are searched in multiples of this
+GROUP_LIMIT = 512  # the largest group the search tries
+
+
+def largest_within(cost, budget: int, low: int, high: int) -> int:
+    """The largest n in [low, high] with cost(n) <= budget, for a cost that grows with n and is close to affine or
+    quadratic (the terms of a step's peak are linear in the completion length or in the rows; a padding mask is
+    quadratic in the length); low - 1 when cost(low) > budget. Exact for any increasing cost: it returns n only once
+    cost(n) <= budget < cost(n + 1) (or n = `high`) has been counted.
+
+    A count costs more the larger n is, so `high` is not counted first: the line through `low` and a count an eighth
+    of the way up points at the answer (an affine cost: four counts, two of them small), and `high` is counted only
+    when the line says the answer is there. Once a count is over the budget, the parabola through the counts around
+    the answer closes in (a quadratic cost: a guess or two), each guess counted with its neighbour."""
+    values: dict[int, float] = {}
+
+    def at(n: int) -> float:
+        if n not in values:
+            values[n] = cost(n)
+        return values[n]
+
+    if at(low) > budget:
+        return low - 1
+    fit, over = low, None  # cost(fit) <= budget; cost(over) > budget once one is known
+    start = low + max((high - low) // 8, 1)  # well inside the range: cheaper to count than the top
+    if start < high:
+        fit, over = (start, None) if at(start) <= budget else (low, start)
+    while over is None or over - fit > 1:
+        if over is None:  # the line through the lowest count and the largest that fits
+            slope = (at(fit) - at(low)) / (fit - low) if fit > low else 0.0
+            guess = fit + int((budget - at(fit)) / slope) if slope > 0 else high
+            guess = min(max(guess, fit + 1), high)
+            if at(guess) > budget:
+                over = guess  # a line overshoots a cost that bends up: the parabola takes it from here
+                continue
+        else:
+            guess = _interpolate(values, budget, fit, over)
+            if at(guess) > budget:
+                over = guess
+                if guess - 1 > fit and at(guess - 1) <= budget:
+                    fit = guess - 1
+                continue
+        fit = guess
+        if fit == high:
+            return high
+        if over is None or fit + 1 < over:  # the guess's neighbour: where an exact guess is proven
+            if at(fit + 1) > budget:
+                over = fit + 1
+            elif over is None:
+                fit += 1
+    return fit
+
+
+def _interpolate(values: dict[int, float], budget: float, fit: int, over: int) -> int:
+    """A guess in (fit, over) for where the cost reaches `budget`: the parabola through `fit`, `over` and the count
+    nearest to them (a quadratic term, e.g. a padding mask, is then met exactly), else the secant."""
+    guess = None
+    others = [n for n in values if n not in (fit, over)]
+    if others:
+        third = min(others, key=lambda n: min(abs(n - fit), abs(n - over)))
+        guess = _parabola_crossing([(n, values[n]) for n in (third, fit, over)], budget, fit, over)
+    if guess is None:
+        slope = (values[over] - values[fit]) / (over - fit)
+        guess = fit + int((budget - values[fit]) / slope) if slope > 0 else (fit + over) // 2
+    return min(max(guess, fit + 1), over - 1)
+
+
+def _parabola_crossing(points: list[tuple[int, float]], budget: float, fit: int, over: int) -> int | None:
+    """The largest integer n in [fit, over) at which the parabola through `points` is at most `budget`, or None when
+    it does not cross `budget` once, upward, in that interval."""
+    (x0, y0), (x1, y1), (x2, y2) = points
+    # Newton's form: y = y0 + d1 (x - x0) + d2 (x - x0)(x - x1)
+    d1 = (y1 - y0) / (x1 - x0)
+    d2 = ((y2 - y1) / (x2 - x1) - d1) / (x2 - x0)
+    a, b, c = d2, d1 - d2 * (x0 + x1), y0 - d1 * x0 + d2 * x0 * x1 - budget
+    if abs(a) < 1e-12 * max(abs(b), 1.0):
+        return None
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return None
+    roots = [(-b + sign * disc**0.5) / (2 * a) for sign in (1, -1)]
+    inside = [r for r in roots if fit <= r < over and 2 * a * r + b > 0]  # rising through the budget
+    return int(inside[0]) if len(inside) == 1 else None
+
+
+def longest_completion(spec: FitSpec, side: str, budget: int) -> int:
+    """The longest completion (a multiple of LENGTH_STEP, within the context window) whose worst step fits `budget`
+    bytes at the spec's batch settings; 0 when not even LENGTH_STEP tokens fit."""
+    window = spec.context_window or 2**17
+    limit = max((window - spec.prompt_tokens) // LENGTH_STEP, 1)
+
+    def cost(steps: int) -> int:
+        return estimate(spec.replace(completion_tokens=steps * LENGTH_STEP), side).total
+
+    return LENGTH_STEP * max(largest_within(cost, budget, 1, limit), 0)
+
+
+def largest_group(spec: FitSpec, side: str, budget: int) -> int:
+    """The largest G trained as one micro-batch (per_device_train_batch_size = G, one group generated at a time) whose
+    worst step fits `budget` at the spec's completion length; 1 when not even G = 2 fits."""
+
+    def cost(group: int) -> int:
+        return estimate(spec.replace(rows=group, num_generations=group, generation_rows=group), side).total
+
+    return largest_within(cost, budget, 2, GROUP_LIMIT)
+
+
+def suggestions(spec: FitSpec, side: str, budget: int) -> list[str]:
+    """Settings that would make `spec` fit `budget` on `side`, each checked by a count, cheapest change first."""
+    candidates: list[tuple[str, FitSpec]] = []
+    if not spec.gradient_checkpointing:
+        candidates.append(("gradient_checkpointing=True", spec.replace(gradient_checkpointing=True)))
+    if not spec.offloaded_kv_cache:
+        candidates.append(('generation_kwargs={"cache_implementation": "offloaded"}',
+                           spec.replace(offloaded_kv_cache=True)))  # fmt: skip
+    if side == "grpo_plus":
+        if not spec.activation_offloading:
+            candidates.append(("activation_offloading=True", spec.replace(activation_offloading=True)))
+        if not spec.tiled_mlp_tokens:
+            candidates.append(
+                (f"tiled_mlp_tokens={TILED_MLP_TOKENS}", spec.replace(tiled_mlp_tokens=TILED_MLP_TOKENS))
+            )
+    found, combined, names = [], spec, []
+    for name, changed in candidates:
+        if estimate(changed, side).total <= budget:
+            found.append(name)
+            return found
+    for name, _ in candidates:  # all of them together
+        names.append(name)
+    if candidates:
+        combined = with_memory_options(spec, side)
+        if estimate(combined, side).total <= budget:
+            return [" + ".join(names)]
+    for rows in _halvings(spec.rows):
+        fewer = combined.replace(rows=rows, generation_rows=max(rows, spec.generation_rows * rows // spec.rows))
+        if estimate(fewer, side).total <= budget:
+            prefix = " + ".join(names) + " + " if names else ""
+            return [f"{prefix}per_device_train_batch_size={rows} (gradient_accumulation_steps x{spec.rows // rows})"]
+    longest = longest_completion(combined, side, budget)
+    if longest:
+        return [f"max_completion_length={longest}" + (" with " + " + ".join(names) if names else "")]
+    return []
+
+
+def _halvings(rows: int) -> list[int]:
+    out = []
+    while rows > 1:
+        rows //= 2
+        out.append(rows)
+    return out
+
+
+# ---- the report (grpo-plus fit) ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class FitReport:
+    """What `grpo-plus fit` prints: per side, the worst step at the config's settings, the settings that would make it
+    fit when it does not, and with every memory option the longest completion and the largest G that fit."""
+
+    spec: FitSpec
+    budget: int
+    at_settings: dict[str, StepEstimate]
+    fixes: dict[str, list[str]]
+    longest: dict[str, int]
+    largest_group: dict[str, int | None]
+    seconds: float
+
+    @property
+    def length_limit(self) -> int | None:
+        window = self.spec.context_window
+        return None if window is None else (window - self.spec.prompt_tokens) // LENGTH_STEP * LENGTH_STEP
+
+
+def fit_report(spec: FitSpec, budget: int, groups: bool = True) -> FitReport:
+    """Count everything `grpo-plus fit` prints (module docstring); `groups=False` skips the largest-G searches."""
+    started = time.perf_counter()
+    with remembered_counts():
+        at_settings = {side: estimate(spec, side) for side in SIDES}
+        fixes = {side: suggestions(for_side(spec, side), side, budget) if at_settings[side].total > budget else []
+                 for side in SIDES}  # fmt: skip
+        longest = {side: longest_completion(with_memory_options(spec, side), side, budget) for side in SIDES}
+        largest = {side: largest_group(with_memory_options(spec, side), side, budget) if groups else None
+                   for side in SIDES}  # fmt: skip
+    return FitReport(spec, budget, at_settings, fixes, longest, largest, time.perf_counter() - started)
+
+
+def format_report(report: FitReport, source: str = "") -> str:
+    """The report as `grpo-plus fit` prints it; the last line reads
+    `longest completion: TRL N tokens, grpo_plus M tokens (M/N x)`."""
+    spec = report.spec
+    config = spec.config()
+    lora = f"LoRA r={spec.lora['r']}" if spec.lora else "every weight trains"
+    lines = [
+        f"grpo-plus fit{': ' + source if source else ''} ({report.budget / GIB:.2f} GiB for tensors)",
+        f"model: {config.model_type}, {spec.layers} layers, hidden {config.hidden_size}, {spec.weights_dtype}"
+        f"{' in 4 bits (nf4)' if spec.four_bit else ''}, {lora}; {spec.rows} rows per micro-batch, G = "
+        f"{spec.num_generations}, {spec.generation_rows} rows generated at once; {spec.prompt_tokens} prompt + "
+        f"{spec.completion_tokens} completion tokens ({'prompts of different lengths' if spec.padded_prompts else 'prompts of one length'}); "
+        f"gradient checkpointing {'on' if spec.gradient_checkpointing else 'off'}",
+        "",
+        f"worst step at the config's settings (GiB)       {'TRL':>9} {'grpo_plus':>10}",
+    ]  # fmt: skip
+    parts = {side: report.at_settings[side].parts() for side in SIDES}
+    for name in parts["trl"]:
+        lines.append(f"  {name:<45} {parts['trl'][name] / GIB:>9.2f} {parts['grpo_plus'][name] / GIB:>10.2f}")
+    verdict = {side: "fits" if report.at_settings[side].total <= report.budget else "OVER" for side in SIDES}
+    lines.append(f"  {'fits ' + format(report.budget / GIB, '.2f') + ' GiB':<45} {verdict['trl']:>9} "
+                 f"{verdict['grpo_plus']:>10}")  # fmt: skip
+    for side in SIDES:
+        if report.at_settings[side].total > report.budget:
+            fixes = report.fixes[side]
+            lines.append(f"  settings that would make it fit with {'TRL' if side == 'trl' else 'grpo_plus'}: "
+                         + ("; or ".join(fixes) if fixes else "none (a smaller model, fewer tokens, a larger GPU)"))  # fmt: skip
+    options = (f"TRL: gradient_checkpointing + generation_kwargs cache_implementation='offloaded'; grpo_plus: also "
+               f"activation_offloading + tiled_mlp_tokens={spec.tiled_mlp_tokens or TILED_MLP_TOKENS}")  # fmt: skip
+    lines += ["", f"with every memory option ({options}), at the config's batch settings:"]
+    limit = report.length_limit
+    marks = {side: " (context window)" if limit and report.longest[side] >= limit else "" for side in SIDES}
+    lines.append(f"  {'longest completion that fits (tokens)':<45} {str(report.longest['trl']) + marks['trl']:>9} "
+                 f"{str(report.longest['grpo_plus']) + marks['grpo_plus']:>10}")  # fmt: skip
+    if report.largest_group["trl"] is not None:
+        groups = {side: (f">= {GROUP_LIMIT}" if report.largest_group[side] >= GROUP_LIMIT else
+                         str(report.largest_group[side])) for side in SIDES}  # fmt: skip
+        lines.append(f"  {'largest G in one micro-batch (at ' + str(spec.completion_tokens) + ' tokens)':<45} "
+                     f"{groups['trl']:>9} {groups['grpo_plus']:>10}")  # fmt: skip
+    if any(marks.values()):
+        lines.append(f"  (context window: the model's max_position_embeddings {spec.context_window} less the "
+                     f"{spec.prompt_tokens}-token prompt binds first)")  # fmt: skip
+    lines.append(f"  counted in {report.seconds:.0f} s; not counted: CUDA context, kernel workspaces, allocator "
+                 "fragmentation (kept outside the budget)")  # fmt: skip
+    trl, ours = report.longest["trl"], report.longest["grpo_plus"]
+    ratio = f"{ours / trl:.2f}x" if trl else "TRL fits none"
+    lines += ["", f"longest completion: TRL {trl} tokens, grpo_plus {ours} tokens ({ratio})"]
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""What a count depends on: `FitSpec` (the config and model, JSON-serializable), the sides it is counted for, and
+the real models' shapes grpo_plus knows (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+SIDES = ("trl", "grpo_plus")
+TILED_MLP_TOKENS = 4096  # what `with_memory_options` sets for grpo_plus
+# What the count's own model reads from a config besides the objective: TRL's fused LM head divides by the temperature.
+MODEL_FIELDS = ("temperature",)
+
+# Architecture fields of the real models' config.json, so a count needs no download.
+KNOWN_SHAPES: dict[str, tuple[str, dict]] = {
+    "qwen2.5-0.5b": ("qwen2", dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, sliding_window=32768, use_sliding_window=False, max_window_layers=21)),
+    "qwen2.5-1.5b": ("qwen2", dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, sliding_window=32768, use_sliding_window=False, max_window_layers=21)),
+    # The 7B's vocabulary is 152064 rows (its embedding is padded further than the smaller models').
+    "qwen2.5-7b": ("qwen2", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, rope_theta=1000000.0, tie_word_embeddings=False, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, sliding_window=131072, use_sliding_window=False, max_window_layers=28)),
+    # SmolLM2-135M-Instruct, the embedded model (grpo_plus.app.embedded).
+    "smollm2-135m": ("llama", dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
+        rms_norm_eps=1e-5)),
+    "tiny-qwen2": ("qwen2", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, use_sliding_window=False)),
+}  # fmt: skip
+KNOWN_MODELS = {
+    **{f"Qwen/Qwen2.5-{size}{suffix}": f"qwen2.5-{size.lower()}" for size in ("0.5B", "1.5B", "7B")
+       for suffix in ("", "-Instruct")},
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
+    "smollm2-135m-instruct": "smollm2-135m",
+}  # fmt: skip
+
+
+def known_config(name: str, **overrides):
+    """The transformers config of a model in KNOWN_SHAPES, by shape name or hub id; None when unknown."""
+    from transformers import AutoConfig
+
+    shape = KNOWN_MODELS.get(name, name if name in KNOWN_SHAPES else None)
+    if shape is None:
+        return None
+    model_type, fields = KNOWN_SHAPES[shape]
+    config = AutoConfig.for_model(model_type, **{**fields, **overrides})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    """Everything the worst step's memory depends on, JSON-serializable (the trainer's check hands it to a child
+    process). Build one with `FitSpec.from_args` (a GRPOConfig and a model) or directly."""
+
+    model_config: dict  # transformers config.to_dict() (model_type included)
+    weights_dtype: str  # "bfloat16", "float32", ...
+    rows: int  # per_device_train_batch_size
+    num_generations: int
+    generation_rows: int  # rows generated at once on one process (per_device_train_batch_size x steps_per_generation)
+    prompt_tokens: int
+    completion_tokens: int
+    lora: dict | None = None  # r, lora_alpha, target_modules, lora_dropout; None: every weight trains
+    four_bit: bool = False  # bitsandbytes nf4 base (LoRA on top), prepared as prepare_model_for_kbit_training does
+    gradient_checkpointing: bool = True
+    mixed_precision: str = "bf16"  # "bf16", "fp16" or "no" (TRL's autocast)
+    attn_implementation: str = "sdpa"
+    loss: dict = field(default_factory=dict)  # the config's objective_fields() (and MODEL_FIELDS), as it has them
+    optimizer_states: float = 2.0  # per trainable weight, in its dtype's bytes (AdamW: 2 moments)
+    activation_offloading: bool = False
+    tiled_mlp_tokens: int | None = None
+    offloaded_kv_cache: bool = False
+    zero_waste_generation: bool = True
+    # Prompts of different lengths, so the micro-batch has left padding: TRL's forward then builds a [rows, 1, S, S]
+    # attention mask (and attention kernels that take one). The worst case of a dataset whose prompts differ.
+    padded_prompts: bool = True
+    vllm_generates: bool = False  # use_vllm: the trainer's model never generates
+    vllm_memory_fraction: float = 0.0  # the card's share a colocated vLLM engine takes (vllm_gpu_memory_utilization)
+    vllm_quantization: str = "auto"  # what that engine serves the weights in (GRPOConfig.vllm_quantization)
+
+    def replace(self, **changes) -> FitSpec:
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> FitSpec:
+        return cls(**json.loads(text))
+
+    def config(self, layers: int | None = None):
+        """The model's transformers config, at `layers` decoder layers (the model's own depth by default)."""
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in self.model_config.items() if k not in ("model_type", "transformers_version")}
+        if layers is not None:
+            fields["num_hidden_layers"] = layers
+            if fields.get("max_window_layers") is not None:
+                fields["max_window_layers"] = min(fields["max_window_layers"], layers)
+            fields.pop("layer_types", None)  # recomputed from the sliding-window fields for the new depth
+        fields.pop("_attn_implementation_autoset", None)
+        config = AutoConfig.for_model(self.model_config["model_type"], **fields)
+        config._attn_implementation = self.attn_implementation
+        return config
+
+    @property
+    def layers(self) -> int:
+        return int(self.model_config["num_hidden_layers"])
+
+    @property
+    def context_window(self) -> int | None:
+        return self.model_config.get("max_position_embeddings")
+
+    @classmethod
+    def from_args(cls, args, model, prompt_tokens: int) -> FitSpec:
+        """The spec of a trainer: `args` a (TRL or grpo_plus) GRPOConfig, `model` the policy as the trainer holds it
+        (PEFT-wrapped, possibly 4-bit)."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        lora = None
+        peft_config = getattr(model, "peft_config", None)
+        if peft_config:
+            adapter = next(iter(peft_config.values()))
+            lora = lora_fields(adapter.r, adapter.lora_alpha, adapter.lora_dropout, adapter.target_modules)
+        four_bit = bool(getattr(base, "is_loaded_in_4bit", False))
+        dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
+        if four_bit:
+            dtype = getattr(getattr(base.config, "quantization_config", None), "bnb_4bit_compute_dtype", None) or dtype
+        return cls.from_config(args, base.config, dtype, lora, four_bit, prompt_tokens)
+
+    @classmethod
+    def from_config(cls, args, model_config, dtype, lora: dict | None, four_bit: bool, prompt_tokens: int) -> FitSpec:
+        """The spec of a (TRL or grpo_plus) GRPOConfig `args` training a model of `model_config` in `dtype`."""
+        mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        steps = args.steps_per_generation or args.gradient_accumulation_steps
+        if lora is not None and getattr(args, "disable_dropout", False):  # TRL sets every dropout, LoRA's too, to 0
+            lora = {**lora, "lora_dropout": 0.0}
+        generation_kwargs = getattr(args, "generation_kwargs", None) or {}
+        vllm = bool(getattr(args, "use_vllm", False))
+        colocated = vllm and getattr(args, "vllm_mode", "colocate") == "colocate"
+        return cls(
+            model_config=model_config.to_dict(),
+            weights_dtype=str(dtype).removeprefix("torch."),
+            rows=args.per_device_train_batch_size,
+            num_generations=args.num_generations,
+            generation_rows=args.per_device_train_batch_size * steps,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=args.max_completion_length,
+            lora=lora,
+            four_bit=four_bit,
+            gradient_checkpointing=bool(args.gradient_checkpointing),
+            mixed_precision=mixed,
+            attn_implementation=getattr(model_config, "_attn_implementation", None) or "sdpa",
+            loss={name: getattr(args, name) for name in objective_fields() if hasattr(args, name)},
+            optimizer_states=optimizer_states(str(getattr(args, "optim", "adamw_torch"))),
+            activation_offloading=bool(getattr(args, "activation_offloading", False)),
+            tiled_mlp_tokens=getattr(args, "tiled_mlp_tokens", None),
+            offloaded_kv_cache=generation_kwargs.get("cache_implementation") == "offloaded",
+            zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
+            vllm_generates=vllm,
+            vllm_memory_fraction=float(args.vllm_gpu_memory_utilization) if colocated else 0.0,
+            vllm_quantization=str(getattr(args, "vllm_quantization", "auto")),
+        )
+
+
+def objective_fields() -> tuple[str, ...]:
+    """The GRPOConfig fields the training pass's loss reads, derived so that none can be left out: every objective
+    registry's field (`grpo_plus.objective.REGISTRIES`: loss_type, policy_loss, kl_estimator, ...), every option a
+    registered policy loss declares and the clip settings a loss may take, the algorithm settings (adaptive KL), the
+    zero-waste pass's fields, `plugins` (where user-registered names come from), and every field TRL's own loss reads
+    (`trl_compat.trl_loss_fields`, read from TRL's source); and `MODEL_FIELDS`. The counting trainer gets them as the
+    config has them (`counting_trainer` sets the batch, the length and the engine itself)."""
+    from ..algorithms import AlgorithmSettings
+    from ..config import GRPOConfig
+    from ..objective import POLICY_LOSSES, REGISTRIES
+    from ..objective.policy_losses import CLIP_SETTINGS, OPTIONS
+    from ..trl_compat import trl_loss_fields
+
+    names = {registry.field for registry in REGISTRIES}
+    names |= {option for entry in POLICY_LOSSES.entries() for option in entry.trait(OPTIONS, {})}
+    names |= set(CLIP_SETTINGS)
+    names |= {f.name for f in dataclasses.fields(AlgorithmSettings)}
+    config_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    names |= {name for name in config_fields if name.startswith("zero_waste_")} | {"plugins"}
+    names |= trl_loss_fields() | set(MODEL_FIELDS)
+    return tuple(sorted(names & config_fields))
+
+
+def lora_fields(r: int, alpha: float, dropout: float, target_modules) -> dict:
+    """The LoraConfig fields a count uses."""
+    if isinstance(target_modules, (set, list, tuple)):
+        target_modules = sorted(target_modules)
+    return dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+
+
+def optimizer_states(optim: str) -> float:
+    """Bytes of optimizer state per byte of trainable weight for a TrainingArguments `optim` (AdamW keeps two
+    moments in the weight's dtype; 8-bit variants one byte per moment and weight; plain SGD none)."""
+    optim = optim.lower().removeprefix("optimizernames.")
+    if optim == "sgd":
+        return 0.0
+    if "8bit" in optim:
+        return 0.5  # two one-byte moments per (typically fp32, 4-byte) weight
+    return 2.0
+
+
+def for_side(spec: FitSpec, side: str) -> FitSpec:
+    """What `side` runs of `spec`: TRL leaves out grpo_plus's settings (the fields trl.GRPOConfig does not have)."""
+    if side == "grpo_plus":
+        return spec
+    import trl
+
+    trl_fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    loss = {k: v for k, v in spec.loss.items() if k in trl_fields}
+    return spec.replace(activation_offloading=False, tiled_mlp_tokens=None, loss=loss, zero_waste_generation=False)
+
+
+def with_memory_options(spec: FitSpec, side: str) -> FitSpec:
+    """`spec` with every memory setting `side` offers switched on (module docstring)."""
+    spec = spec.replace(gradient_checkpointing=True, offloaded_kv_cache=True)
+    if side == "grpo_plus":
+        spec = spec.replace(activation_offloading=True, tiled_mlp_tokens=spec.tiled_mlp_tokens or TILED_MLP_TOKENS)
+    return for_side(spec, side)

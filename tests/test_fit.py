@@ -1,0 +1,191 @@
+"""`grpo-plus fit` and the trainer's fit check count the configured objective: every field the loss reads reaches the
+counting trainer, from a list derived from the registries and TRL's source (`objective_fields`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import grpo_plus
+from grpo_plus import fit
+from grpo_plus.fit.spec import objective_fields
+from grpo_plus.trl_compat import logps_unavailable_reason, trl_loss_fields
+
+needs_cpu_logps = pytest.mark.skipif(logps_unavailable_reason() is not None, reason=str(logps_unavailable_reason()))
+
+# What a config says that a count reads from elsewhere than `spec.loss` (so the loss path may read it freely).
+READ_ELSEWHERE = {
+    "bf16": "FitSpec.mixed_precision",
+    "fp16": "FitSpec.mixed_precision",
+    "report_to": "TRL's metrics logging (no memory of the pass)",
+}
+# An objective far from the defaults: every axis, an option, the KL term, the entropy and off-policy masks.
+OBJECTIVE = dict(
+    policy_loss="kl_cov", kl_cov_ratio=0.01, kl_estimator="k1", beta=0.04, adaptive_kl_target=0.1,
+    advantage_estimator="rloo", scale_rewards="none", entropy_coef=0.01, top_entropy_quantile=0.8,
+    off_policy_mask_threshold=0.5, epsilon_high=0.28,
+)  # fmt: skip
+
+
+@pytest.fixture
+def own_counting_trainers():
+    """Counting trainers built for this test alone (a real pass leaves CPU tensors in a trainer's state, e.g. the
+    adaptive KL window, that a later fake count must not meet)."""
+    fit.count._TRAINERS.clear()
+    yield
+    fit.count._TRAINERS.clear()
+
+
+def spec_of(tmp_path, **objective) -> fit.FitSpec:
+    args = grpo_plus.GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=16, **objective,
+    )  # fmt: skip
+    spec = fit.FitSpec.from_config(args, fit.known_config("tiny-qwen2"), torch.float32, None, False, 12)
+    return spec.replace(mixed_precision="no")
+
+
+class _Recorder:
+    """Stands in for an object and records the attribute names read from it (the settings groups it holds too)."""
+
+    def __init__(self, target, names: set[str]):
+        object.__setattr__(self, "_target", target)
+        object.__setattr__(self, "_names", names)
+
+    def __getattr__(self, name):
+        self._names.add(name)
+        value = getattr(self._target, name)
+        return _Recorder(value, self._names) if dataclasses.is_dataclass(value) else value
+
+
+def fields_the_loss_reads(trainer, spec: fit.FitSpec, side: str) -> set[str]:
+    """The GRPOConfig fields the counting trainer reads while it computes one micro-batch's loss for real: from its
+    config, its own attributes (TRL keeps many under the field's name) and grpo_plus's settings groups."""
+    names: set[str] = set()
+    cls, saved = type(trainer), dict(trainer.__dict__)
+
+    def getattribute(self, name):
+        names.add(name)
+        return object.__getattribute__(self, name)
+
+    trainer.__class__ = type(f"Recording{cls.__name__}", (cls,), {"__getattribute__": getattribute})
+    for holder in ("args", "plus"):
+        if holder in saved:
+            trainer.__dict__[holder] = _Recorder(saved[holder], names)
+    try:
+        fit.measure_pass(spec, side, layers=1, real=True, lm_head="cpu")
+    finally:
+        trainer.__class__ = cls
+        trainer.__dict__.update({holder: saved[holder] for holder in ("args", "plus") if holder in saved})
+    return names & {f.name for f in dataclasses.fields(grpo_plus.GRPOConfig)}
+
+
+def test_the_objective_fields_come_from_the_registries_and_trls_loss():
+    """policy_loss and kl_estimator (once left out), every registered policy loss's options, and what TRL's own
+    `_compute_loss` reads (found in TRL's source: epsilon through `self.epsilon_low`, the entropy bonus's fields)."""
+    fields = set(objective_fields())
+    for registry in grpo_plus.objective.REGISTRIES:
+        assert registry.field in fields
+    assert {"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "kl_cov_coef", "dual_clip"} <= fields
+    assert {"epsilon", "epsilon_high", "beta", "delta", "entropy_coef", "use_bias_correction_kl"} <= trl_loss_fields()
+    assert trl_loss_fields() <= fields
+
+
+def test_a_loss_option_registered_later_is_counted(tmp_path):
+    """A policy loss registered by the user adds its options to what is counted, without an edit to the fit."""
+    from grpo_plus.objective import POLICY_LOSSES, Option
+
+    assert "scale" not in objective_fields()
+    POLICY_LOSSES.register("scaled_test", lambda ctx: None, traits={"options": {"scale": Option(1.0)}})
+    assert "scale" not in objective_fields()  # not a GRPOConfig field: nothing a config could set
+    assert "clip_cov_ratio" in objective_fields()
+
+
+@needs_cpu_logps
+@pytest.mark.parametrize("side", fit.SIDES)
+def test_every_field_the_loss_reads_reaches_the_counting_trainer(tmp_path, side, own_counting_trainers):
+    """Run the counting trainer's loss for real and record every config field it reads: each one is in the spec's
+    objective (and set on the counting trainer as the config has it) or read from elsewhere on purpose. A field the
+    loss reads but the count leaves out fails here."""
+    spec = fit.for_side(spec_of(tmp_path, **OBJECTIVE), side)
+    trainer = fit.counting_trainer(side, spec)
+    read = fields_the_loss_reads(trainer, spec, side)
+    assert {"loss_type", "importance_sampling_level", "top_entropy_quantile"} <= read  # it sees the loss path
+    assert read - set(spec.loss) - set(READ_ELSEWHERE) == set()
+    own = ("max_completion_length", "steps_per_generation", "use_vllm")  # the counting trainer's own run
+    for name, value in spec.loss.items():
+        if name not in own:
+            assert getattr(trainer.args, name) == value, name
+
+
+@needs_cpu_logps
+def test_the_count_follows_the_configured_objective(tmp_path):
+    """The KL term and kl_cov's penalty are counted (they allocate per-token tensors the default objective does not),
+    and the spec carries the names it was given."""
+    default, configured = spec_of(tmp_path), spec_of(tmp_path, **OBJECTIVE)
+    assert (configured.loss["policy_loss"], configured.loss["kl_estimator"]) == ("kl_cov", "k1")
+    counts = {name: fit.measure_pass(spec, "grpo_plus", layers=1) for name, spec in
+              (("default", default), ("configured", configured))}  # fmt: skip
+    assert counts["configured"].peak > counts["default"].peak
+
+
+# ---- the fit answers fast with the same answers -------------------------------------------------------------------
+
+
+def tiny(**changes) -> fit.FitSpec:
+    config = fit.known_config("tiny-qwen2", max_position_embeddings=32768)
+    spec = fit.FitSpec(
+        model_config=config.to_dict(), weights_dtype="bfloat16", rows=2, num_generations=2, generation_rows=2,
+        prompt_tokens=12, completion_tokens=9000, lora=dict(r=4, lora_alpha=8, lora_dropout=0.0,
+        target_modules="all-linear"), gradient_checkpointing=True, loss={"loss_type": "dapo"},
+    )  # fmt: skip
+    return spec.replace(**changes)
+
+
+def without_shortcuts(monkeypatch) -> None:
+    """The count as it was before it was made fast: every tile of TRL's LM head, host copies of small tensors as fake
+    tensors computed twice, every operator on real inputs checked by running it fake first."""
+    from grpo_plus.fit import memory
+
+    monkeypatch.setattr(memory, "_distinct_steps", lambda *args: range(*args))
+    monkeypatch.setattr(memory, "_to_host", lambda kwargs: False)
+    monkeypatch.setattr(memory, "_output_bound", lambda func, args: None)
+
+
+@needs_cpu_logps
+@pytest.mark.parametrize("side", fit.SIDES)
+@pytest.mark.parametrize("options", [False, True], ids=["plain", "memory-options"])
+def test_the_shortcuts_count_what_the_full_count_counts(side, options, monkeypatch):
+    """TRL's LM head over 5 token tiles (18K positions) counted on its distinct tiles only, and the packing's CPU work
+    on real values: the device counts are the full count's, byte for byte, on both sides, with and without
+    activation offloading and the tiled MLP."""
+    from trl.kernels import chunked_logprob  # noqa: F401  (the fused LM head: TRL >= 1.15)
+
+    spec = fit.with_memory_options(tiny(), side) if options else fit.for_side(tiny(), side)
+    fast = fit.measure_pass(spec, side, layers=2)
+    without_shortcuts(monkeypatch)
+    full = fit.measure_pass(spec, side, layers=2)
+    device = ("saved", "after_forward", "forward_peak", "peak", "after_backward", "items_faked")
+    assert {name: getattr(fast, name) for name in device} == {name: getattr(full, name) for name in device}
+    assert fast.peak > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_search_is_exact_on_any_increasing_cost(seed):
+    """`largest_within` against a full scan, on increasing costs with plateaus, jumps and bends (what a count's steps
+    look like): the same n, and it is never asked for a count twice."""
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        high = int(torch.randint(2, 600, (1,), generator=generator))
+        steps = torch.rand(high, generator=generator) * (torch.rand(high, generator=generator) < 0.7)
+        steps += (torch.rand(high, generator=generator) < 0.02) * 50  # a jump: another term binds
+        costs = (steps.cumsum(0) + torch.arange(high) ** 2 * float(torch.rand(1, generator=generator)) / high).tolist()
+        budget = float(torch.rand(1, generator=generator)) * costs[-1] * 1.1
+        asked: list[int] = []
+        found = fit.largest_within(
+            lambda n, asked=asked, costs=costs: asked.append(n) or costs[n - 1], budget, 1, high
+        )
+        assert found == max((n for n in range(1, high + 1) if costs[n - 1] <= budget), default=0)
+        assert len(asked) == len(set(asked))
