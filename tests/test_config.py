@@ -62,6 +62,7 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "activation_offloading",
         "tiled_mlp_tokens",
         "fit_check",
+        "vllm_quantization",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 
