@@ -11,9 +11,15 @@ import torch
 import grpo_plus
 from grpo_plus import fit
 from grpo_plus.fit.spec import objective_fields
-from grpo_plus.trl_compat import logps_unavailable_reason, trl_loss_fields
+from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason, trl_loss_fields
 
 needs_cpu_logps = pytest.mark.skipif(logps_unavailable_reason() is not None, reason=str(logps_unavailable_reason()))
+# The shortcuts skip tiles of TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits, and its activation
+# offloading needs CUDA streams (tests/test_long_completions.py counts the same way).
+needs_fused_lm_head = pytest.mark.skipif(
+    not has_fused_lm_head(),
+    reason="the count follows TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits",
+)
 
 # What a config says that a count reads from elsewhere than `spec.loss` (so the loss path may read it freely).
 READ_ELSEWHERE = {
@@ -155,14 +161,13 @@ def without_shortcuts(monkeypatch) -> None:
 
 
 @needs_cpu_logps
+@needs_fused_lm_head
 @pytest.mark.parametrize("side", fit.SIDES)
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "memory-options"])
 def test_the_shortcuts_count_what_the_full_count_counts(side, options, monkeypatch):
     """TRL's LM head over 5 token tiles (18K positions) counted on its distinct tiles only, and the packing's CPU work
     on real values: the device counts are the full count's, byte for byte, on both sides, with and without
     activation offloading and the tiled MLP."""
-    from trl.kernels import chunked_logprob  # noqa: F401  (the fused LM head: TRL >= 1.15)
-
     spec = fit.with_memory_options(tiny(), side) if options else fit.for_side(tiny(), side)
     fast = fit.measure_pass(spec, side, layers=2)
     without_shortcuts(monkeypatch)
