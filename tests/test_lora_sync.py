@@ -29,7 +29,9 @@ def peft_model(base: str = "float32", tmp_path=None, **lora):
     """A tiny Llama 128 wide (bitsandbytes' 4-bit blocks are 64) with LoRA adapters whose B is not zero."""
     if base == "nf4":
         path = save_tiny_model(tmp_path / "model", hidden_size=128)
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        )  # nf4 stated: the default, fp4, has no CPU kernel in bitsandbytes 0.46 (the oldest environment)
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
     else:
         model = make_model(make_tokenizer(), hidden_size=128).to(getattr(torch, base))
