@@ -532,6 +532,25 @@ def test_the_fit_of_a_vlm_counts_its_pictures_once_per_group_for_grpo_plus_and_p
     assert fit.estimate(spec, "grpo_plus").total > fit.estimate(text_only, "grpo_plus").total
 
 
+@pytest.mark.parametrize("full_blocks", [[2, 5], [1, 3], [], list(range(6))], ids=["ends-full", "ends-windowed",
+                                                                                  "windowed", "full"])  # fmt: skip
+def test_the_training_pass_counts_the_vision_tower_at_two_and_three_blocks_as_at_its_depth(full_blocks):
+    """A 6-block vision tower (windowed and full attention blocks in several orders) counted at 2 and 3 blocks and
+    extended to 6 counts what the whole tower counts, to the byte, on both sides (every block keeps its input for
+    backward; the peak's candidates all hold every block's input)."""
+    from grpo_plus import fit
+
+    spec = vlm_fit_spec()
+    config = dict(spec.model_config)
+    config["vision_config"] = {**config["vision_config"], "depth": 6, "fullatt_block_indexes": full_blocks}
+    spec = spec.replace(model_config=config)
+    for side in fit.SIDES:
+        whole = fit.measure_pass(spec, side, layers=1)
+        blocks = [fit.measure_pass(spec, side, layers=1, vision_blocks=n) for n in fit.count.TRAINING_VISION_BLOCKS]
+        assert fit.extrapolate(blocks, 6, start=fit.count.TRAINING_VISION_BLOCKS[0]) == whole
+        assert blocks[1].saved > blocks[0].saved  # the tower's blocks keep their inputs: the depth counts
+
+
 def test_generation_counts_the_vision_tower_at_two_blocks_as_at_its_depth(monkeypatch):
     """Without gradients a vision block's output replaces its input: generation counted with two vision blocks (one
     windowed, one full) counts what the whole tower (here 6 blocks, two of them full) counts, on both sides."""
@@ -590,6 +609,20 @@ def test_the_trainers_fit_check_counts_a_vlm_with_its_datasets_pictures(caplog, 
     with pytest.raises(fit.FitCheckError, match="worst step"):
         fit.check_before_training(args, model, image_dataset(2, image_size=112), processor, torch.device("cpu"),
                                   mode="error")  # fmt: skip
+
+
+def test_the_fit_check_says_which_vlm_families_it_cannot_count(caplog):
+    """A family whose vision tower the count does not run (Gemma 3's SigLIP) is not counted as its language model
+    alone: the check says why once and lets training go on."""
+    from grpo_plus.fit import check_before_training
+
+    model, processor = make_vlm("gemma3")
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused"))
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.fit"):
+        result = check_before_training(args, model, image_dataset(2), processor, torch.device("cpu"), mode="error")
+    assert result is None
+    assert any("model_type='gemma3'" in record.getMessage() and "cannot be counted" in record.getMessage()
+               for record in caplog.records)  # fmt: skip
 
 
 def test_dynamic_sampling_on_image_prompts_fails_when_the_trainer_is_built():

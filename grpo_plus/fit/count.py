@@ -2,10 +2,10 @@
 through the trainer's own `_compute_loss`, generation's prefill and decode step, at 1 and 2 decoder layers extended to
 the model's depth; the weights, gradients and optimizer state from the shapes; the worst step's peak (`estimate`).
 
-A vision-language model's pictures (`PromptImages`) go through its own vision tower: at full depth in the training
-pass, where the input-gradient hook of LoRA with checkpointing (`enable_input_require_grads`, which reaches the
-tower's patch embedding) makes every block keep its input for backward; with two blocks in generation, where
-nothing is kept (`GENERATION_VISION_BLOCKS`)."""
+A vision-language model's pictures (`PromptImages`) go through its own vision tower, counted at a few blocks: in the
+training pass, where the input-gradient hook of LoRA with checkpointing (`enable_input_require_grads`, which reaches
+the tower's patch embedding) makes every block keep its input for backward, at 2 and 3 blocks extended to its depth
+(`TRAINING_VISION_BLOCKS`); in generation, where nothing is kept, at two (`GENERATION_VISION_BLOCKS`)."""
 
 from __future__ import annotations
 
@@ -121,8 +121,9 @@ def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, comple
     groups = -(-rows // group_size)
     prompts = synthetic_prompts(groups, prompt_length, vocab_size, generator, first_token, images)
     prompt_ids = prompts.repeat_interleave(group_size, dim=0)[:rows]
-    high = vocab_size if images is None else min(vocab_size, images.first_special)
-    completion_ids = torch.randint(first_token, high, (rows, completion_length), generator=generator)
+    completion_ids = synthetic_prompts(rows, completion_length, vocab_size, generator, first_token)
+    if images is not None:  # no token a processor reserves for pictures
+        completion_ids = completion_ids.clamp(max=images.first_special - 1)
     completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
     advantages = torch.randn(rows, generator=generator)
     advantages[advantages == 0] = 1.0
@@ -163,9 +164,10 @@ def word_tokenizer(vocab_size: int):
 
 def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str = "cpu", seed: int = 0,
                  vision_blocks: int | None = None):  # fmt: skip
-    """The policy as TRL sets it up, at `layers` decoder layers (and `vision_blocks`, `FitSpec.config`): LoRA through PEFT, TRL's fused LM head on the base
-    model, gradient checkpointing (non-reentrant) with input grads enabled, grpo_plus's tiled MLP when the spec asks.
-    Fake weights on `device` with `fake_mode`, random real ones (on the CPU) without.
+    """The policy as TRL sets it up, at `layers` decoder layers (a VLM's vision tower at `vision_blocks`,
+    `FitSpec.config`): LoRA through PEFT, TRL's fused LM head on the base model, gradient checkpointing
+    (non-reentrant) with input grads enabled, grpo_plus's tiled MLP when the spec asks. Fake weights on `device` with
+    `fake_mode`, random real ones (on the CPU) without.
 
     A 4-bit base (`four_bit`) is what `prepare_model_for_kbit_training` leaves (everything but the quantized linear
     layers in fp32, LoRA weights in bf16 as TRL converts them), with bf16 stand-ins for the 4-bit linear layers: a
@@ -328,8 +330,10 @@ def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: 
 
 def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
                  real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
-                 around=contextlib.nullcontext, kernels: list | None = None) -> PassMemory:  # fmt: skip
-    """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers, with the
+                 around=contextlib.nullcontext, kernels: list | None = None,
+                 vision_blocks: int | None = None) -> PassMemory:  # fmt: skip
+    """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers (a VLM's
+    vision tower with `vision_blocks` blocks, `FitSpec.config`; its own depth by default), with the
     trainable weights' gradients already allocated (as from the second micro-batch on: their bytes are static).
 
     `real=True` computes it for real on the CPU instead (random weights), counted by the same counter: what the fake
@@ -342,18 +346,18 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     rows = rows or spec.rows
     plain = not real and lm_head == "cuda" and at_peak is None and around is contextlib.nullcontext and kernels is None
     plain = plain and _PASSES is not None
-    key = (side, _training_key(spec), layers, rows, group)
+    key = (side, _training_key(spec), layers, rows, group, vision_blocks)
     if plain and key in _PASSES:
         return _PASSES[key]
     device = "cpu" if real else fake_accelerator()
     fake_mode = None if real else new_fake_mode()
     trainer = counting_trainer(side, spec)
-    model = build_policy(spec, layers, fake_mode, device)
+    model = build_policy(spec, layers, fake_mode, device, vision_blocks=vision_blocks)
     with fake_mode or contextlib.nullcontext():
         for param in model.parameters():
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
-    config = spec.config(layers)
+    config = spec.config(layers, vision_blocks)
     batch = synthetic_micro_batch(
         rows,
         min(group or spec.num_generations, rows),
@@ -432,9 +436,23 @@ def extrapolate(points: list[PassMemory], depth: int, start: int = 1) -> PassMem
     return PassMemory(**{k: first[k] + (depth - start) * (second[k] - first[k]) for k in first})
 
 
+# Vision blocks the training pass is counted with, extended to the tower's depth: each block keeps its input for
+# backward (a constant per block), and every candidate for the peak (the tower's last block, forward or recomputed,
+# the language model's pass) has every block's input alive, so each count is affine in the tower's depth too, with
+# the kinds of its last blocks as the whole tower's (`FitSpec.config`).
+TRAINING_VISION_BLOCKS = (2, 3)
+
+
 def training_pass(spec: FitSpec, side: str, rows: int | None = None, group: int | None = None) -> PassMemory:
-    """The training pass's counts at the model's full depth (from 1 and 2 decoder layers)."""
-    points = [measure_pass(spec, side, layers, rows, group) for layers in (1, 2)]
+    """The training pass's counts at the model's full depth (from 1 and 2 decoder layers; a vision tower deeper than
+    three blocks from TRAINING_VISION_BLOCKS)."""
+    depth = spec.model_config["vision_config"]["depth"] if spec.vision_language and spec.images_per_prompt else 0
+    if depth <= max(TRAINING_VISION_BLOCKS):
+        points = [measure_pass(spec, side, layers, rows, group) for layers in (1, 2)]
+    else:
+        start = TRAINING_VISION_BLOCKS[0]
+        points = [extrapolate([measure_pass(spec, side, layers, rows, group, vision_blocks=blocks)
+                               for blocks in TRAINING_VISION_BLOCKS], depth, start) for layers in (1, 2)]  # fmt: skip
     return extrapolate(points, spec.layers)
 
 

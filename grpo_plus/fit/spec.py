@@ -144,17 +144,22 @@ class FitSpec:
 
     def config(self, layers: int | None = None, vision_blocks: int | None = None):
         """The model's transformers config, at `layers` decoder layers (the model's own depth by default); a
-        vision-language model's vision tower at its depth, or with `vision_blocks` blocks, one of each attention
-        kind its blocks have (Qwen2.5-VL: windowed, then full)."""
+        vision-language model's vision tower at its depth, or with `vision_blocks` blocks ending in a block of the
+        kind the tower ends with, the others of the other kind (Qwen2.5-VL: windowed blocks, then a full one)."""
         from transformers import AutoConfig
 
         fields = {k: v for k, v in self.model_config.items() if k not in ("model_type", "transformers_version")}
         if vision_blocks is not None and "vision_config" in fields:
             fields["vision_config"] = vision = dict(fields["vision_config"])
             if vision_blocks < vision["depth"]:
+                full = vision.get("fullatt_block_indexes") or []
+                if full:  # the last block of the kind the tower ends with, the others of the other kind
+                    ends_full = vision["depth"] - 1 in full
+                    kinds = [not ends_full] * (vision_blocks - 1) + [ends_full]
+                    if all(index in full for index in range(vision["depth"])):
+                        kinds = [True] * vision_blocks
+                    vision["fullatt_block_indexes"] = [index for index, is_full in enumerate(kinds) if is_full]
                 vision["depth"] = vision_blocks
-                if vision.get("fullatt_block_indexes"):
-                    vision["fullatt_block_indexes"] = [vision_blocks - 1]
         if "text_config" in fields:
             fields["text_config"] = text = dict(fields["text_config"])
         else:
