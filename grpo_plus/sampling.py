@@ -40,6 +40,13 @@ def group_rows(group_mask: torch.Tensor, num_generations: int) -> torch.Tensor:
     return group_mask.repeat_interleave(num_generations).nonzero().squeeze(1)
 
 
+def image_columns(dataset: Any) -> list[str]:
+    """The columns of `dataset` TRL reads pictures from ("image", "images"), as its `_generate_and_score_completions`
+    looks them up in each row."""
+    columns = getattr(dataset, "column_names", None) or []
+    return [name for name in ("image", "images") if name in columns]
+
+
 def _check_keys(batch: dict[str, Any]) -> None:
     unknown = set(batch) - set(_LEFT_PADDED) - set(_RIGHT_PADDED) - _PER_ROW - _RECOMPUTED
     if unknown:
@@ -152,6 +159,15 @@ class DynamicSampling:
             return None
         if isinstance(dataset, IterableDataset):
             raise ValueError("dynamic_sampling=True needs a map-style train_dataset to draw refill prompts from.")
+        pictures = image_columns(dataset)
+        if pictures:  # fail here, not at the first step's stitching (`_check_keys`)
+            raise ConfigError(
+                f"dynamic_sampling=True does not support image prompts yet: the train_dataset's "
+                f"{' and '.join(repr(c) for c in pictures)} column{'s' if len(pictures) > 1 else ''} give the "
+                "generation batches pixel values and image grids, which refill rounds are not stitched with. Set "
+                "dynamic_sampling=False (zero-variance groups then add no gradient, and grpo_plus's zero-waste pass "
+                "skips their rows), or train on prompts without images."
+            )
         return cls(settings, len(dataset), num_generations, seed=seed)
 
     @staticmethod

@@ -175,6 +175,26 @@ def test_sampling_settings_are_validated(tmp_path, kwargs, field):
 
 
 @pytest.mark.slow
+def test_dynamic_sampling_refuses_image_prompts_before_training():
+    """A dataset whose rows carry pictures (TRL's "image" / "images" columns) cannot be refilled and stitched: the
+    trainer's dynamic sampling is refused when it is set up, naming the column and what to do."""
+    from datasets import Dataset
+    from PIL import Image
+
+    from grpo_plus.sampling import DynamicSampling, DynamicSamplingSettings
+
+    settings = DynamicSamplingSettings(enabled=True)
+    picture = Image.new("RGB", (8, 8))
+    for column, value in (("image", picture), ("images", [picture, picture])):
+        dataset = Dataset.from_list([{"prompt": "a", column: value}] * 2)
+        with pytest.raises(
+            ConfigError, match=rf"does not support image prompts.*'{column}' column.*dynamic_sampling=False"
+        ):
+            DynamicSampling.for_dataset(settings, dataset, num_generations=2, seed=0)
+    assert DynamicSampling.for_dataset(settings, Dataset.from_list([{"prompt": "a"}] * 2), 2, seed=0) is not None
+    assert DynamicSampling.for_dataset(DynamicSamplingSettings(), dataset, 2, seed=0) is None  # off: no objection
+
+
 def test_overlong_punishment_is_a_weighted_reward(tmp_path):
     trainer = tiny_trainer(tmp_path, length_reward, overlong_buffer_length=4, overlong_penalty=0.5, max_steps=1)
     assert trainer.reward_func_names == ["length_reward", "soft_overlong_punishment_reward"]

@@ -17,7 +17,7 @@ from helpers.probes import max_weight_diff
 
 import grpo_plus
 from grpo_plus.app.testing import tiny_run_kwargs
-from grpo_plus.app.tiny_vlms import VLM_FAMILIES, VisionLog, image_dataset, make_vlm, save_tiny_vlm
+from grpo_plus.app.tiny_vlms import VLM_FAMILIES, VisionLog, image_dataset, make_vlm, save_tiny_vlm, vision_tower
 from grpo_plus.multimodal import RowImages
 from grpo_plus.trl_compat import FORWARD_INPUT_KEYS, has_fused_lm_head, logps_unavailable_reason, version_gap
 from grpo_plus.zero_waste import ZeroWastePass
@@ -447,14 +447,193 @@ def test_the_guides_example_trains_with_each_image_encoded_once_per_group(capsys
     assert capsys.readouterr().out.strip().splitlines()[-1] == "0.25 0.25"
 
 
-def test_fit_check_says_it_does_not_count_a_vision_language_model(caplog):
-    """The trainer's fit check (on CUDA) has no vision tower to count: it says so once and lets training go on,
-    instead of counting the language model alone or failing in its child process."""
+# ---- grpo-plus fit and the trainer's fit check on a VLM ------------------------------------------------------------
+
+
+def vlm_fit_spec(image_size: int = 112, **changes):
+    """The fit spec of the tiny Qwen2.5-VL (two text layers, a two-block vision tower), 8 rows in groups of 4, one
+    `image_size` picture per prompt (112: 64 vision patches, 16 image tokens), LoRA on the attention projections."""
+    from grpo_plus import fit
+
+    model, _ = make_vlm("qwen2_5_vl")
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused", per_device_train_batch_size=8, num_generations=4,
+                                                  max_completion_length=16, bf16=False))  # fmt: skip
+    lora = fit.lora_fields(4, 8, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    spec = fit.FitSpec.from_config(args, model.config, torch.float32, lora, False, prompt_tokens=12)
+    spec = spec.replace(mixed_precision="no", images_per_prompt=1, image_size=(image_size, image_size))
+    return spec.replace(**changes)
+
+
+@pytest.mark.parametrize("side", ["trl", "grpo_plus"])
+def test_the_fit_count_of_a_vlm_equals_real_compute(side):
+    """The training pass of a Qwen2.5-VL micro-batch with its pictures (the vision tower, the image tokens), counted
+    on fake tensors, allocates what the same pass computed for real on the CPU allocates (eager attention in both
+    towers: sdpa's kernels differ between a CPU and the GPU the count stands for), but for the vision tower's window
+    index: transformers builds it on the CPU (host memory on a GPU, device memory in a CPU run), a few int64 per
+    image token of the pass."""
+    from grpo_plus import fit
+
+    spec = vlm_fit_spec(attn_implementation="eager")
+    real = fit.measure_pass(spec, side, layers=2, real=True, lm_head="cpu")
+    fake = fit.measure_pass(spec, side, layers=2, lm_head="cpu")
+    encoded = spec.rows if side == "trl" else spec.rows // spec.num_generations  # pictures in the pass
+    window_index = 4 * encoded * spec.image_tokens * 8
+    for name in ("saved", "after_forward", "forward_peak", "peak"):
+        assert 0 <= getattr(real, name) - getattr(fake, name) <= window_index, name
+    assert fake.peak > 1000 * window_index
+
+
+class TowerLog:
+    """Vision patches the counted models' vision towers encode (every model `build_policy` makes)."""
+
+    def __init__(self, monkeypatch):
+        from grpo_plus import fit
+
+        self.patches = 0
+        build = fit.count.build_policy
+
+        def logged(*args, **kwargs):
+            model = build(*args, **kwargs)
+            vision_tower(model).register_forward_pre_hook(self._record, with_kwargs=True)
+            return model
+
+        monkeypatch.setattr(fit.count, "build_policy", logged)
+
+    def _record(self, module, args, kwargs):
+        self.patches += (args[0] if args else kwargs["hidden_states"]).shape[0]
+
+
+def test_the_fit_of_a_vlm_counts_its_pictures_once_per_group_for_grpo_plus_and_per_row_for_trl(monkeypatch):
+    """The fit of a VLM counts more than the same model without pictures (training pass and generation, both sides);
+    TRL's vision tower encodes each picture G times (every row), grpo_plus's once per group, in the training pass
+    and in generation; the pictures' share of the training pass's saved activations follows: G times grpo_plus's
+    for TRL, within the last group's padding."""
+    from grpo_plus import fit
+
+    spec, patches = vlm_fit_spec(), 64
+    text_only = spec.replace(images_per_prompt=0, image_size=(0, 0))
+    tower = TowerLog(monkeypatch)
+    groups = spec.rows // spec.num_generations
+    encoded, saved = {}, {}
+    for side in fit.SIDES:
+        tower.patches = 0
+        with_pictures = fit.measure_pass(spec, side, layers=1)
+        encoded[side] = tower.patches
+        without = fit.measure_pass(text_only, side, layers=1)
+        assert with_pictures.peak > without.peak
+        saved[side] = with_pictures.saved - without.saved
+        tower.patches = 0
+        counted = fit.measure_generation(fit.for_side(spec, side), layers=1)
+        assert tower.patches == (spec.generation_rows if side == "trl" else groups) * patches
+        plain = fit.measure_generation(fit.for_side(text_only, side), layers=1)
+        assert all(a > b for a, b in zip(counted, plain, strict=True))
+    assert encoded == {"trl": spec.rows * patches, "grpo_plus": groups * patches}
+    assert saved["trl"] == pytest.approx(spec.num_generations * saved["grpo_plus"], rel=0.2)
+    assert fit.estimate(spec, "grpo_plus").total > fit.estimate(text_only, "grpo_plus").total
+
+
+@pytest.mark.parametrize("full_blocks", [[2, 5], [1, 3], [], list(range(6))], ids=["ends-full", "ends-windowed",
+                                                                                  "windowed", "full"])  # fmt: skip
+def test_the_training_pass_counts_the_vision_tower_at_two_and_three_blocks_as_at_its_depth(full_blocks):
+    """A 6-block vision tower (windowed and full attention blocks in several orders) counted at 2 and 3 blocks and
+    extended to 6 counts what the whole tower counts, to the byte, on both sides (every block keeps its input for
+    backward; the peak's candidates all hold every block's input)."""
+    from grpo_plus import fit
+
+    spec = vlm_fit_spec()
+    config = dict(spec.model_config)
+    config["vision_config"] = {**config["vision_config"], "depth": 6, "fullatt_block_indexes": full_blocks}
+    spec = spec.replace(model_config=config)
+    for side in fit.SIDES:
+        whole = fit.measure_pass(spec, side, layers=1)
+        blocks = [fit.measure_pass(spec, side, layers=1, vision_blocks=n) for n in fit.count.TRAINING_VISION_BLOCKS]
+        assert fit.extrapolate(blocks, 6, start=fit.count.TRAINING_VISION_BLOCKS[0]) == whole
+        assert blocks[1].saved > blocks[0].saved  # the tower's blocks keep their inputs: the depth counts
+
+
+def test_generation_counts_the_vision_tower_at_two_blocks_as_at_its_depth(monkeypatch):
+    """Without gradients a vision block's output replaces its input: generation counted with two vision blocks (one
+    windowed, one full) counts what the whole tower (here 6 blocks, two of them full) counts, on both sides."""
+    from grpo_plus import fit
+
+    spec = vlm_fit_spec()
+    config = dict(spec.model_config)
+    config["vision_config"] = {**config["vision_config"], "depth": 6, "fullatt_block_indexes": [2, 5]}
+    spec = spec.replace(model_config=config)
+    for side in fit.SIDES:
+        two = fit.measure_generation(fit.for_side(spec, side), layers=1)
+        monkeypatch.setattr(fit.count, "GENERATION_VISION_BLOCKS", 6)
+        whole = fit.measure_generation(fit.for_side(spec, side), layers=1)
+        monkeypatch.setattr(fit.count, "GENERATION_VISION_BLOCKS", 2)
+        assert two == whole
+
+
+def test_the_vlm_recipe_becomes_a_fit_spec_with_its_pictures():
+    """The Qwen2.5-VL-3B recipe is counted offline (a built-in shape): 36 layers, a 32-block vision tower, one
+    448 x 448 picture per prompt (its image_max_pixels), 256 image tokens in each prompt; flags override them."""
+    from pathlib import Path
+
+    from grpo_plus.app.cli import fit_spec_from_yaml
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "configs" / "qwen2.5-vl-3b_qlora.yaml"
+    spec = fit_spec_from_yaml(recipe, prompt_tokens=64)
+    assert (spec.layers, spec.config().vision_config.depth, spec.four_bit, spec.rows) == (36, 32, True, 8)
+    assert (spec.images_per_prompt, spec.image_size, spec.image_grid, spec.image_tokens) == (1, (448, 448), (32, 32),
+                                                                                             256)  # fmt: skip
+    assert spec.prompt_length == 64 + 255
+    larger = fit_spec_from_yaml(recipe, prompt_tokens=64, images_per_prompt=2, image_size=896)
+    assert (larger.images_per_prompt, larger.image_size) == (2, (448, 448))  # image_max_pixels still binds
+    with pytest.raises(ValueError, match="need a vision-language model"):
+        fit_spec_from_yaml(recipe.parent / "demo_cpu.yaml", prompt_tokens=64, images_per_prompt=1)
+
+
+def test_the_trainers_fit_check_counts_a_vlm_with_its_datasets_pictures(caplog, monkeypatch):
+    """The trainer's fit check on a Qwen2.5-VL counts it (in its child process) with the pictures its dataset holds,
+    as the processor resizes them, and raises when they do not fit: no "cannot be counted" line."""
+    from grpo_plus import fit
+
+    model, processor = make_vlm("qwen2_5_vl", image_size=112)
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused"))
+    budget = {"bytes": 8 * fit.GIB}
+    monkeypatch.setattr(fit.check, "device_budget", lambda device: (budget["bytes"], 0))
+    with caplog.at_level(logging.INFO, logger="grpo_plus.fit"):
+        counted = fit.check_before_training(args, model, image_dataset(2, image_size=112), processor,
+                                            torch.device("cpu"), mode="error")  # fmt: skip
+    assert not any("cannot be counted" in record.getMessage() for record in caplog.records)
+    assert (counted.spec.images_per_prompt, counted.spec.image_size, counted.spec.image_tokens) == (1, (112, 112), 16)
+    chat = processor.tokenizer.apply_chat_template(image_dataset(1)[0]["prompt"], add_generation_prompt=True)
+    assert counted.spec.prompt_tokens == len(chat["input_ids"])  # one placeholder per picture, as the template writes
+    assert counted.spec.prompt_length == counted.spec.prompt_tokens + 15
+    assert counted.total > 0
+    budget["bytes"] = counted.total // 2
+    with pytest.raises(fit.FitCheckError, match="worst step"):
+        fit.check_before_training(args, model, image_dataset(2, image_size=112), processor, torch.device("cpu"),
+                                  mode="error")  # fmt: skip
+
+
+def test_the_fit_check_says_which_vlm_families_it_cannot_count(caplog):
+    """A family whose vision tower the count does not run (Gemma 3's SigLIP) is not counted as its language model
+    alone: the check says why once and lets training go on."""
     from grpo_plus.fit import check_before_training
 
-    model, processor = make_vlm("qwen2_5_vl")
+    model, processor = make_vlm("gemma3")
     args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused"))
     with caplog.at_level(logging.WARNING, logger="grpo_plus.fit"):
         result = check_before_training(args, model, image_dataset(2), processor, torch.device("cpu"), mode="error")
     assert result is None
-    assert any("vision-language model" in record.getMessage() for record in caplog.records)
+    assert any("model_type='gemma3'" in record.getMessage() and "cannot be counted" in record.getMessage()
+               for record in caplog.records)  # fmt: skip
+
+
+def test_dynamic_sampling_on_image_prompts_fails_when_the_trainer_is_built():
+    """Dynamic sampling cannot stitch refill rounds of image batches: the trainer says so when it is built, naming
+    the dataset's image column and what to do, instead of at the first training step."""
+    from grpo_plus.settings import ConfigError
+
+    model, processor = make_vlm("qwen2_5_vl")
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs("unused", per_device_train_batch_size=4, num_generations=2,
+                                                  dynamic_sampling=True))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"dynamic_sampling=True does not support image prompts.*'image' column.*"
+                       r"Set dynamic_sampling=False"):  # fmt: skip
+        grpo_plus.GRPOTrainer(model=model, processing_class=processor, reward_funcs=distinct_characters_reward,
+                              args=args, train_dataset=image_dataset(4))  # fmt: skip

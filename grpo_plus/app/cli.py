@@ -113,17 +113,20 @@ _MODEL_KEYS = ("model_name_or_path", "model_revision", "dtype", "torch_dtype", "
 
 
 def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | None = None,
-                       equal_prompts: bool = False):  # fmt: skip
+                       equal_prompts: bool = False, images_per_prompt: int | None = None,
+                       image_size: int | None = None):  # fmt: skip
     """A FitSpec from a recipe config YAML: its GRPOConfig fields through grpo_plus.GRPOConfig (TRL's defaults for the
     rest), its model fields as TRL's ModelConfig reads them, the model's shape from a local config.json, the Hub cache
-    or grpo_plus.fit.KNOWN_SHAPES (nothing is downloaded)."""
+    or grpo_plus.fit.KNOWN_SHAPES (nothing is downloaded). A vision-language model's prompts carry
+    `images_per_prompt` pictures (1 by default) of `image_size` pixels square (default: the recipe's `image_size`,
+    else 448), resized as its processor does within the recipe's `image_max_pixels`."""
     import tempfile
 
     import yaml
     from transformers import AutoConfig
 
     from ..config import GRPOConfig
-    from ..fit import FitSpec, known_config, lora_fields
+    from ..fit import DEFAULT_IMAGE_SIZE, FitSpec, image_count_blocker, known_config, lora_fields, resized_image
     from .recipe import ScriptArguments
 
     settings = yaml.safe_load(Path(path).read_text()) or {}
@@ -164,13 +167,25 @@ def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | 
                            settings.get("lora_dropout", 0.05), settings.get("lora_target_modules"))  # fmt: skip
     four_bit = bool(settings.get("load_in_4bit") or "bnb_4bit_quant_type" in settings)
     spec = FitSpec.from_config(args, config, dtype, lora, four_bit, prompt_tokens)
-    return spec.replace(padded_prompts=not equal_prompts)
+    spec = spec.replace(padded_prompts=not equal_prompts)
+    if spec.vision_language:
+        blocker = image_count_blocker(spec.model_config)
+        if blocker is not None:
+            raise ValueError(f"{path}: {blocker}; its pictures cannot be counted yet")
+        side = image_size or settings.get("image_size") or DEFAULT_IMAGE_SIZE
+        size = resized_image(spec.model_config, side, side, settings.get("image_max_pixels"))
+        spec = spec.replace(images_per_prompt=1 if images_per_prompt is None else images_per_prompt, image_size=size)
+    elif images_per_prompt or image_size:
+        raise ValueError(f"{path}: --images-per-prompt / --image-size need a vision-language model, not "
+                         f"{spec.model_config.get('model_type')!r}")  # fmt: skip
+    return spec
 
 
 def _fit(args: argparse.Namespace) -> int:
     from ..fit import GIB, card_budget, fit_report, format_report
 
-    spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts)
+    spec = fit_spec_from_yaml(Path(args.config), args.prompt_tokens, args.model_config, args.equal_prompts,
+                              args.images_per_prompt, args.image_size)  # fmt: skip
     budget = card_budget(spec, int(args.memory_gib * GIB), int(args.reserve_gib * GIB))
     vllm = ""
     if spec.vllm_memory_fraction:
@@ -247,6 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--equal-prompts", action="store_true",
                      help="every prompt has the same length (no padding; default: prompts differ, as in most datasets)")  # fmt: skip
     fit.add_argument("--model-config", default=None, help="a config.json for a model grpo_plus does not know")
+    fit.add_argument("--images-per-prompt", type=int, default=None,
+                     help="vision-language models: pictures per prompt (default 1)")  # fmt: skip
+    fit.add_argument("--image-size", type=int, default=None,
+                     help="vision-language models: side of the square pictures in pixels, before the processor "
+                     "resizes them (default: the config's image_size, else 448: 256 image tokens for Qwen2.5-VL)")  # fmt: skip
     fit.add_argument("--no-groups", action="store_true", help="skip the largest-G search (faster)")
     fit.set_defaults(run=_fit, parser=fit)
 

@@ -15,6 +15,10 @@ context and cuBLAS / attention workspaces (outside `max_memory_allocated`), the 
 fragmentation (`max_memory_reserved - max_memory_allocated`), bitsandbytes' dequantization buffers beyond one layer's
 weight, and the host memory offloading uses. `DEFAULT_RESERVE_GIB` and `FRAGMENTATION` are the margins taken for them.
 
+A vision-language model (Qwen2-VL, Qwen2.5-VL: `IMAGE_FAMILIES`) is counted with its prompts' pictures
+(`FitSpec.images_per_prompt`, `image_size`): the image tokens are in the prompt, and its own vision tower encodes the
+pictures, in TRL's training pass and generation each row's (every picture G times), in grpo_plus's once per group.
+
 Sides: `trl` is stock `trl.GRPOTrainer` with the config's TRL settings; `grpo_plus` adds grpo_plus's own settings
 (`activation_offloading`, `tiled_mlp_tokens`, the zero-waste pass). `with_memory_options` switches on every memory
 setting a side has: for TRL gradient checkpointing and an offloaded KV cache for generation
@@ -63,24 +67,30 @@ from .search import (
     suggestions,
 )
 from .spec import (
+    DEFAULT_IMAGE_SIZE,
+    IMAGE_FAMILIES,
     KNOWN_MODELS,
     KNOWN_SHAPES,
     SIDES,
     TILED_MLP_TOKENS,
     FitSpec,
     for_side,
+    image_count_blocker,
     known_config,
     lora_fields,
     optimizer_states,
+    resized_image,
     with_memory_options,
 )
 
 __all__ = [
     "CARD_RESERVE_GIB",
+    "DEFAULT_IMAGE_SIZE",
     "DEFAULT_RESERVE_GIB",
     "FRAGMENTATION",
     "GIB",
     "GROUP_LIMIT",
+    "IMAGE_FAMILIES",
     "KNOWN_MODELS",
     "KNOWN_SHAPES",
     "LENGTH_STEP",
@@ -104,6 +114,7 @@ __all__ = [
     "for_side",
     "format_report",
     "generation",
+    "image_count_blocker",
     "known_config",
     "largest_group",
     "largest_within",
@@ -113,6 +124,7 @@ __all__ = [
     "measure_pass",
     "optimizer_states",
     "prompt_lengths",
+    "resized_image",
     "static_bytes",
     "suggestions",
     "synthetic_micro_batch",

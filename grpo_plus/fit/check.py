@@ -8,13 +8,14 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping
 
 import torch
 
 from .count import StepEstimate, estimate, quiet, remembered_counts
 from .memory import GIB, PassMemory
 from .search import suggestions
-from .spec import FitSpec
+from .spec import FitSpec, image_count_blocker
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def prompt_lengths(dataset, processing_class, sample: int = 256) -> list[int]:
             prompt = row["prompt"]
             if isinstance(prompt, list):
                 ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) else ids
+                ids = ids["input_ids"] if isinstance(ids, Mapping) else ids  # transformers 5: a BatchEncoding
             else:
                 ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
             lengths.append(len(ids))
@@ -133,19 +134,45 @@ def prompt_lengths(dataset, processing_class, sample: int = 256) -> list[int]:
     return lengths
 
 
+def prompt_images(dataset, processing_class, sample: int = 256) -> dict:
+    """FitSpec's picture fields for the prompts among the first `sample` rows of `dataset` (TRL's "image" or
+    "images" column): the most pictures a prompt has, and the size the processor resizes the largest one to (its
+    `image_grid_thw` in patches, as pixels); no pictures when there are none or they cannot be read."""
+    from ..sampling import image_columns
+
+    columns = image_columns(dataset)
+    if not columns:
+        return {"images_per_prompt": 0, "image_size": (0, 0)}
+    try:
+        rows = dataset.select(range(min(sample, len(dataset))))
+        per_row = [row["images"] or [] if "images" in columns else [row["image"]] for row in rows]
+        pictures = [picture for row in per_row for picture in row if picture is not None]
+        if not pictures:
+            return {"images_per_prompt": 0, "image_size": (0, 0)}
+        largest = max(pictures, key=lambda picture: picture.size[0] * picture.size[1])
+        image_processor = processing_class.image_processor
+        grid = image_processor(images=[largest], return_tensors="pt")["image_grid_thw"][0].tolist()
+        patch = image_processor.patch_size
+    except Exception as error:  # pictures or a processor this cannot read: counted without pictures, said so
+        logger.warning("grpo_plus fit check: the dataset's pictures not measured (%s); counted without them.", error)
+        return {"images_per_prompt": 0, "image_size": (0, 0)}
+    return {"images_per_prompt": max(len(row) for row in per_row), "image_size": (grid[1] * patch, grid[2] * patch)}
+
+
 def check_before_training(args, model, dataset, processing_class, device: torch.device,
                           mode: str) -> StepEstimate | None:  # fmt: skip
-    """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory."""
-    if model.config.get_text_config() is not model.config:  # a vision-language model: its tower is not counted
-        logger.warning(
-            "grpo_plus fit check: %s is a vision-language model; the count has no vision tower or image tokens yet, "
-            "so training goes on unchecked (fit_check='off' skips this line).",
-            type(model).__name__,
-        )
+    """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory (a
+    vision-language model with its vision tower and its prompts' pictures)."""
+    blocker = image_count_blocker(model.config.to_dict())
+    if blocker is not None:
+        logger.warning("grpo_plus fit check: %s cannot be counted (%s), so training goes on unchecked "
+                       "(fit_check='off' skips this line).", type(model).__name__, blocker)  # fmt: skip
         return None
     lengths = prompt_lengths(dataset, processing_class)
     spec = FitSpec.from_args(args, model, max(lengths, default=128))
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
+    if spec.vision_language:
+        spec = spec.replace(**prompt_images(dataset, processing_class))
     budget, _ = device_budget(device)
     if spec.vllm_memory_fraction:  # the engine, started with the trainer, holds tensors of this process: not ours
         budget -= int(spec.vllm_memory_fraction * torch.cuda.mem_get_info(device)[1])

@@ -1,6 +1,11 @@
 """Counting one step of a spec on the fake accelerator (`grpo_plus.fit.memory`): the training pass of a micro-batch
 through the trainer's own `_compute_loss`, generation's prefill and decode step, at 1 and 2 decoder layers extended to
-the model's depth; the weights, gradients and optimizer state from the shapes; the worst step's peak (`estimate`)."""
+the model's depth; the weights, gradients and optimizer state from the shapes; the worst step's peak (`estimate`).
+
+A vision-language model's pictures (`PromptImages`) go through its own vision tower, counted at a few blocks: in the
+training pass, where the input-gradient hook of LoRA with checkpointing (`enable_input_require_grads`, which reaches
+the tower's patch embedding) makes every block keep its input for backward, at 2 and 3 blocks extended to its depth
+(`TRAINING_VISION_BLOCKS`); in generation, where nothing is kept, at two (`GENERATION_VISION_BLOCKS`)."""
 
 from __future__ import annotations
 
@@ -34,19 +39,91 @@ from .spec import FitSpec, for_side, known_config
 # ---- fake models and batches ----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PromptImages:
+    """The pictures of a count's prompts, laid out as a Qwen-VL processor makes them: in each prompt, from its second
+    token, per picture `<|vision_start|>`, `tokens` image tokens, `<|vision_end|>`; beside the ids, `pixel_values`
+    (one row of `patch_values` per vision patch), `image_grid_thw` (1, height, width in patches) per picture,
+    `mm_token_type_ids` (1 on image tokens) and `num_images` per row, as TRL hands them to `_compute_loss`."""
+
+    per_prompt: int
+    grid: tuple[int, int]
+    tokens: int
+    patch_values: int  # channels x temporal_patch_size x patch_size^2
+    start_id: int
+    image_id: int
+    end_id: int
+
+    @classmethod
+    def of(cls, spec: FitSpec, config) -> PromptImages | None:
+        """The spec's pictures (None without any), for its model's `config`."""
+        if not spec.images_per_prompt:
+            return None
+        vision = config.vision_config
+        channels = getattr(vision, "in_channels", None) or getattr(vision, "in_chans", 3)
+        patch_values = channels * vision.temporal_patch_size * vision.patch_size**2
+        return cls(spec.images_per_prompt, spec.image_grid, spec.image_tokens, patch_values,
+                   config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)  # fmt: skip
+
+    @property
+    def first_special(self) -> int:
+        """Text tokens are drawn below this id (the vision tokens are among the last of the vocabulary)."""
+        return min(self.start_id, self.image_id, self.end_id)
+
+    def place(self, prompts: torch.Tensor) -> None:
+        """Write the pictures' tokens into `prompts` (rows, prompt length), from its second column."""
+        width = 1 + self.per_prompt * (self.tokens + 2)
+        if prompts.shape[1] < width:
+            raise ValueError(f"a prompt of {prompts.shape[1]} tokens cannot hold {self.per_prompt} pictures of "
+                             f"{self.tokens} image tokens")  # fmt: skip
+        column = 1
+        for _ in range(self.per_prompt):
+            prompts[:, column] = self.start_id
+            prompts[:, column + 1 : column + 1 + self.tokens] = self.image_id
+            prompts[:, column + 1 + self.tokens] = self.end_id
+            column += self.tokens + 2
+
+    def inputs(self, ids: torch.Tensor, real: bool = False) -> dict:
+        """The image inputs of rows whose ids (prompt, or prompt and completion) are `ids`, one set of pictures per
+        row. `pixel_values` reads zeros (a real tensor with `real`, else a broadcast zero that takes no memory: the
+        count reads only its shape)."""
+        rows, images = ids.shape[0], ids.shape[0] * self.per_prompt
+        shape = (images * self.grid[0] * self.grid[1], self.patch_values)
+        pixel_values = torch.zeros(shape) if real else torch.zeros(()).expand(shape)
+        return {
+            "pixel_values": pixel_values,
+            "image_grid_thw": torch.tensor([[1, *self.grid]] * images),
+            "mm_token_type_ids": (ids == self.image_id).long(),
+            "num_images": [self.per_prompt] * rows,
+        }
+
+
+def synthetic_prompts(groups: int, prompt_length: int, vocab_size: int, generator: torch.Generator,
+                      first_token: int = 3, images: PromptImages | None = None) -> torch.Tensor:  # fmt: skip
+    """(groups, prompt_length) random prompt ids, with `images`' tokens placed where a processor puts them."""
+    high = vocab_size if images is None else min(vocab_size, images.first_special)
+    prompts = torch.randint(first_token, high, (groups, prompt_length), generator=generator)
+    if images is not None:
+        images.place(prompts)
+    return prompts
+
+
 def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, completion_length: int, vocab_size: int,
                           seed: int = 0, first_token: int = 3, padded: bool = False,
-                          reference: bool = False) -> dict:  # fmt: skip
+                          reference: bool = False, images: PromptImages | None = None,
+                          real_images: bool = False) -> dict:  # fmt: skip
     """A training micro-batch as TRL's `_prepare_inputs` hands it to `_compute_loss`, worst case for memory: `rows` rows
     in groups of `group_size` consecutive rows sharing a prompt, every completion `completion_length` tokens long (no
     EOS, no padding), every advantage non-zero; `padded`: the first group's prompt is one token shorter (left
     padding, as TRL pads prompts of different lengths); `reference`: with the reference model's log-probs (beta > 0:
-    the KL term)."""
+    the KL term); `images`: each prompt with its pictures (every row carries its own copy, as in TRL's batch)."""
     generator = torch.Generator().manual_seed(seed)
     groups = -(-rows // group_size)
-    prompts = torch.randint(first_token, vocab_size, (groups, prompt_length), generator=generator)
+    prompts = synthetic_prompts(groups, prompt_length, vocab_size, generator, first_token, images)
     prompt_ids = prompts.repeat_interleave(group_size, dim=0)[:rows]
-    completion_ids = torch.randint(first_token, vocab_size, (rows, completion_length), generator=generator)
+    completion_ids = synthetic_prompts(rows, completion_length, vocab_size, generator, first_token)
+    if images is not None:  # no token a processor reserves for pictures
+        completion_ids = completion_ids.clamp(max=images.first_special - 1)
     completion_mask = torch.ones(rows, completion_length, dtype=torch.long)
     advantages = torch.randn(rows, generator=generator)
     advantages[advantages == 0] = 1.0
@@ -64,6 +141,8 @@ def synthetic_micro_batch(rows: int, group_size: int, prompt_length: int, comple
     }
     if reference:
         batch["ref_per_token_logps"] = -torch.rand(rows, completion_length, generator=generator)
+    if images is not None:
+        batch.update(images.inputs(torch.cat([prompt_ids, completion_ids], dim=1), real=real_images))
     return batch
 
 
@@ -83,24 +162,27 @@ def word_tokenizer(vocab_size: int):
     )  # fmt: skip
 
 
-def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str = "cpu", seed: int = 0):
-    """The policy as TRL sets it up, at `layers` decoder layers: LoRA through PEFT, TRL's fused LM head on the base
-    model, gradient checkpointing (non-reentrant) with input grads enabled, grpo_plus's tiled MLP when the spec asks.
-    Fake weights on `device` with `fake_mode`, random real ones (on the CPU) without.
+def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str = "cpu", seed: int = 0,
+                 vision_blocks: int | None = None):  # fmt: skip
+    """The policy as TRL sets it up, at `layers` decoder layers (a VLM's vision tower at `vision_blocks`,
+    `FitSpec.config`): LoRA through PEFT, TRL's fused LM head on the base model, gradient checkpointing
+    (non-reentrant) with input grads enabled, grpo_plus's tiled MLP when the spec asks. Fake weights on `device` with
+    `fake_mode`, random real ones (on the CPU) without.
 
     A 4-bit base (`four_bit`) is what `prepare_model_for_kbit_training` leaves (everything but the quantized linear
     layers in fp32, LoRA weights in bf16 as TRL converts them), with bf16 stand-ins for the 4-bit linear layers: a
     bitsandbytes 4-bit matmul keeps only the quantized weight for backward, as a frozen bf16 layer keeps only its
     weight; the transient dequantized weight is added separately (`static_bytes`)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from ..tiled_mlp import tile_mlps
 
     torch.manual_seed(seed)
     dtype = getattr(torch, spec.weights_dtype)
+    auto = AutoModelForImageTextToText if spec.vision_language else AutoModelForCausalLM  # as TRL loads them
     with torch.device("meta") if fake_mode is not None else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(spec.config(layers), dtype=dtype)
+        model = auto.from_config(spec.config(layers, vision_blocks), dtype=dtype)
     if spec.four_bit:
         quantized = {
             id(module.weight) for name, module in model.named_modules()
@@ -248,8 +330,10 @@ def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: 
 
 def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
                  real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
-                 around=contextlib.nullcontext, kernels: list | None = None) -> PassMemory:  # fmt: skip
-    """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers, with the
+                 around=contextlib.nullcontext, kernels: list | None = None,
+                 vision_blocks: int | None = None) -> PassMemory:  # fmt: skip
+    """Count one micro-batch's `_compute_loss` forward + backward of `side` at `layers` decoder layers (a VLM's
+    vision tower with `vision_blocks` blocks, `FitSpec.config`; its own depth by default), with the
     trainable weights' gradients already allocated (as from the second micro-batch on: their bytes are static).
 
     `real=True` computes it for real on the CPU instead (random weights), counted by the same counter: what the fake
@@ -262,26 +346,28 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     rows = rows or spec.rows
     plain = not real and lm_head == "cuda" and at_peak is None and around is contextlib.nullcontext and kernels is None
     plain = plain and _PASSES is not None
-    key = (side, _training_key(spec), layers, rows, group)
+    key = (side, _training_key(spec), layers, rows, group, vision_blocks)
     if plain and key in _PASSES:
         return _PASSES[key]
     device = "cpu" if real else fake_accelerator()
     fake_mode = None if real else new_fake_mode()
     trainer = counting_trainer(side, spec)
-    model = build_policy(spec, layers, fake_mode, device)
+    model = build_policy(spec, layers, fake_mode, device, vision_blocks=vision_blocks)
     with fake_mode or contextlib.nullcontext():
         for param in model.parameters():
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
-    config = spec.config(layers)
+    config = spec.config(layers, vision_blocks)
     batch = synthetic_micro_batch(
         rows,
         min(group or spec.num_generations, rows),
-        spec.prompt_tokens,
+        spec.prompt_length,
         spec.completion_tokens,
-        config.vocab_size,
+        config.get_text_config().vocab_size,
         padded=spec.padded_prompts,
         reference=spec.loss.get("beta", 0.0) != 0.0,
+        images=PromptImages.of(spec, config),
+        real_images=real,
     )
     inputs = batch if real else fake_inputs(batch, fake_mode, device)
     counter = MemoryCounter(fake_mode)
@@ -350,9 +436,23 @@ def extrapolate(points: list[PassMemory], depth: int, start: int = 1) -> PassMem
     return PassMemory(**{k: first[k] + (depth - start) * (second[k] - first[k]) for k in first})
 
 
+# Vision blocks the training pass is counted with, extended to the tower's depth: each block keeps its input for
+# backward (a constant per block), and every candidate for the peak (the tower's last block, forward or recomputed,
+# the language model's pass) has every block's input alive, so each count is affine in the tower's depth too, with
+# the kinds of its last blocks as the whole tower's (`FitSpec.config`).
+TRAINING_VISION_BLOCKS = (2, 3)
+
+
 def training_pass(spec: FitSpec, side: str, rows: int | None = None, group: int | None = None) -> PassMemory:
-    """The training pass's counts at the model's full depth (from 1 and 2 decoder layers)."""
-    points = [measure_pass(spec, side, layers, rows, group) for layers in (1, 2)]
+    """The training pass's counts at the model's full depth (from 1 and 2 decoder layers; a vision tower deeper than
+    three blocks from TRAINING_VISION_BLOCKS)."""
+    depth = spec.model_config["vision_config"]["depth"] if spec.vision_language and spec.images_per_prompt else 0
+    if depth <= max(TRAINING_VISION_BLOCKS):
+        points = [measure_pass(spec, side, layers, rows, group) for layers in (1, 2)]
+    else:
+        start = TRAINING_VISION_BLOCKS[0]
+        points = [extrapolate([measure_pass(spec, side, layers, rows, group, vision_blocks=blocks)
+                               for blocks in TRAINING_VISION_BLOCKS], depth, start) for layers in (1, 2)]  # fmt: skip
     return extrapolate(points, spec.layers)
 
 
@@ -370,17 +470,28 @@ def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> t
     return _GENERATIONS[key]
 
 
+# Vision blocks a generation count builds: without gradients a block's output replaces its input, so the tower's
+# memory does not grow with its depth, and one block of each attention kind meets its peak (module docstring).
+GENERATION_VISION_BLOCKS = 2
+
+
 def _measure_generation(spec: FitSpec, layers: int, rows: int) -> tuple[int, int, int]:
     from transformers.cache_utils import DynamicCache
 
     device = fake_accelerator()
     fake_mode = new_fake_mode()
-    model = build_policy(spec.replace(gradient_checkpointing=False, tiled_mlp_tokens=None), layers, fake_mode, device)
+    model = build_policy(spec.replace(gradient_checkpointing=False, tiled_mlp_tokens=None), layers, fake_mode, device,
+                         vision_blocks=GENERATION_VISION_BLOCKS)  # fmt: skip
     model.eval()
-    config = spec.config(layers)
+    config = spec.config(layers, GENERATION_VISION_BLOCKS)
+    text_config = config.get_text_config()
+    # Zero-waste generation prefills each distinct prompt once (and encodes its pictures once); TRL every row.
     prefill_rows = -(-rows // spec.num_generations) if spec.zero_waste_generation else rows
-    prompt = fake_inputs({"ids": torch.randint(3, config.vocab_size, (prefill_rows, spec.prompt_tokens))},
-                         fake_mode, device)["ids"]  # fmt: skip
+    images = PromptImages.of(spec, config)
+    prompt = synthetic_prompts(prefill_rows, spec.prompt_length, text_config.vocab_size, torch.Generator(),
+                               images=images)  # fmt: skip
+    prefill_inputs = fake_inputs({"input_ids": prompt, **({} if images is None else images.inputs(prompt))},
+                                 fake_mode, device)  # fmt: skip
     trainer_stub = _AutocastStub(spec.mixed_precision, device)
     counter = MemoryCounter(fake_mode)
     with (
@@ -388,16 +499,16 @@ def _measure_generation(spec: FitSpec, layers: int, rows: int) -> tuple[int, int
         counting(counter, trainer_stub, device, spec.mixed_precision),
         trainer_stub.accelerator.autocast(),
     ):
-        prefilled = model(input_ids=prompt, use_cache=True, logits_to_keep=1)[cache_argument_name()]
+        prefilled = model(**prefill_inputs, use_cache=True, logits_to_keep=1)[cache_argument_name()]
     prefill = counter.peak
     # The cache holds what the attention layers make: keys after rotary embedding (fp32 where the residual stream is,
     # as with a 4-bit base prepared by prepare_model_for_kbit_training), values from the projection.
     key_dtype, value_dtype = prefilled.layers[0].keys.dtype, prefilled.layers[0].values.dtype
     del prefilled
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    length = spec.prompt_tokens + spec.completion_tokens - 1
-    shape = (rows, config.num_key_value_heads, length, head_dim)
-    token = fake_inputs({"ids": torch.randint(3, config.vocab_size, (rows, 1))}, fake_mode, device)["ids"]
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    length = spec.prompt_length + spec.completion_tokens - 1
+    shape = (rows, text_config.num_key_value_heads, length, head_dim)
+    token = fake_inputs({"ids": torch.randint(3, text_config.vocab_size, (rows, 1))}, fake_mode, device)["ids"]
     counter = MemoryCounter(fake_mode)  # one counter for the cache and the step: the step frees cache storages
     with (
         torch.no_grad(),
@@ -463,7 +574,8 @@ def static_bytes(spec: FitSpec) -> dict:
     weights, their gradients and the optimizer's state; for a 4-bit base also one dequantized weight (the largest
     linear layer, in bf16), which bitsandbytes makes for each matmul; without LoRA and with beta > 0, TRL's reference
     model (a second copy of the weights)."""
-    key = spec.replace(rows=0, num_generations=0, generation_rows=0, prompt_tokens=0, completion_tokens=0).to_json()
+    key = spec.replace(rows=0, num_generations=0, generation_rows=0, prompt_tokens=0, completion_tokens=0,
+                       images_per_prompt=0, image_size=(0, 0)).to_json()  # fmt: skip
     if key not in _STATIC:
         _STATIC[key] = _static_bytes(spec)
     return dict(_STATIC[key])

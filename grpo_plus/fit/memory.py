@@ -691,10 +691,14 @@ def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
         counter._record(fake, [], torch.tensor)
         return fake
 
+    def values(data):
+        """Fake scalars in `data` (a list of 0-dim tensors, e.g. Qwen-VL's M-RoPE offsets) as their values."""
+        return tree_map(lambda value: counter._item(value) if is_fake(value) else value, data)
+
     def tensor(data, *args, device=None, **kwargs):
         if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
             return original(data, *args, device=device, **kwargs)
-        return on_device(original(data, *args, **kwargs), device)
+        return on_device(original(values(data), *args, **kwargs), device)
 
     def new_tensor(self, data, *args, dtype=None, device=None, **kwargs):
         device = self.device if device is None else torch.device(device)
@@ -791,8 +795,10 @@ def fake_inputs(inputs: dict, fake_mode: FakeTensorMode, device: str) -> dict:
     def convert(value):
         if not isinstance(value, torch.Tensor):
             return value
+        # A broadcast value (stride 0, e.g. pixels that read zeros) stands for a tensor of its shape on the device.
+        stride = value.stride() if 0 not in value.stride() else torch.empty(value.shape, device="meta").stride()
         with fake_mode:
-            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+            fake = torch.empty_strided(value.shape, stride, dtype=value.dtype, device=device)
         fake._shadow = value
         return fake
 

@@ -99,7 +99,7 @@ def longest_completion(spec: FitSpec, side: str, budget: int) -> int:
     """The longest completion (a multiple of LENGTH_STEP, within the context window) whose worst step fits `budget`
     bytes at the spec's batch settings; 0 when not even LENGTH_STEP tokens fit."""
     window = spec.context_window or 2**17
-    limit = max((window - spec.prompt_tokens) // LENGTH_STEP, 1)
+    limit = max((window - spec.prompt_length) // LENGTH_STEP, 1)
 
     def cost(steps: int) -> int:
         return estimate(spec.replace(completion_tokens=steps * LENGTH_STEP), side).total
@@ -181,7 +181,7 @@ class FitReport:
     @property
     def length_limit(self) -> int | None:
         window = self.spec.context_window
-        return None if window is None else (window - self.spec.prompt_tokens) // LENGTH_STEP * LENGTH_STEP
+        return None if window is None else (window - self.spec.prompt_length) // LENGTH_STEP * LENGTH_STEP
 
 
 def fit_report(spec: FitSpec, budget: int, groups: bool = True) -> FitReport:
@@ -205,11 +205,22 @@ def format_report(report: FitReport, source: str = "") -> str:
     lora = f"LoRA r={spec.lora['r']}" if spec.lora else "every weight trains"
     lines = [
         f"grpo-plus fit{': ' + source if source else ''} ({report.budget / GIB:.2f} GiB for tensors)",
-        f"model: {config.model_type}, {spec.layers} layers, hidden {config.hidden_size}, {spec.weights_dtype}"
-        f"{' in 4 bits (nf4)' if spec.four_bit else ''}, {lora}; {spec.rows} rows per micro-batch, G = "
-        f"{spec.num_generations}, {spec.generation_rows} rows generated at once; {spec.prompt_tokens} prompt + "
-        f"{spec.completion_tokens} completion tokens ({'prompts of different lengths' if spec.padded_prompts else 'prompts of one length'}); "
+        f"model: {config.model_type}, {spec.layers} layers, hidden {config.get_text_config().hidden_size}, "
+        f"{spec.weights_dtype}{' in 4 bits (nf4)' if spec.four_bit else ''}, {lora}; {spec.rows} rows per "
+        f"micro-batch, G = {spec.num_generations}, {spec.generation_rows} rows generated at once; "
+        f"{spec.prompt_length} prompt + {spec.completion_tokens} completion tokens "
+        f"({'prompts of different lengths' if spec.padded_prompts else 'prompts of one length'}); "
         f"gradient checkpointing {'on' if spec.gradient_checkpointing else 'off'}",
+    ]  # fmt: skip
+    if spec.images_per_prompt:
+        height, width = spec.image_grid
+        lines.append(
+            f"pictures: {spec.images_per_prompt} per prompt, {spec.image_size[0]}x{spec.image_size[1]} pixels, "
+            f"{height * width} vision patches and {spec.image_tokens} image tokens each (in the prompt's tokens); "
+            f"vision tower {config.vision_config.depth} blocks, hidden {config.vision_config.hidden_size}; TRL "
+            f"encodes each picture G times per pass, grpo_plus once per group"
+        )
+    lines += [
         "",
         f"worst step at the config's settings (GiB)       {'TRL':>9} {'grpo_plus':>10}",
     ]  # fmt: skip
@@ -238,7 +249,7 @@ def format_report(report: FitReport, source: str = "") -> str:
                      f"{groups['trl']:>9} {groups['grpo_plus']:>10}")  # fmt: skip
     if any(marks.values()):
         lines.append(f"  (context window: the model's max_position_embeddings {spec.context_window} less the "
-                     f"{spec.prompt_tokens}-token prompt binds first)")  # fmt: skip
+                     f"{spec.prompt_length}-token prompt binds first)")  # fmt: skip
     lines.append(f"  counted in {report.seconds:.0f} s; not counted: CUDA context, kernel workspaces, allocator "
                  "fragmentation (kept outside the budget)")  # fmt: skip
     trl, ours = report.longest["trl"], report.longest["grpo_plus"]

@@ -34,6 +34,17 @@ KNOWN_SHAPES: dict[str, tuple[str, dict]] = {
         hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
         head_dim=64, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192,
         rms_norm_eps=1e-5)),
+    # Qwen2.5-VL-3B-Instruct's config.json (the language model's fields at the top level, as it writes them).
+    "qwen2.5-vl-3b": ("qwen2_5_vl", dict(
+        hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+        vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=128000,
+        rms_norm_eps=1e-6, sliding_window=32768, use_sliding_window=False, max_window_layers=70,
+        rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, bos_token_id=151643, eos_token_id=151645,
+        vision_start_token_id=151652, vision_end_token_id=151653, image_token_id=151655, video_token_id=151656,
+        vision_config=dict(
+            depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16, in_chans=3,
+            out_hidden_size=2048, patch_size=14, spatial_merge_size=2, spatial_patch_size=14, window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, temporal_patch_size=2))),
     "tiny-qwen2": ("qwen2", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=512, rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -42,9 +53,14 @@ KNOWN_SHAPES: dict[str, tuple[str, dict]] = {
 KNOWN_MODELS = {
     **{f"Qwen/Qwen2.5-{size}{suffix}": f"qwen2.5-{size.lower()}" for size in ("0.5B", "1.5B", "7B")
        for suffix in ("", "-Instruct")},
+    "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
 }  # fmt: skip
+# Vision-language families the count runs with their images (the model's own vision tower on fake tensors): Qwen-VL's
+# patch rows and `image_grid_thw`. Other families' towers are not counted yet (`image_count_blocker`).
+IMAGE_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+DEFAULT_IMAGE_SIZE = 448  # pixels on a side: 32 x 32 patches of 14, 2 x 2 merged: 256 image tokens (Qwen-VL)
 
 
 def known_config(name: str, **overrides):
@@ -58,6 +74,25 @@ def known_config(name: str, **overrides):
     config = AutoConfig.for_model(model_type, **{**fields, **overrides})
     config._attn_implementation = "sdpa"
     return config
+
+
+def image_count_blocker(model_config: dict) -> str | None:
+    """Why a count cannot run this model with its pictures, or None (a text model, or a family in IMAGE_FAMILIES)."""
+    model_type = model_config.get("model_type")
+    if "vision_config" not in model_config or model_type in IMAGE_FAMILIES:
+        return None
+    return f"model_type={model_type!r}: the count runs the vision towers of {', '.join(IMAGE_FAMILIES)} only"
+
+
+def resized_image(model_config: dict, height: int, width: int, max_pixels: int | None = None) -> tuple[int, int]:
+    """(height, width) a Qwen-VL processor resizes a `height` x `width` picture to: transformers' `smart_resize`
+    (multiples of patch_size x spatial_merge_size, at most `max_pixels`, the processor's default without one)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # no torchvision needed
+
+    vision = model_config["vision_config"]
+    factor = vision["patch_size"] * vision.get("spatial_merge_size", 2)
+    options = {} if max_pixels is None else {"max_pixels": max_pixels}
+    return tuple(smart_resize(height, width, factor=factor, **options))
 
 
 @dataclass(frozen=True)
@@ -89,6 +124,11 @@ class FitSpec:
     vllm_generates: bool = False  # use_vllm: the trainer's model never generates
     vllm_memory_fraction: float = 0.0  # the card's share a colocated vLLM engine takes (vllm_gpu_memory_utilization)
     vllm_quantization: str = "auto"  # what that engine serves the weights in (GRPOConfig.vllm_quantization)
+    # A vision-language model's pictures: how many each prompt carries, and their (height, width) in pixels as the
+    # processor resized them (Qwen-VL: multiples of patch_size x spatial_merge_size). `prompt_tokens` counts each
+    # picture as the chat template writes it (one image placeholder); `prompt_length` has its image tokens.
+    images_per_prompt: int = 0
+    image_size: tuple[int, int] = (0, 0)
 
     def replace(self, **changes) -> FitSpec:
         return dataclasses.replace(self, **changes)
@@ -98,30 +138,82 @@ class FitSpec:
 
     @classmethod
     def from_json(cls, text: str) -> FitSpec:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        fields["image_size"] = tuple(fields.get("image_size", (0, 0)))
+        return cls(**fields)
 
-    def config(self, layers: int | None = None):
-        """The model's transformers config, at `layers` decoder layers (the model's own depth by default)."""
+    def config(self, layers: int | None = None, vision_blocks: int | None = None):
+        """The model's transformers config, at `layers` decoder layers (the model's own depth by default); a
+        vision-language model's vision tower at its depth, or with `vision_blocks` blocks ending in a block of the
+        kind the tower ends with, the others of the other kind (Qwen2.5-VL: windowed blocks, then a full one)."""
         from transformers import AutoConfig
 
         fields = {k: v for k, v in self.model_config.items() if k not in ("model_type", "transformers_version")}
+        if vision_blocks is not None and "vision_config" in fields:
+            fields["vision_config"] = vision = dict(fields["vision_config"])
+            if vision_blocks < vision["depth"]:
+                full = vision.get("fullatt_block_indexes") or []
+                if full:  # the last block of the kind the tower ends with, the others of the other kind
+                    ends_full = vision["depth"] - 1 in full
+                    kinds = [not ends_full] * (vision_blocks - 1) + [ends_full]
+                    if all(index in full for index in range(vision["depth"])):
+                        kinds = [True] * vision_blocks
+                    vision["fullatt_block_indexes"] = [index for index, is_full in enumerate(kinds) if is_full]
+                vision["depth"] = vision_blocks
+        if "text_config" in fields:
+            fields["text_config"] = text = dict(fields["text_config"])
+        else:
+            text = fields
         if layers is not None:
-            fields["num_hidden_layers"] = layers
-            if fields.get("max_window_layers") is not None:
-                fields["max_window_layers"] = min(fields["max_window_layers"], layers)
-            fields.pop("layer_types", None)  # recomputed from the sliding-window fields for the new depth
-        fields.pop("_attn_implementation_autoset", None)
+            text["num_hidden_layers"] = layers
+            if text.get("max_window_layers") is not None:
+                text["max_window_layers"] = min(text["max_window_layers"], layers)
+            text.pop("layer_types", None)  # recomputed from the sliding-window fields for the new depth
+        for held in (fields, text):
+            held.pop("_attn_implementation_autoset", None)
         config = AutoConfig.for_model(self.model_config["model_type"], **fields)
         config._attn_implementation = self.attn_implementation
+        for sub in ("text_config", "vision_config"):
+            if getattr(config, sub, None) is not None:
+                getattr(config, sub)._attn_implementation = self.attn_implementation
         return config
 
     @property
+    def text_fields(self) -> dict:
+        """The language model's config fields (a vision-language model's `text_config`)."""
+        return self.model_config.get("text_config") or self.model_config
+
+    @property
     def layers(self) -> int:
-        return int(self.model_config["num_hidden_layers"])
+        return int(self.text_fields["num_hidden_layers"])
 
     @property
     def context_window(self) -> int | None:
-        return self.model_config.get("max_position_embeddings")
+        return self.text_fields.get("max_position_embeddings")
+
+    @property
+    def vision_language(self) -> bool:
+        return "vision_config" in self.model_config
+
+    @property
+    def image_grid(self) -> tuple[int, int]:
+        """(height, width) of one picture in vision patches (Qwen-VL's `image_grid_thw` less its time axis)."""
+        patch = self.model_config["vision_config"]["patch_size"]
+        return self.image_size[0] // patch, self.image_size[1] // patch
+
+    @property
+    def image_tokens(self) -> int:
+        """Image tokens of one picture in the prompt (Qwen-VL: its patches, `spatial_merge_size`^2 merged into one)."""
+        if not self.images_per_prompt:
+            return 0
+        merge = self.model_config["vision_config"].get("spatial_merge_size", 2)
+        height, width = self.image_grid
+        return height * width // merge**2
+
+    @property
+    def prompt_length(self) -> int:
+        """The longest prompt in tokens, each picture's image tokens included."""
+        return self.prompt_tokens + self.images_per_prompt * (self.image_tokens - 1)
 
     @classmethod
     def from_args(cls, args, model, prompt_tokens: int) -> FitSpec:
