@@ -72,12 +72,13 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
     the count can never take the run down; it runs the fake stand-in accelerator there, CUDA hidden), then warn, or
     raise FitCheckError with `mode="error"`, when it exceeds `budget`, naming settings that would fit. Returns the
     estimate (None when the count could not run: logged, training goes on)."""
+    import os
     import resource
     import subprocess
 
     started = time.perf_counter()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "grpo_plus.fit", "--budget", str(budget)]
     try:
         result = subprocess.run(command, input=spec.to_json(), capture_output=True, text=True, timeout=timeout,
