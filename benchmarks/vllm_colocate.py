@@ -7,7 +7,7 @@ The demo config (recipes/configs/demo_cpu.yaml: SmolLM2-135M-Instruct + LoRA r=1
 with `use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3` and TRL's default importance-sampling
 correction, on vLLM's CPU build (`make test-vllm`'s environment). Both trainers generate with one engine
 (`grpo_plus.app.testing.shared_vllm_engine`); each loads its own weights into it at each of its steps through vLLM's
-reload (`grpo_plus.vllm_sync`, which stock TRL gets too: its own sync cannot load on the CPU build), stock TRL with its
+reload (`grpo_plus.engine`, which stock TRL gets too: its own sync cannot load on the CPU build), stock TRL with its
 own stream (the adapter merged into the base in place), grpo_plus with its out-of-place one. They train in
 lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...) with their own random state, so they sample
 the same completions from the same weights: the first step's are the same (its loss difference is printed); later
@@ -38,7 +38,7 @@ def main() -> None:
     from lockstep import lockstep_arguments, start_report, write_report
 
     from grpo_plus.app.testing import shared_vllm_engine
-    from grpo_plus.vllm_sync import reload_on_sync
+    from grpo_plus.engine import reload_on_sync
 
     json_path = ROOT / "outputs" / "bench-vllm" / "vllm.json"
     parser = lockstep_arguments(__doc__, steps=10, repeats=0, json_path=json_path)

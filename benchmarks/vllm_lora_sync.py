@@ -8,7 +8,7 @@ mode (the demo's engine settings: `make test-vllm`'s environment), one engine fo
 
 Part 1, the sync, per base (float32: the demo's; bfloat16; 4-bit nf4): stock trl.GRPOTrainer's sync (TRL's stream:
 merge_adapter, every weight, unmerge_adapter) and grpo_plus's (each LoRA layer merged in a new tensor; after the
-first sync only what can change), both through vLLM's layerwise reload (`grpo_plus.vllm_sync`; stock TRL's own sync
+first sync only what can change), both through vLLM's layerwise reload (`grpo_plus.engine`; stock TRL's own sync
 cannot load on the CPU build). Before each pair of syncs both adapters get the same new weights (as after a training
 step); the syncs alternate. Printed per sync, medians after the first: seconds (the stream, vLLM's loading and its
 processing of every layer), bytes streamed; the first (full) sync apart; how far the frozen base moved over the run;
@@ -55,7 +55,7 @@ def build(package, path, tokenizer, base: str, settings: dict):
     from transformers import set_seed
 
     from grpo_plus.app import tasks
-    from grpo_plus.vllm_sync import reload_on_sync
+    from grpo_plus.engine import reload_on_sync
 
     set_seed(0)
     trainer = package.GRPOTrainer(

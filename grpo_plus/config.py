@@ -22,6 +22,7 @@ from .algorithms import (
     DEFAULT_POLICY_LOSS,
     AlgorithmSettings,
 )
+from .engine.settings import VLLMSettings
 from .health import HealthSettings
 from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
 from .objective.common import WARNED_ONCE
@@ -318,6 +319,25 @@ class GRPOConfig(trl.GRPOConfig):
             "goes to vLLM's `quantization` as it is (an online method: vLLM quantizes the synced weights).",
         },
     )
+    vllm_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "The dtype a colocated vLLM engine computes in. 'auto': vLLM's choice, as TRL leaves it (bfloat16 "
+            "for a float32 or bfloat16 checkpoint); 'float32', 'bfloat16', 'float16': that dtype. With a float32 "
+            "trainer, 'float32' makes the engine's log-probs the trainer's to float rounding (slower generation).",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
+    )
+    vllm_sync_check: str = field(
+        default="every",
+        metadata={
+            "help": "After a weight sync into a colocated vLLM engine, before it generates: check that every tensor "
+            "that can change was streamed and taken by the engine, that its prefix cache holds nothing from the old "
+            "weights, and that its log-probs of a fixed probe equal the trainer's within what the dtypes allow; a "
+            "failed check raises SyncCheckError naming what disagrees. 'every' sync, the 'first' only, or 'off'.",
+            "choices": ["every", "first", "off"],
+        },
+    )
     advantage_estimator: str = field(
         default=DEFAULT_ESTIMATOR,
         metadata={
@@ -525,7 +545,7 @@ class PlusSettings:
     activation_offloading: bool
     tiled_mlp_tokens: int | None
     fit_check: str
-    vllm_quantization: str
+    vllm: VLLMSettings
     dynamic_sampling: DynamicSamplingSettings
     selective_rollout: bool
     selective: SelectiveRolloutSettings
@@ -547,7 +567,7 @@ class PlusSettings:
             activation_offloading=own.activation_offloading,
             tiled_mlp_tokens=own.tiled_mlp_tokens,
             fit_check=own.fit_check,
-            vllm_quantization=own.vllm_quantization,
+            vllm=VLLMSettings.from_args(own),
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
@@ -571,14 +591,7 @@ class PlusSettings:
             )
         if self.fit_check not in FIT_CHECK_MODES:
             raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
-        if not isinstance(self.vllm_quantization, str) or self.vllm_quantization.lower() == "bitsandbytes":
-            raise not_allowed(
-                "vllm_quantization",
-                self.vllm_quantization,
-                "'auto', 'none' or an online quantization vLLM has (e.g. 'fp8'); not 'bitsandbytes': vLLM 0.31 has "
-                "no bitsandbytes, and grpo_plus syncs a 4-bit base dequantized, for the engine to serve in bfloat16 "
-                "or quantize itself",
-            )
+        self.vllm.validate()
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
         self.algorithms.validate(args, trl_native)

@@ -51,18 +51,21 @@ def check_launch(distributed_type: str, num_processes: int) -> None:
 
 
 @contextmanager
-def whole_model_for_generation(model: Any, trainer: Any = None) -> Iterator[Any]:
-    """`model` with whole parameters on this rank, for generation outside TRL's step (held-out evaluation).
+def whole_model_for_generation(model: Any, trainer: Any = None, gather: bool | None = None) -> Iterator[Any]:
+    """`model` with whole parameters on this rank, for generation outside TRL's step (held-out evaluation) and other
+    forwards outside the training forward (the vLLM sync check's probe).
 
     Under DeepSpeed ZeRO-3 each rank holds a shard of every weight: a trained model goes through TRL's
-    `unwrap_model_for_generation` (it gathers the shards once and lifts the engine's per-layer hooks), a model
-    partitioned at load (`zero3_init_flag`) and not yet in an engine is gathered whole. Gathering is collective:
-    every rank must enter. Elsewhere the model is yielded as is.
+    `unwrap_model_for_generation` (it gathers the shards once and lifts the engine's per-layer hooks, unless `gather`
+    is False; None: the trainer's `ds3_gather_for_generation`), a model partitioned at load (`zero3_init_flag`) and
+    not yet in an engine is gathered whole. Gathering is collective: every rank must enter. Elsewhere the model is
+    yielded as is.
     """
     if trainer is not None:
         from .trl_compat import unwrap_model_for_generation
 
-        gather = getattr(trainer.args, "ds3_gather_for_generation", True)
+        if gather is None:
+            gather = getattr(trainer.args, "ds3_gather_for_generation", True)
         with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator, gather) as unwrapped:
             yield unwrapped
         return

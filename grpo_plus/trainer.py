@@ -23,7 +23,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .algorithms import KLCoefficient, estimator_inputs, greedy_rewards, local_advantages
 from .checkpoints import hide_local_base_model_path, without_hub_token
 from .config import PlusSettings, validate_grpo_settings
-from .distributed import check_launch
+from .distributed import check_launch, whole_model_for_generation
+from .engine.precision import engine_precision, sleep_mode_blocker
+from .engine.receipt import SyncReceipt, log_receipts
+from .engine.sync import reload_on_sync
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .fit import check_before_training
 from .generation import generate_patched, generation_blocker
@@ -54,7 +57,6 @@ from .trl_compat import (
 )
 from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .validation import check_dataset, guard_reward_funcs
-from .vllm_sync import engine_precision, reload_on_sync, sleep_mode_blocker
 from .zero_waste import ZeroWastePass
 
 logger = logging.getLogger(__name__)
@@ -72,8 +74,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         with engine_precision(args):  # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes")
             super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
-        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
-            reload_on_sync(self.vllm_generation)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
@@ -81,6 +81,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
         check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
         self.plus = PlusSettings.from_args(self.args)
+        if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
+            self._sync_weights_checked()
         self.dual_clip = self.plus.dual_clip
         self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
         keep_4bit_trainable_on_cpu(self.model)
@@ -125,6 +127,21 @@ class GRPOTrainer(trl.GRPOTrainer):
     def training_step(self, *args, **kwargs):
         with self._offload_step:  # as TRL's SFTTrainer wraps its training step (activation_offloading)
             return super().training_step(*args, **kwargs)
+
+    def _sync_weights_checked(self) -> None:
+        """Every sync into the colocated engine through vLLM's reload, checked as `vllm_sync_check` says (grpo_plus.engine:
+        the probe's forward runs on the whole model, under the trainer's autocast)."""
+        reload_on_sync(
+            self.vllm_generation,
+            sync_check=self.plus.vllm.sync_check,
+            inference=functools.partial(whole_model_for_generation, self.model, self, gather=True),
+            autocast=self.accelerator.autocast,
+            on_receipt=self._log_sync_receipt,
+        )
+
+    def _log_sync_receipt(self, receipt: SyncReceipt) -> None:
+        """A checked weight sync's figures, logged with the step that generates from it (`vllm_sync/*`)."""
+        log_receipts([receipt], self._metrics["train" if self.model.training else "eval"])
 
     def _add_reward(self, reward_func, weight: float) -> None:
         """Append a reward function the way TRL registers its own extra reward sources."""

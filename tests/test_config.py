@@ -63,6 +63,8 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "tiled_mlp_tokens",
         "fit_check",
         "vllm_quantization",
+        "vllm_dtype",
+        "vllm_sync_check",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 
@@ -94,6 +96,8 @@ def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
         (dict(scale_rewards="groups"), "scale_rewards='groups' is not registered. Did you mean 'group'?"),
         (dict(dual_clip=0.5), "dual_clip=0.5 is not allowed"),
         (dict(vllm_quantization="bitsandbytes"), "vllm_quantization='bitsandbytes' is not allowed"),
+        (dict(vllm_dtype="fp32"), "vllm_dtype='fp32' is not allowed"),
+        (dict(vllm_sync_check="always"), "vllm_sync_check='always' is not allowed"),
         # what TRL itself fails on (TRL 1.16: its sampler's negative length; torch.quantile's q = 1.5)
         (dict(num_iterations=-1), "num_iterations=-1 is not allowed"),
         (dict(top_entropy_quantile=-0.5), "top_entropy_quantile=-0.5 is not allowed"),
@@ -275,7 +279,9 @@ def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_c
         "selective",
         "algorithms",
         "health",
+        "vllm",
     }
+    read |= {f"vllm_{f.name}" for f in dataclasses.fields(settings.vllm)}
     read |= {f.name for f in dataclasses.fields(settings.algorithms)} - {"policy_loss_options"}
     for loss in ("clip_cov", "kl_cov"):  # a policy loss's options are read from the fields of the same names
         options = dict(clip_cov_ratio=1e-3, clip_cov_lb=0.5, clip_cov_ub=2.0, kl_cov_ratio=1e-3, kl_cov_coef=0.5)

@@ -1,4 +1,4 @@
-"""The out-of-place LoRA stream for vLLM (`grpo_plus.lora_sync`), outside the engine: TRL's in-place merge and unmerge
+"""The out-of-place LoRA stream for vLLM (`grpo_plus.engine.lora_stream`), outside the engine: TRL's in-place merge and unmerge
 move a bfloat16 and a 4-bit base where ours leaves it bit-identical; our stream sends TRL's names and, on a float32
 base, TRL's very tensors; what a partial sync sends; what it refuses; the precision the engine serves a 4-bit base in.
 On the real engine: tests/vllm_engine/test_lora_sync.py."""
@@ -14,8 +14,8 @@ from helpers.models import make_model, make_tokenizer, save_tiny_model
 from peft import IA3Config, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from grpo_plus.lora_sync import LoraSyncError, LoraWeightStream
-from grpo_plus.vllm_sync import (
+from grpo_plus.engine.lora_stream import LoraSyncError, LoraWeightStream
+from grpo_plus.engine.precision import (
     ENGINE_WEIGHT_SHARE,
     engine_quantization,
     quantization_by_memory,

@@ -86,8 +86,11 @@ def make_tokenizer(**kwargs) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 32, layers: int = 2):
-    """A randomly initialised Llama small enough to train in milliseconds."""
+def make_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: int = 32, layers: int = 2, tied: bool = False
+):
+    """A randomly initialised Llama small enough to train in milliseconds (`tied`: one matrix for the input embedding
+    and the LM head, as SmolLM2, Qwen2.5-0.5B to 3B and Llama-3.2 have)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
@@ -100,7 +103,7 @@ def make_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden_size: i
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

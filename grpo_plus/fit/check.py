@@ -38,9 +38,9 @@ def card_budget(spec: FitSpec, card_bytes: int, reserve_bytes: int) -> int:
 
 def engine_weights(spec: FitSpec, card_bytes: int) -> tuple[str, int]:
     """(format, bytes) of a colocated vLLM engine's weights on a card of `card_bytes`: bfloat16, or fp8 where
-    `vllm_quantization` asks for it or picks it for a 4-bit base ('auto', grpo_plus.vllm_sync; a GPU that runs
+    `vllm_quantization` asks for it or picks it for a 4-bit base ('auto', grpo_plus.engine.precision; a GPU that runs
     vLLM's fp8 assumed)."""
-    from ..vllm_sync import VLLM_QUANTIZATION_AUTO, quantization_by_memory, served_weight_bytes
+    from ..engine.precision import VLLM_QUANTIZATION_AUTO, quantization_by_memory, served_weight_bytes
 
     sizes = served_weight_bytes(spec.config())
     chosen = spec.vllm_quantization

@@ -28,7 +28,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
-from grpo_plus.vllm_sync import reload_on_sync
+from grpo_plus.engine import reload_on_sync
 
 # The settings every trainer of the module passes to TRL's vLLM engine (one engine: they must agree).
 VLLM = dict(
@@ -66,12 +66,14 @@ def build(package, model_dir, output_dir, *, reward_funcs=(odd_prompts_dead_rewa
 
 
 def train(package, model_dir, output_dir, **overrides):
-    """(final weights, log history, trained micro-batches, the model's forward calls) of a run."""
+    """(final weights, log history, trained micro-batches, the model's forward calls outside the sync checks) of a
+    run."""
     trainer = build(package, model_dir, output_dir, **overrides)
     batches = record_trained_batches(trainer)
     forwards = ForwardLog(trainer.model)
     trainer.train()
     weights = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    forwards.checked = sum(receipt.trainer_positions for receipt in trainer.vllm_generation.sync_log.receipts)
     return weights, trainer.state.log_history, batches, forwards
 
 
@@ -104,7 +106,9 @@ def assert_same_run(model_dir, tmp_path, **overrides):
     # The model's own count: the training forward and the no-grad old log-prob pass (TRL's, during generation, for the
     # importance-sampling ratio) both computed fewer positions than stock TRL's.
     assert our_forwards.training_positions < trl_forwards.training_positions
-    no_grad = [log.positions - log.training_positions for log in (trl_forwards, our_forwards)]
+    # (grpo_plus's sync checks compute a probe with the model: counted apart)
+    no_grad = [log.positions - log.training_positions - log.checked for log in (trl_forwards, our_forwards)]
+    assert our_forwards.checked > 0 and trl_forwards.checked == 0
     assert no_grad[0] > 0 and no_grad[1] < no_grad[0], f"no-grad positions, TRL vs grpo_plus: {no_grad}"
     return our_logs, our_forwards
 
@@ -163,7 +167,7 @@ def test_without_importance_sampling_correction_old_logps_are_deferred(shared_en
     logs, deferred = assert_same_run(model_dir, tmp_path, loss_type="dapo", vllm_importance_sampling_correction=False)
     assert not any(key.startswith("sampling/") for entry in logs for key in entry)
     *_, in_generation = train(grpo_plus, model_dir, tmp_path / "corrected", loss_type="dapo")
-    no_grad = [log.positions - log.training_positions for log in (in_generation, deferred)]
+    no_grad = [log.positions - log.training_positions - log.checked for log in (in_generation, deferred)]
     assert no_grad[1] < no_grad[0], f"old log-prob positions, during generation vs deferred: {no_grad}"
 
 

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA on vLLM's real engine (colocate): the out-of-place weight sync (`grpo_plus.lora_sync`).
+"""LoRA and QLoRA on vLLM's real engine (colocate): the out-of-place weight sync (`grpo_plus.engine.lora_stream`).
 
 TRL merges the adapters into the frozen base for each sync and unmerges them after; on a bfloat16 or 4-bit base that
 moves the base a little at every sync. grpo_plus computes each LoRA layer's merged weight in a new tensor. Checked
@@ -30,7 +30,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 import grpo_plus
-from grpo_plus.vllm_sync import layerwise_reload, reload_on_sync
+from grpo_plus.engine import layerwise_reload, reload_on_sync
 
 VLLM = dict(
     use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=4,
@@ -241,7 +241,7 @@ def test_engine_serves_what_peft_merges(shared_engine, model_dir, tmp_path, base
 def test_a_sync_that_leaves_a_packed_layer_partly_loaded_fails(shared_engine, model_dir, tmp_path):
     """vLLM packs q, k and v into one layer and processes it once all three are in; a sync that gave it q alone
     would leave k and v uninitialized in the engine. grpo_plus's reload says so instead."""
-    from grpo_plus.vllm_sync import IncompleteSyncError
+    from grpo_plus.engine import IncompleteSyncError
 
     trainer = build(grpo_plus, model_dir, tmp_path, "float32", ALL_LINEAR)
     llm = trainer.vllm_generation.llm

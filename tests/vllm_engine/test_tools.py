@@ -16,7 +16,7 @@ from helpers.tool_model import increment, load_tool_model, number_prompts, save_
 
 import grpo_plus
 from grpo_plus.trl_compat import agentic_unavailable_reason
-from grpo_plus.vllm_sync import reload_on_sync
+from grpo_plus.engine import reload_on_sync
 
 pytestmark = pytest.mark.skipif(agentic_unavailable_reason() is not None, reason=str(agentic_unavailable_reason()))
 

@@ -2,7 +2,7 @@
 
 Under ZeRO-3 each process holds a shard of every weight. TRL's sync gathers each parameter's shards (collectively,
 every process taking part) before the push, and grpo_plus loads that stream through vLLM's reload
-(`grpo_plus.vllm_sync`), so after training each rank's engine must sample with the trained weights: its log-probs
+(`grpo_plus.engine.sync`), so after training each rank's engine must sample with the trained weights: its log-probs
 are the model's, and far from the untrained model's. The first DeepSpeed run on a machine compiles its CPU
 communication op (cached; `make test-engines` pays it first in CI).
 """

@@ -222,9 +222,13 @@ class LoraWeightStream:
         self.rename = rename
         self.next_is_full = True  # the engine holds the checkpoint from disk until a first full stream completes
 
+    def next_is_full_stream(self) -> bool:
+        """Whether the next call streams every weight (the first, or without the engine's packing map)."""
+        return self.next_is_full or self.packed_modules is None
+
     @torch.no_grad()
     def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        full = self.next_is_full or self.packed_modules is None
+        full = self.next_is_full_stream()
         with self.gather(list(self.model.parameters())):
             units = list(_units(self.model.get_base_model()))
             wanted = None if full else self._changing(units)
