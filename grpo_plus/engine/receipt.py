@@ -14,10 +14,11 @@ those samples. A receipt checks what is cheap to check exactly, then what only n
    weights before the sync);
 4. the log-probs: the engine's and the trainer's log-probs of a fixed probe sequence agree within what the dtypes
    allow: mean |difference| over its positions at most `bound`, which is `FLOAT32_BOUND` where both sides compute
-   in float32 and otherwise `FLOOR_FACTOR` times the trainer's own precision floor (the mean |difference| between its
-   float32 log-probs and those it computes under autocast to the engine's dtype, once per run: measured at 1/1.5 of
-   the engine's difference, docs/guide/vllm.md "Sync receipts"); where the trainer's weights are not float32 (no
-   float32 forward to compare with), `LOW_PRECISION_BOUNDS` by the least precise dtype either side computes in.
+   in float32 and otherwise `FLOOR_FACTOR` times the trainer's own precision floor: the mean |difference| between
+   its log-probs without autocast and under autocast to the other side's reduced precision (for weights already in
+   bfloat16, to float16), measured once and again whenever the bound would fail (training sharpens the model, and
+   the floor grows with it). Measured: the engine's difference is 0.8-2 times that floor (docs/guide/vllm.md, "Sync
+   receipts"). A quantized engine (fp8) gets `LOW_PRECISION_BOUNDS`.
 
 The sequences are fixed pseudo-random ordinary tokens of the vocabulary (drawn with a private generator, once). The
 engine reads them with greedy decoding, which draws no random numbers, so the completions TRL samples afterwards are
@@ -29,6 +30,7 @@ every rank).
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
@@ -48,10 +50,10 @@ PROBE_TOKENS = 32  # the log-prob probe: 31 scored positions (the trainer's forw
 FLOAT32_BOUND = 1e-3
 # The bound elsewhere: this many times the trainer's own precision floor (engine / floor measured 1.1-1.5).
 FLOOR_FACTOR = 4.0
-# Where the trainer has no float32 forward to measure its floor with (its weights in bfloat16 or float16), by the
-# least precise dtype either side computes in; a quantized engine (fp8, other online methods) gets more room. Wide
-# enough for what a correct sync shows (SmolLM2-135M, bfloat16 engine: 0.05-0.07; GPU models are not measured here),
-# so they catch gross disagreement only (the structural checks catch omissions exactly whatever the dtype).
+# A quantized engine (fp8 and other online methods: not on vLLM's CPU build, not measured here), and a floor that
+# overflowed in float16, by the least precise dtype either side computes in: wide enough for what a correct sync
+# shows (SmolLM2-135M, bfloat16 engine: 0.05-0.07), so they catch gross disagreement only (the structural checks
+# catch omissions exactly whatever the dtype).
 LOW_PRECISION_BOUNDS = {"float16": 0.15, "bfloat16": 0.3, "quantized": 0.6}
 PRECISION_ORDER = ("float32", "float16", "bfloat16", "quantized")
 
@@ -294,25 +296,29 @@ class SyncChecker:
         engine = precision_class(model_config.dtype, getattr(model_config, "quantization", None))
         device = self._device().type
         with self.autocast():
-            enabled = torch.is_autocast_enabled(device)
-            autocast = torch.get_autocast_dtype(device)
-        trainer = precision_class(autocast) if enabled else "float32"
-        weights = precision_class(self._weights_dtype())
-        if weights != "float32" or engine == "quantized":
-            precision = worst_precision(engine, trainer, weights)
-            return LOW_PRECISION_BOUNDS[precision], f"{precision}, the least precise side"
-        if worst_precision(engine, trainer) == "float32":
+            autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        weights = self._weights_dtype()
+        precision = worst_precision(engine, precision_class(autocast), precision_class(weights))
+        if engine == "quantized":
+            return LOW_PRECISION_BOUNDS[engine], "quantized engine"
+        if precision == "float32":
             return FLOAT32_BOUND, "float32 on both sides"
         if self._floor is None or measure_floor:
-            self._floor = self._precision_floor(model, model_config.dtype if engine != "float32" else autocast)
-        reduced = worst_precision(engine, trainer)
+            # float32 weights: against the reduced precision either side computes in; reduced weights: against the
+            # other half precision, whose rounding differs (float16 keeps 3 more mantissa bits than bfloat16)
+            engine_dtype = model_config.dtype if engine != "float32" else autocast
+            other = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}.get(weights, engine_dtype)
+            self._floor = self._precision_floor(model, other)
+        if not math.isfinite(self._floor):  # float16 overflowed where bfloat16 did not: no floor to scale
+            return LOW_PRECISION_BOUNDS[precision], f"{precision}, the least precise side"
         return (
             FLOAT32_BOUND + FLOOR_FACTOR * self._floor,
-            f"{FLOOR_FACTOR:g} x the trainer's {reduced} floor {self._floor:.3g}",
+            f"{FLOOR_FACTOR:g} x the trainer's {precision} floor {self._floor:.3g}",
         )
 
     def _precision_floor(self, model: torch.nn.Module, dtype: torch.dtype) -> float:
-        """Mean |difference| between the trainer's float32 log-probs of the probe and those under autocast to `dtype`."""
+        """Mean |difference| between the trainer's log-probs of the probe without autocast and under autocast to
+        `dtype`: how far rounding alone moves them."""
         probe, _ = self.sequences()
         exact = self._trainer_logprobs(model, probe, autocast=nullcontext)
         rounded = self._trainer_logprobs(

@@ -102,7 +102,11 @@ def stock_runs(shared_engine, model_dir, tmp_path_factory):
 
 def losses_and_ratios(trainer) -> list[dict[str, float]]:
     return [
-        {k: v for k, v in entry.items() if isinstance(v, float) and k not in TIMINGS and not k.startswith("vllm_sync/")}
+        {
+            k: v
+            for k, v in entry.items()
+            if isinstance(v, float) and k not in TIMINGS and not k.startswith("vllm_sync/")
+        }
         for entry in trainer.state.log_history
         if "loss" in entry
     ]

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.engine import engine_logprobs, fresh_engine_logprobs
 from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
 from helpers.rewards import odd_prompts_dead_reward
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
 
 import grpo_plus
-from grpo_plus.engine import IncompleteSyncError, SyncCheckError
+from grpo_plus.engine import IncompleteSyncError, SyncChecker, SyncCheckError
 from grpo_plus.engine import lora_stream as lora_stream_module
 from grpo_plus.engine.lora_stream import LoraWeightStream
 
@@ -125,7 +126,7 @@ def load_nothing(trainer, monkeypatch):
 
 
 FAULTS = {
-    "lora-o_proj-left-out": (leave_out_lora("o_proj"), ALL_LINEAR, SyncCheckError, "left out .* o_proj"),
+    "lora-o_proj-left-out": (leave_out_lora("o_proj"), ALL_LINEAR, SyncCheckError, "left out .*o_proj"),
     "lora-up_proj-left-out": (leave_out_lora("up_proj"), ALL_LINEAR, IncompleteSyncError, "gate_up_proj"),
     "k_proj-left-out": (leave_out_of_full_stream("k_proj"), None, IncompleteSyncError, "qkv_proj"),
     "prefix-cache-kept": (keep_the_prefix_cache, None, SyncCheckError, "prefix cache was not reset"),
@@ -221,3 +222,51 @@ def test_no_false_alarm_over_200_clean_syncs(shared_engine, model_dir, tmp_path)
             f"check {sorted(r.seconds for r in receipts)[CLEAN_SYNCS // 2] * 1e3:.0f} ms (median)"
         )
     assert syncs == 200
+
+
+# ---- the engine against one started from a checkpoint -----------------------------------------------------------------
+
+
+def trained_checkpoint(trainer, path) -> str:
+    """The trainer's weights as a plain checkpoint (a LoRA model merged by PEFT, in float32), with its tokenizer."""
+    model = trainer.model
+    if hasattr(model, "merge_and_unload"):
+        from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+        copy = AutoModelForCausalLM.from_pretrained(model.get_base_model().name_or_path, dtype=torch.float32)
+        copy = get_peft_model(copy, next(iter(model.peft_config.values())))
+        set_peft_model_state_dict(copy, get_peft_model_state_dict(model))
+        model = copy.merge_and_unload()
+    model.save_pretrained(path)
+    trainer.processing_class.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "lora, tied_fix",
+    [(None, True), (ALL_LINEAR, True), (None, False)],  # LoRA leaves the tied embedding frozen: no stale head to see
+    ids=["full", "lora", "full-without-the-tied-fix"],
+)
+def test_the_synced_engine_is_an_engine_started_from_the_trained_checkpoint(
+    shared_engine, model_dir, tmp_path, monkeypatch, lora, tied_fix
+):
+    """After training, the colocated engine's log-probs equal, bit for bit, those of an engine started in another
+    process from a checkpoint of the trained weights by vLLM's normal loader (a path other than the reload, so a bug
+    the sync and its check share shows). Without processing the tied head again the full model's do not."""
+    import grpo_plus.engine.reload as reload
+
+    if not tied_fix:
+        monkeypatch.setattr(reload, "reprocess_tied_layer", lambda name, layer: None)
+    trainer = build(model_dir, tmp_path / "run", lora=lora, max_steps=3, vllm_sync_check="off")
+    trainer.train()
+    trainer.vllm_generation.sync_weights()  # the engine on the weights of the last step
+    probe, _ = SyncChecker("every", trainer.vllm_generation.llm, trainer.model, trainer.processing_class).sequences()
+    synced = engine_logprobs(trainer.vllm_generation.llm, probe)
+    fresh = fresh_engine_logprobs(trained_checkpoint(trainer, tmp_path / "checkpoint"), probe, shared_engine.kwargs)
+    if tied_fix:
+        assert torch.equal(synced, fresh), f"largest difference {(synced - fresh).abs().max().item():.3g}"
+    else:
+        # 3 steps of SGD moved the embedding: the stale head's log-probs are 8e-3 off (mean), measured
+        assert (synced - fresh).abs().mean() > 2e-3, "the stale head went unseen: the comparison cannot fail"
+    monkeypatch.undo()
+    _mend(model_dir, tmp_path)

@@ -15,8 +15,8 @@ from helpers.probes import logged, max_weight_diff, record_trained_batches
 from helpers.tool_model import increment, load_tool_model, number_prompts, save_tool_model, tool_trainer
 
 import grpo_plus
-from grpo_plus.trl_compat import agentic_unavailable_reason
 from grpo_plus.engine import reload_on_sync
+from grpo_plus.trl_compat import agentic_unavailable_reason
 
 pytestmark = pytest.mark.skipif(agentic_unavailable_reason() is not None, reason=str(agentic_unavailable_reason()))
 
