@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
-from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
+from grpo_plus.trl_compat import version_gap
 
 pytestmark = [
     pytest.mark.slow,
     # TRL 1.15 on CPU (where these tests train): stock TRL itself cannot train, so there is nothing to compare
     # against (tests/test_losses_parity.py still checks its _compute_loss against the core).
-    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
+    pytest.mark.floor("cpu_logps"),
 ]
 
 
