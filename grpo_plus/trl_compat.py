@@ -58,7 +58,9 @@ __all__ = [
     "is_tested_trl_version",
     "logps_unavailable_reason",
     "uses_continuous_batching",
+    "CAPABILITY_FLOORS",
     "SAVING_VERSION_FLOORS",
+    "VERSION_FLOORS",
     "VersionFloor",
     "version_gap",
     "nanmax",
@@ -120,32 +122,36 @@ FORWARD_INPUT_KEYS = (
 )
 
 
-# ---- Which savings the installed versions allow: what the docs promise ------------------------------------------
+# ---- What the installed versions allow: what the docs promise ----------------------------------------------------
 @dataclass(frozen=True)
 class VersionFloor:
-    """A saving the docs (Tested versions) say is on from `package` >= `minimum` on, and off below it, `because`.
+    """A saving or capability the docs (Tested versions) say is on from `package` >= `minimum` on, and off below it,
+    `because`; with `since`, off only from `since` up to `minimum` (an older line had it another way).
 
     Above the floor a saving that stands aside is a defect, not a fact of the environment: the tests decide what
     to expect from these floors alone (`version_gap`), never from what the installed code happens to detect, so a
     release that breaks a saving fails them instead of turning the saving off with a log line."""
 
-    saving: str
+    name: str
     package: str
     minimum: str
     because: str
+    since: str | None = None
 
     def gap(self) -> str | None:
         """Why the installed `package` is below the floor, or None when the saving must be on."""
         from importlib.metadata import version
 
-        installed = version(self.package)
-        if Version(installed) >= Version(self.minimum):
+        installed = Version(version(self.package))
+        if installed >= Version(self.minimum) or (self.since is not None and installed < Version(self.since)):
             return None
-        return f"{self.package} {installed} < {self.minimum}: {self.because}"
+        if self.since is None:
+            return f"{self.package} {installed} < {self.minimum}: {self.because}"
+        return f"{self.package} {self.since} <= {installed} < {self.minimum}: {self.because}"
 
 
 SAVING_VERSION_FLOORS = {
-    floor.saving: floor
+    floor.name: floor
     for floor in (
         VersionFloor(
             "zero_waste_generation", "transformers", "5.0.0",
@@ -169,11 +175,41 @@ SAVING_VERSION_FLOORS = {
     )
 }  # fmt: skip
 
+# What TRL itself can do with the installed versions (not grpo_plus savings): the tests that need it skip below these
+# floors, and nowhere else (tests/helpers/floors.py).
+CAPABILITY_FLOORS = {
+    floor.name: floor
+    for floor in (
+        VersionFloor(
+            "cpu_logps", "trl", "1.16.0",
+            "TRL 1.15 computes training log-probs only with its fused LM head's Triton kernel, which runs on "
+            "CUDA/XPU, not CPU (1.14 computes full logits, 1.16 added a plain-torch fallback)",
+            since="1.15.0",
+        ),
+        VersionFloor(
+            "fused_lm_head", "trl", "1.15.0",
+            "TRL 1.14 computes full logits; the memory count (`grpo-plus fit`, benchmarks/memory.py) follows TRL's "
+            "fused LM head",
+        ),
+        VersionFloor(
+            "generation_config_eos", "trl", "1.14.2",
+            "TRL 1.14.0 ends completions at the tokenizer's eos token only, not at every eos id of the model's "
+            "generation config",
+        ),
+        VersionFloor("tools", "transformers", "5.0.0", "TRL refuses `tools` below it (chat-template response parsing)"),
+        VersionFloor(
+            "environment_factory", "transformers", "5.2.0",
+            "TRL refuses `environment_factory` below it (chat-template response parsing)",
+        ),
+    )
+}  # fmt: skip
+VERSION_FLOORS = {**SAVING_VERSION_FLOORS, **CAPABILITY_FLOORS}
 
-def version_gap(saving: str) -> str | None:
-    """Why the docs say `saving` (a key of SAVING_VERSION_FLOORS) is off with the installed versions, or None where
-    they say it is on. Savings without a floor are on with every supported version."""
-    return SAVING_VERSION_FLOORS[saving].gap()
+
+def version_gap(name: str) -> str | None:
+    """Why the docs say `name` (a key of SAVING_VERSION_FLOORS or CAPABILITY_FLOORS) is off with the installed
+    versions, or None where they say it is on. Savings without a floor are on with every supported version."""
+    return VERSION_FLOORS[name].gap()
 
 
 class UntestedTRLVersionWarning(UserWarning):
@@ -450,13 +486,9 @@ def environment_routing(trainer) -> tuple[bool, tuple | None]:
 def agentic_unavailable_reason(*, environments: bool = False) -> str | None:
     """Why TRL refuses tools (or, with `environments`, an `environment_factory`) with this transformers, or None.
 
-    TRL 1.14-1.16 raise ImportError at construction below transformers 5.0 for `tools` and below 5.2 for
-    `environment_factory` (chat-template response parsing); grpo_plus adds nothing there and fails the same way."""
-    needed = "5.2.0" if environments else "5.0.0"
-    if Version(transformers.__version__) >= Version(needed):
-        return None
-    feature = "`environment_factory`" if environments else "`tools`"
-    return f"TRL trains with {feature} only on transformers >= {needed}; this is {transformers.__version__}"
+    TRL 1.14-1.16 raise ImportError at construction below the documented floors (CAPABILITY_FLOORS' `tools` and
+    `environment_factory`); grpo_plus adds nothing there and fails the same way."""
+    return version_gap("environment_factory" if environments else "tools")
 
 
 def completion_eos_token_ids(trainer) -> list[int]:

@@ -4,16 +4,19 @@
 
 TRL 1.15 computes log-probs only with a Triton kernel, so on CPU stock TRL cannot train and these tests skip there.
 This plugin, loaded before the tests are collected, makes the same tests train on the GPU: the tiny runs
-(tests/helpers/models.py's `tiny_run_kwargs`) get `use_cpu=False`, the skip condition asks whether TRL can compute log-probs on
-CUDA instead of CPU, and weights are compared on the CPU (the trained ones live on the GPU). Nothing else changes:
-same models, seeds, settings and tolerances as on CPU, in float32.
+(tests/helpers/models.py's `tiny_run_kwargs`) get `use_cpu=False`, the `cpu_logps` floor the tests skip by no longer
+applies (every supported TRL computes log-probs on CUDA) while its detector asks TRL about CUDA instead of CPU (so
+a TRL that cannot still errors), and weights are compared on the CPU (the trained ones live on the GPU). Nothing
+else changes: same models, seeds, settings and tolerances as on CPU, in float32.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from helpers import models, probes  # tests/ is on PYTHONPATH: pytest loads -p plugins before conftest.py
+from helpers import floors, models, probes  # tests/ is on PYTHONPATH: pytest loads -p plugins before conftest.py
 
 import grpo_plus.trl_compat as trl_compat
 
@@ -39,6 +42,7 @@ def max_weight_diff_on_cpu(a: dict, b: dict) -> float:
 trl_compat.logps_unavailable_reason = logps_unavailable_on_gpu
 models.tiny_run_kwargs = tiny_run_kwargs_on_gpu
 probes.max_weight_diff = max_weight_diff_on_cpu
+floors.FLOORS["cpu_logps"] = dataclasses.replace(floors.FLOORS["cpu_logps"], unmet=lambda: None)
 
 
 def pytest_configure(config) -> None:

@@ -14,19 +14,15 @@ from helpers.probes import logged, max_weight_diff
 from helpers.tool_model import EchoEnv, counter_factory, number_prompts, tool_trainer
 
 import grpo_plus
-from grpo_plus.trl_compat import agentic_unavailable_reason, logps_unavailable_reason
 from grpo_plus.validation import DatasetError, RewardOutputError
 
 pytestmark = [
-    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
+    pytest.mark.floor("cpu_logps"),
     pytest.mark.filterwarnings("ignore:You are using:UserWarning"),  # TRL's "experimental feature" warnings
 ]
 SHORT = dict(max_completion_length=64)
 # TRL itself refuses environments below transformers 5.2 (ImportError when the trainer is built): nothing to compare.
-needs_environments = pytest.mark.skipif(
-    agentic_unavailable_reason(environments=True) is not None,
-    reason=str(agentic_unavailable_reason(environments=True)),
-)
+needs_environments = pytest.mark.floor("environment_factory")
 
 
 def generator_reward(completions, **kwargs):

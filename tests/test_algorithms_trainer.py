@@ -26,11 +26,8 @@ from grpo_plus.app.cli import main
 from grpo_plus.app.compare import PRESETS, check_configuration
 from grpo_plus.config import ConfigError
 from grpo_plus.objective import POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
-from grpo_plus.trl_compat import logps_unavailable_reason
 
-pytestmark = pytest.mark.skipif(
-    logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
-)
+pytestmark = pytest.mark.floor("cpu_logps")
 G = 4
 
 

@@ -2,6 +2,7 @@
 on CPU, and benchmarks/memory.py's counting is checked against real compute and the CPU allocator."""
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 import torch
 from helpers.probes import run_python
 
-from grpo_plus.trl_compat import has_fused_lm_head, version_gap
+from grpo_plus.trl_compat import version_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -68,7 +69,7 @@ def test_gpu_benchmark_smoke_runs_every_case_and_matches_stock_trl(tmp_path):
     assert markdown.count("| smoke-long |") == 8
 
 
-@pytest.mark.skipif(not has_fused_lm_head(), reason="memory.py counts TRL's fused LM head (TRL >= 1.15)")
+@pytest.mark.floor("fused_lm_head")  # memory.py counts TRL's fused LM head
 def test_memory_counting_matches_real_compute_and_the_allocator():
     """benchmarks/memory.py's validation: the fake count (shapes only, on the fake accelerator) equals real compute
     byte for byte, and the real count equals the CPU allocator's record up to the small tensors no operator returns
@@ -84,16 +85,18 @@ def test_memory_counting_matches_real_compute_and_the_allocator():
 
 
 def test_gpu_parity_plugin_patches_what_the_parity_tests_import(monkeypatch):
-    """The plugin must patch the names tests/test_trainer_parity.py imports, or it would train on CPU (or skip)."""
-    from helpers import models, probes
+    """The plugin must patch the names tests/test_trainer_parity.py imports and the floor it skips by, or it would
+    train on CPU (or skip)."""
+    from helpers import floors, models, probes
 
     import grpo_plus.trl_compat as trl_compat
 
-    tree = ast.parse((ROOT / "tests" / "test_trainer_parity.py").read_text())
+    source = (ROOT / "tests" / "test_trainer_parity.py").read_text()
+    tree = ast.parse(source)
     imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 for alias in node.names}  # fmt: skip
     assert {("helpers.models", "tiny_run_kwargs"), ("helpers.probes", "max_weight_diff")} <= imported
-    assert ("grpo_plus.trl_compat", "logps_unavailable_reason") in imported
+    assert 'pytest.mark.floor("cpu_logps")' in source
 
     for module, name in (
         (models, "tiny_run_kwargs"),
@@ -101,11 +104,14 @@ def test_gpu_parity_plugin_patches_what_the_parity_tests_import(monkeypatch):
         (trl_compat, "logps_unavailable_reason"),
     ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    on_cpu_floor = dataclasses.replace(floors.FLOORS["cpu_logps"], unmet=lambda: "as on TRL 1.15: a CPU cannot")
+    monkeypatch.setitem(floors.FLOORS, "cpu_logps", on_cpu_floor)  # restored after the test
     on_cuda = trl_compat.logps_unavailable_reason("cuda")
     spec = importlib.util.spec_from_file_location("gpu_parity_under_test", ROOT / "tests" / "gpu_parity.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     assert models.tiny_run_kwargs("out")["use_cpu"] is False
-    assert trl_compat.logps_unavailable_reason("cpu") == on_cuda
+    assert floors.FLOORS["cpu_logps"].unmet() is None  # as on TRL 1.15 too: its Triton kernel runs on CUDA
+    assert floors.FLOORS["cpu_logps"].missing() == trl_compat.logps_unavailable_reason("cpu") == on_cuda
     assert probes.max_weight_diff({"w": torch.ones(2)}, {"w": torch.zeros(2)}) == 1.0
 
 

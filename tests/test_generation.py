@@ -24,14 +24,12 @@ from transformers import (
 import grpo_plus
 from grpo_plus import generation
 from grpo_plus.generation import GenerationStats, distinct_rows, generate, generation_blocker, transformers_blocker
-from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
+from grpo_plus.trl_compat import version_gap
 
 # PEFT warns that it switches GPT-2's Conv1D layers to fan_in_fan_out, which is what they need.
 pytestmark = pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
 # Where the docs say zero-waste generation is on (trl_compat.SAVING_VERSION_FLOORS), its tests run and must pass.
-needs_loop = pytest.mark.skipif(
-    version_gap("zero_waste_generation") is not None, reason=str(version_gap("zero_waste_generation"))
-)
+needs_loop = pytest.mark.floor("zero_waste_generation")
 FAMILIES = ("llama", "qwen2", "gpt2")  # rotary positions (llama, qwen2) and learned absolute ones (gpt2)
 G, NEW_TOKENS = 4, 10
 PROMPT_LENGTHS = (9, 5, 7)  # one batch, left-padded to the longest
@@ -348,7 +346,7 @@ def generation_trainer(tmp_path, package=grpo_plus, peft_config=None, reward=Non
 
 @needs_loop
 @pytest.mark.slow
-@pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu")))
+@pytest.mark.floor("cpu_logps")
 def test_trainer_generates_stock_trls_completions_with_lora(tmp_path):
     """Two training steps of stock TRL and grpo_plus (LoRA, left-padded prompts of different lengths, EOS at
     different steps): the same completions, the same weights, and grpo_plus computed fewer positions."""

@@ -62,10 +62,7 @@ def test_an_app_module_has_one_path(old):
     assert not hasattr(grpo_plus, name)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("pip") is None or importlib.util.find_spec("setuptools") is None,
-    reason="building a wheel needs pip and setuptools in this environment (uv-made matrix environments have neither)",
-)
+@pytest.mark.floor("wheel_tools")
 def test_the_wheel_ships_the_model_card_template(tmp_path):
     """A wheel built from pyproject.toml holds templates/model_card.md (setuptools leaves non-Python files out unless
     they are declared package data), and the installed package reads it through importlib.resources; the build warns

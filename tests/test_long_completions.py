@@ -21,17 +21,11 @@ import grpo_plus.trainer
 from grpo_plus import fit
 from grpo_plus.config import ConfigError
 from grpo_plus.tiled_mlp import TiledMLP, decoder_mlps, tile_mlps
-from grpo_plus.trl_compat import has_fused_lm_head, logps_unavailable_reason
 
-needs_cpu_logps = pytest.mark.skipif(
-    logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
-)
+needs_cpu_logps = pytest.mark.floor("cpu_logps")
 # The count reads the values of the log-probs TRL's fused LM head returns (TRL >= 1.15); TRL 1.14 takes them from full
 # logits, whose values a fake pass does not have, so branches on them are guessed and the count is not exact there.
-needs_fused_lm_head = pytest.mark.skipif(
-    not has_fused_lm_head(),
-    reason="the count follows TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits",
-)
+needs_fused_lm_head = pytest.mark.floor("fused_lm_head")
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
 
 

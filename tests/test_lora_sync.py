@@ -189,11 +189,30 @@ def test_a_4bit_base_is_served_in_bfloat16_where_it_fits_else_fp8():
     assert quantization_by_memory(seven["bfloat16"], seven["bfloat16"] / ENGINE_WEIGHT_SHARE, fp8_runs=True) is None
 
 
-def test_what_the_engine_is_asked_for():
+def test_what_the_engine_is_asked_for(monkeypatch):
     """'none' and a method name override TRL's request; 'auto' keeps it, except bitsandbytes for a 4-bit base, which
-    becomes the engine's dtype here (no GPU)."""
+    becomes the engine's dtype on a CPU engine (vLLM's CPU build has no fp8 kernels), whatever the machine has."""
     assert engine_quantization("none", "bitsandbytes", "unused", 0.3) is None
     assert engine_quantization("fp8", None, "unused", 0.3) == "fp8"
     assert engine_quantization("auto", None, "unused", 0.3) is None
-    assert not torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU engine, on a GPU machine too
     assert engine_quantization("auto", "bitsandbytes", "unused", 0.3) is None
+
+
+@pytest.mark.parametrize("fp8_runs", [True, False])
+def test_a_4bit_base_on_a_gpu_engine_is_served_by_its_memory(tmp_path, monkeypatch, fp8_runs):
+    """'auto' for a 4-bit base on a (faked) 24 GB card: Qwen2.5-7B's 15.2 GB in bfloat16 do not fit 0.3 of it, so
+    fp8 where vLLM runs it (else bfloat16); Qwen2.5-0.5B stays in bfloat16."""
+    from grpo_plus import vllm_sync
+    from grpo_plus.fit import known_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=24e9))
+    monkeypatch.setattr(vllm_sync, "_fp8_runs", lambda: fp8_runs)
+    for name in ("qwen2.5-7b", "qwen2.5-0.5b"):
+        known_config(name).save_pretrained(tmp_path / name)
+    assert engine_quantization("auto", "bitsandbytes", str(tmp_path / "qwen2.5-7b"), 0.3) == (
+        "fp8" if fp8_runs else None
+    )
+    assert engine_quantization("auto", "bitsandbytes", str(tmp_path / "qwen2.5-0.5b"), 0.3) is None

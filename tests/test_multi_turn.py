@@ -13,18 +13,14 @@ from helpers.models import make_tokenizer, tiny_config
 from helpers.probes import logged, max_weight_diff
 from helpers.tool_model import TurnRecorder, increment, number_prompts, tool_trainer, two_turns
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.cache_utils import DynamicCache
 
 import grpo_plus
 from grpo_plus.generation import generate
 from grpo_plus.multi_turn import KeptRow, TurnCache
-from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
 
-needs_loop = pytest.mark.skipif(
-    version_gap("multi_turn_cache") is not None, reason=str(version_gap("multi_turn_cache"))
-)
-needs_training = pytest.mark.skipif(
-    logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
-)
+needs_loop = pytest.mark.floor("multi_turn_cache")
+needs_training = pytest.mark.floor("cpu_logps")
 
 
 # ------------------------------------------------------------------------------------------------ the cache, alone
@@ -116,8 +112,7 @@ def test_a_history_that_does_not_extend_a_kept_row_shares_only_its_common_prefix
 
 @needs_loop
 def test_kept_rows_keep_only_real_tokens_and_the_longest_prefix_wins():
-    cache_type = pytest.importorskip("transformers.cache_utils").DynamicCache
-    cache = cache_type()
+    cache = DynamicCache()
     keys = torch.arange(2 * 1 * 4 * 2, dtype=torch.float32).reshape(2, 1, 4, 2)
     cache.update(keys, -keys, 0)
     turns = TurnCache()
@@ -128,7 +123,7 @@ def test_kept_rows_keep_only_real_tokens_and_the_longest_prefix_wins():
     assert first.tokens.tolist() == [7, 8, 9] and torch.equal(first.keys[0], keys[0, :, 1:])
     assert second.tokens.tolist() == [5, 6, 7, 8] and torch.equal(second.values[0], -keys[1])
 
-    fresh = cache_type()
+    fresh = DynamicCache()
     ids = torch.tensor([[3, 5, 6, 7, 8, 2, 4], [0, 0, 7, 8, 9, 1, 4], [0, 0, 0, 0, 0, 0, 9]])
     new_mask = (ids != 0).long()
     new_mask[0, 0] = 1
@@ -136,7 +131,7 @@ def test_kept_rows_keep_only_real_tokens_and_the_longest_prefix_wins():
     # row 0 shares nothing (its first token is 3), so only columns every row has kept are filled: none
     assert filled == 0 and fresh.get_seq_length() == 0
 
-    fresh = cache_type()
+    fresh = DynamicCache()
     filled = turns.restore(fresh, ids[1:], new_mask[1:])  # a new call: it reads what the last call kept
     assert filled == 0  # nothing was kept by the call before (restore started a new call)
     turns._current = [first, second]

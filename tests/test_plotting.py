@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
-pytest.importorskip("matplotlib")
-
-from grpo_plus.app.plotting import BeforeAfter, plot_comparison, plot_training_curves, series  # noqa: E402
-from grpo_plus.app.recipe import held_out_accuracy  # noqa: E402
+from grpo_plus.app.plotting import BeforeAfter, plot_comparison, plot_training_curves, series
+from grpo_plus.app.recipe import held_out_accuracy
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

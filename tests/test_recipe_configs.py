@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from helpers.floors import skip_below_floor
 
 from grpo_plus.train_pass import dropout_blocker
 from grpo_plus.trl_compat import version_gap
@@ -58,8 +59,8 @@ def run_one_step(config: Path, model_dir: str, output_dir: Path, monkeypatch):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
 def test_shipped_config_trains_with_the_savings_on(config, request, tmp_path, monkeypatch, caplog):
-    if recipe_of(config) == "grpo_vlm" and version_gap("image_prompts") is not None:
-        pytest.skip(f"the tiny VLM's processor and the savings on images need {version_gap('image_prompts')}")
+    if recipe_of(config) == "grpo_vlm":  # the tiny VLM's processor and the savings on images
+        skip_below_floor("image_prompts")
     fixture = {"grpo_vlm": "tiny_vlm_dir_bnb", "grpo_qlora": "tiny_model_dir_bnb"}.get(
         recipe_of(config), "tiny_model_dir"
     )

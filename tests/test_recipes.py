@@ -17,7 +17,6 @@ import grpo_plus.app.hub
 import grpo_plus.app.recipe
 from grpo_plus.app.recipe import parse_recipe_args
 from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.trl_compat import version_gap
 from grpo_plus.validation import RewardFunctionError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -74,7 +73,7 @@ def test_recipe_trains_two_steps_and_writes_adapter_card_plot(request, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(version_gap("image_prompts") is not None, reason=str(version_gap("image_prompts")))
+@pytest.mark.floor("image_prompts")
 @pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
 def test_vlm_recipe_trains_on_pictures_and_writes_adapter_card_plot(tiny_vlm_dir_bnb, tmp_path, four_bit):
     """recipes/grpo_vlm.py on a tiny Qwen2.5-VL (its processor built without torchvision): the count-shapes task, two

@@ -10,12 +10,12 @@ choose, fails.
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import pytest
 import torch
 import trl
+from helpers.floors import DETECTORS
 from helpers.models import make_tokenizer, tiny_config, tiny_trainer
 from helpers.probes import ForwardLog, max_weight_diff
 from helpers.rewards import half_dead_reward
@@ -24,22 +24,13 @@ from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus.generation import transformers_blocker
-from grpo_plus.trl_compat import SAVING_VERSION_FLOORS, has_fused_lm_head, logps_unavailable_reason, version_gap
-
-VERSIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "versions.md"
+from grpo_plus.trl_compat import SAVING_VERSION_FLOORS, version_gap
 
 
 def detected_blocker(saving: str) -> str | None:
     """Why the installed code turns `saving` off before seeing any model or data, or None."""
-    if saving in ("zero_waste_generation", "multi_turn_cache"):
-        return transformers_blocker()
-    if saving == "shared_prompt":
-        return None if has_fused_lm_head() else f"TRL {trl.__version__} has no fused LM head"
-    if saving == "image_prompts":
-        from grpo_plus.multimodal import image_prompts_blocker
-
-        return image_prompts_blocker()
-    raise AssertionError(f"no detector for {saving!r}: add one here when adding a floor")
+    assert saving in DETECTORS, f"no detector for {saving!r}: add one to tests/helpers/floors.py with the floor"
+    return DETECTORS[saving]()
 
 
 @pytest.mark.parametrize("saving", sorted(SAVING_VERSION_FLOORS))
@@ -50,15 +41,6 @@ def test_the_installed_versions_allow_each_saving_the_docs_promise(saving):
     else:  # below the floor the saving is off, and says the documented reason
         assert detected_blocker(saving) is not None
         assert saving != "zero_waste_generation" or transformers_blocker() == gap
-
-
-def test_the_versions_page_states_every_floor():
-    page = VERSIONS_PAGE.read_text()
-    for floor in SAVING_VERSION_FLOORS.values():
-        row = f"| `{floor.saving}` | {floor.package} >= {floor.minimum} |"
-        assert row in page, f"docs/guide/versions.md has no row {row!r}"
-    rows = re.findall(r"^\| `(\w+)` \| \w+ >= [\d.]+ \|", page, re.MULTILINE)
-    assert sorted(rows) == sorted(SAVING_VERSION_FLOORS), "the page names a floor the code does not have"
 
 
 def below_floor() -> list[str]:
@@ -82,7 +64,7 @@ def train(package, family: str, lora: bool, output_dir: Path):
     return trainer, forwards
 
 
-@pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu")))
+@pytest.mark.floor("cpu_logps")
 @pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen2", True), ("gpt2", False)])
 def test_every_saving_runs_where_the_docs_say_and_trains_stock_trls_weights(family, lora, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="grpo_plus"):

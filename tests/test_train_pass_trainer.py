@@ -16,18 +16,16 @@ import grpo_plus
 from grpo_plus import GRPOTrainer
 from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
 from grpo_plus.train_pass import pack_shared_prompts, rows_with_gradient
-from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
+from grpo_plus.trl_compat import version_gap
 from grpo_plus.zero_waste import ZeroWastePass
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
 # padding are skipped.
 HAS_FUSED_LM_HEAD = version_gap("shared_prompt") is None  # what the docs promise, not what TRL is detected to have
-needs_fused_lm_head = pytest.mark.skipif(not HAS_FUSED_LM_HEAD, reason="TRL 1.14 has no fused LM head")
+needs_fused_lm_head = pytest.mark.floor("shared_prompt")
 # Every test here runs a training forward on CPU, which TRL 1.15 cannot do (its log-prob kernel is Triton-only).
-pytestmark = pytest.mark.skipif(
-    logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))
-)
+pytestmark = pytest.mark.floor("cpu_logps")
 
 
 def make_trainer(

@@ -22,13 +22,13 @@ from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
-from grpo_plus.trl_compat import logps_unavailable_reason, version_gap
+from grpo_plus.trl_compat import version_gap
 
 pytestmark = [
     pytest.mark.slow,
     # TRL 1.15 on CPU (where these tests train): stock TRL itself cannot train, so there is nothing to compare
     # against (tests/test_losses_parity.py still checks its _compute_loss against the core).
-    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
+    pytest.mark.floor("cpu_logps"),
 ]
 
 
@@ -284,7 +284,7 @@ def test_kl_at_the_reference_is_exactly_zero_as_in_stock_trl(tiny_model_dir, tmp
         assert any(call["grad"] for call in packed) and any(not call["grad"] for call in packed), forwards.calls
 
 
-def test_bf16_gradient_is_within_trls_own_noise_floor(tiny_model_dir, tmp_path):
+def test_bf16_gradient_is_within_trls_own_noise_floor(tiny_model_dir, tmp_path, monkeypatch):
     """Under bf16 autocast (TRL's default, on CPU too) any change of batch layout moves the gradient by bf16 rounding
     steps: TRL's own does when the same batch is cut into other micro-batches (dapo is invariant to the split in
     exact arithmetic). grpo_plus with every saving on (dead rows out, padding cut, one prompt copy per group) changes
@@ -298,6 +298,9 @@ def test_bf16_gradient_is_within_trls_own_noise_floor(tiny_model_dir, tmp_path):
     runs: list = []
 
     def gradient(package, per_device_train_batch_size=16, **overrides):
+        # transformers 4.x's TrainingArguments(bf16=True) exports ACCELERATE_MIXED_PRECISION=bf16 into the process
+        # environment, and a later bf16=False run here still autocasts: each run starts without it.
+        monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
         settings = {"bf16": True, "loss_type": "dapo", "max_steps": 1, "learning_rate": 1.0, **overrides}
         settings["gradient_accumulation_steps"] = 16 // per_device_train_batch_size
         weights, logs, _ = train(
@@ -320,8 +323,6 @@ def test_bf16_gradient_is_within_trls_own_noise_floor(tiny_model_dir, tmp_path):
     print(
         f"bf16 gradient vs TRL: TRL's other splits up to {floor:.2e}, grpo_plus {ours:.2e}, float32 {bf16_error:.2e}"
     )
-    if bf16_error == 0:
-        pytest.skip("bf16=True trains in float32 here: this accelerate / transformers applies no bf16 autocast on CPU")
     assert 0 < floor < bf16_error, "the noise floor is not bf16 rounding: the comparison would mean nothing"
     assert ours <= 1.5 * floor, f"grpo_plus {ours:.3e} vs TRL's own layout noise {floor:.3e}"
     assert ours <= 0.75 * bf16_error, f"grpo_plus {ours:.3e} vs bf16's own error {bf16_error:.3e}"

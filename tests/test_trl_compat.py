@@ -22,6 +22,7 @@ from grpo_plus.trl_compat import (
     TESTED_TRL_MINORS,
     TRLCompatibilityError,
     UntestedTRLVersionWarning,
+    VersionFloor,
     check_hooked_methods,
     check_trl_compatibility,
     is_tested_trl_version,
@@ -217,6 +218,20 @@ def test_the_record_of_hooked_methods_is_what_grpo_plus_overrides():
 
 
 # ------------------------------------------------------------------------------------------------ log-prob kernel
+
+
+@pytest.mark.parametrize(
+    ("installed", "off"),
+    [("1.14.2", False), ("1.15.0", True), ("1.15.9", True), ("1.16.0", False), ("1.17.1", False)],
+)
+def test_a_floor_with_a_hole_is_off_only_inside_it(monkeypatch, installed, off):
+    """`cpu_logps`: TRL computes log-probs on CPU before 1.15 (full logits) and from 1.16 (a torch fallback) only."""
+    monkeypatch.setattr("importlib.metadata.version", lambda package: installed)
+    gap = trl_compat.CAPABILITY_FLOORS["cpu_logps"].gap()
+    assert (gap is not None) == off
+    assert gap is None or gap.startswith(f"trl 1.15.0 <= {installed} < 1.16.0: TRL 1.15 computes")
+    plain = VersionFloor("plain", "trl", "1.15.0", "because").gap()
+    assert plain == (None if installed >= "1.15" else f"trl {installed} < 1.15.0: because")
 
 
 def test_logps_unavailable_reason_follows_trl(monkeypatch):

@@ -19,18 +19,18 @@ import grpo_plus
 from grpo_plus.app.testing import tiny_run_kwargs
 from grpo_plus.app.tiny_vlms import VLM_FAMILIES, VisionLog, image_dataset, make_vlm, save_tiny_vlm, vision_tower
 from grpo_plus.multimodal import RowImages
-from grpo_plus.trl_compat import FORWARD_INPUT_KEYS, has_fused_lm_head, logps_unavailable_reason, version_gap
+from grpo_plus.trl_compat import FORWARD_INPUT_KEYS
 from grpo_plus.zero_waste import ZeroWastePass
 
 pytestmark = [
-    pytest.mark.skipif(logps_unavailable_reason("cpu") is not None, reason=str(logps_unavailable_reason("cpu"))),
+    pytest.mark.floor("cpu_logps"),
     # The tiny VLMs' processors are transformers 5's PIL ones, and the savings' floor is 5.24 (docs/guide/versions.md).
-    pytest.mark.skipif(version_gap("image_prompts") is not None, reason=str(version_gap("image_prompts"))),
+    pytest.mark.floor("image_prompts"),
     # Each group's prompt and pictures computed once in the training pass is the shared prompt (trl >= 1.15); on TRL
     # 1.14 the pass computes image batches TRL's way (same weights, checked by hand: docs/guide/versions.md).
-    pytest.mark.skipif(version_gap("shared_prompt") is not None, reason=str(version_gap("shared_prompt"))),
+    pytest.mark.floor("shared_prompt"),
 ]
-needs_fused_lm_head = pytest.mark.skipif(not has_fused_lm_head(), reason="TRL 1.14 has no fused LM head")
+needs_fused_lm_head = pytest.mark.floor("fused_lm_head")
 
 
 @pytest.fixture(autouse=True)
@@ -439,13 +439,13 @@ def test_count_shapes_pictures_hold_as_many_shapes_as_their_answer():
 
 
 def test_the_guides_example_trains_with_each_image_encoded_once_per_group(capsys):
-    """docs/guide/vlm.md's example (skipped by tests/test_docs.py, which also runs below the floor): it runs, and the
-    fractions it prints are what its comment says."""
+    """docs/guide/vlm.md's example (tests/test_docs.py runs it, above the same floors as this module): the fractions
+    it prints are what its comment says."""
     import re
     from pathlib import Path
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "vlm.md").read_text()
-    code = re.search(r"<!-- docs-test: skip -->\n```python\n(.*?)```", page, re.DOTALL).group(1)
+    code = re.search(r"<!-- docs-test: floor [\w ]+ -->\n```python\n(.*?)```", page, re.DOTALL).group(1)
     exec(compile(code, "docs/guide/vlm.md", "exec"), {})
     assert capsys.readouterr().out.strip().splitlines()[-1] == "0.25 0.25"
 
