@@ -71,7 +71,14 @@ def fresh_engine_logprobs(model_dir, token_ids: list[int], engine_args: dict, ti
 
     out = Path(model_dir) / "fresh_engine_logprobs.json"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    command = [sys.executable, SCORE_CHECKPOINT, str(model_dir), json.dumps(token_ids), json.dumps(engine_args), str(out)]
+    command = [
+        sys.executable,
+        SCORE_CHECKPOINT,
+        str(model_dir),
+        json.dumps(token_ids),
+        json.dumps(engine_args),
+        str(out),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return torch.tensor(json.loads(out.read_text()))

@@ -144,7 +144,7 @@ def record_selective_draws(trainer, path: str) -> None:
 
 def write_vllm_logps(trainer, tokenizer, path: str) -> None:
     """Push the final weights into the colocated engine (collective under ZeRO-3), sample 6 tokens of the first prompt
-    and write them with the engine's and the model's log-probs."""
+    and write them with the engine's and the model's log-probs, and every sync check's (mean difference, bound)."""
     from vllm import SamplingParams
 
     generation = trainer.vllm_generation
@@ -157,8 +157,9 @@ def write_vllm_logps(trainer, tokenizer, path: str) -> None:
     with torch.no_grad():  # every rank calls the model once: ZeRO-3 gathers its weights collectively
         logits = trainer.model_wrapped(torch.tensor([prompt + tokens], device=trainer.accelerator.device)).logits
     model = logits[0, len(prompt) - 1 : -1].float().log_softmax(-1).gather(1, torch.tensor(tokens).unsqueeze(1))
+    receipts = [(r.mean_abs_difference, r.bound) for r in generation.sync_log.receipts]  # grpo_plus's sync checks
     Path(path).write_text(json.dumps({"prompt": prompt, "tokens": tokens, "engine": engine,
-                                      "model": model.squeeze(1).tolist()}))  # fmt: skip
+                                      "model": model.squeeze(1).tolist(), "receipts": receipts}))  # fmt: skip
 
 
 def main() -> None:

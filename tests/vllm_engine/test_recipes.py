@@ -49,7 +49,11 @@ def test_recipe_trains_with_vllm(shared_engine, model_dir, tmp_path, recipe):
     logs = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
     assert [entry["step"] for entry in logs if "loss" in entry] == [1, 2]
     assert all("sampling/sampling_logp_difference/mean" in entry for entry in logs if "loss" in entry)
-    assert all(entry["sampling/sampling_logp_difference/mean"] < 0.05 for entry in logs if "loss" in entry)
+    # the engine (bfloat16) against the trainer on the sampled tokens: measured at most 5.1e-3 (grpo_lora's step 2)
+    differences = [entry["sampling/sampling_logp_difference/mean"] for entry in logs if "loss" in entry]
+    assert max(differences) < 0.015, differences
+    # every sync checked before the engine generated from it (grpo_plus's sync receipts)
+    assert all("vllm_sync/probe_logp_difference/mean" in entry for entry in logs if "loss" in entry)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out)
     assert any("lora_" in name for name, _ in model.named_parameters())
     assert shared_engine.starts == 1

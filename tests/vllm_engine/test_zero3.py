@@ -21,6 +21,8 @@ from transformers import AutoModelForCausalLM
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra (pip install -e '.[test]')")
 
+# |engine - model| of the sampled tokens' log-probs on each rank after training (bfloat16 engine, tiny Llama)
+ENGINE_MODEL_BOUND = 0.012
 ZERO3 = Path(__file__).resolve().parents[2] / "recipes" / "accelerate_configs" / "deepspeed_zero3.yaml"
 
 
@@ -61,7 +63,11 @@ def test_zero3_gathers_the_trained_weights_into_each_ranks_engine(tmp_path, lora
         start = len(sampled["prompt"]) - 1
         tokens = torch.tensor(sampled["tokens"]).unsqueeze(1)
         untrained = logits[0, start:-1].log_softmax(-1).gather(1, tokens).squeeze(1)
-        # The engine computes in bfloat16 (TRL leaves vLLM's dtype on "auto"): log-probs agree to ~1e-2.
-        assert (engine - model).abs().max() < 0.05, f"rank {rank}: the engine is not on the trained weights"
-        # an engine left on the untrained weights would be this far from the model: three times the tolerance above
-        assert (model - untrained).abs().max() > 0.15, f"rank {rank}: training moved too little for the check to tell"
+        # every sync (3 steps and the final push) checked on this rank before its engine generated, none failed
+        assert len(sampled["receipts"]) == 4 and all(mean <= bound for mean, bound in sampled["receipts"])
+        # The engine computes in bfloat16 (TRL leaves vLLM's dtype on "auto"): measured at most 5.1e-3 apart here.
+        assert (engine - model).abs().max() < ENGINE_MODEL_BOUND, (
+            f"rank {rank}: the engine is not on the trained weights"
+        )
+        # an engine left on the untrained weights would be this far from the model
+        assert (model - untrained).abs().max() > 10 * ENGINE_MODEL_BOUND, f"rank {rank}: training moved too little"
