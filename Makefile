@@ -121,7 +121,7 @@ VLLM_LOCK    ?= constraints-vllm.txt
 # GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
 VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
 
-.PHONY: test-vllm bench-vllm bench-vllm-lora
+.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence
 test-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
@@ -132,6 +132,12 @@ bench-vllm: $(VLLM_ENV)/.installed
 # vLLM's own LoRA (enable_lora) against merged weights (docs/guide/vllm.md).
 bench-vllm-lora: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_lora_sync.py
+
+# Several weight syncs of SmolLM2-135M: grpo_plus against stock TRL and stock TRL against itself (another micro-batch
+# layout), step by step, in a bfloat16 engine (TRL's default) and a float32 one (docs/guide/vllm.md, "Exactness").
+bench-vllm-divergence: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_divergence.py --engine-dtype bfloat16
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_divergence.py --engine-dtype float32
 
 $(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
 	rm -rf $(VLLM_ENV)

@@ -10,13 +10,18 @@ correction, on vLLM's CPU build (`make test-vllm`'s environment). Both trainers 
 reload (`grpo_plus.engine`, which stock TRL gets too: its own sync cannot load on the CPU build), stock TRL with its
 own stream (the adapter merged into the base in place), grpo_plus with its out-of-place one. They train in
 lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...) with their own random state, so they sample
-the same completions from the same weights: the first step's are the same (its loss difference is printed); later
-steps part where the two runs' weights, 1e-7 apart, round to different bfloat16 values in the engine (TRL leaves
-vLLM's dtype on "auto"), so their mean completion lengths are printed to show the work stayed alike. Per optimizer step, after the warm-up steps:
+the same completions from the same weights: the first step's completion ids are checked equal (the script stops
+otherwise); later steps part where the two runs' weights, 1e-7 apart, round to different bfloat16 values in the engine
+(TRL leaves vLLM's dtype on "auto"), so their mean completion lengths are printed to show the work stayed alike.
+grpo_plus runs with its defaults, the sync check after every sync included. Per optimizer step, after the warm-up
+steps:
   step            on_step_begin -> on_step_end: weight sync, vLLM generation, scoring, old log-probs, training pass
   generation      `_prepare_inputs` when it generates: sync, vLLM, scoring and TRL's no-grad old log-prob pass
   training pass   the rest of TRL's `step_time`: forward + backward of every micro-batch
-Target (issue 33): whole step <= 0.6x stock TRL + vLLM.
+  sync            each side's weight sync (stream, vLLM's loading and processing), from its sync log
+  sync check      grpo_plus's check of each sync (its share of grpo_plus's step is printed)
+The JSON goes beside the docs' table (docs/guide/results/vllm.json). Target (issue 33): whole step <= 0.6x stock TRL +
+vLLM.
 """
 
 from __future__ import annotations
@@ -35,29 +40,57 @@ def main() -> None:
     import statistics
     import time
 
+    import torch
     from lockstep import lockstep_arguments, start_report, write_report
 
     from grpo_plus.app.testing import shared_vllm_engine
     from grpo_plus.engine import reload_on_sync
 
-    json_path = ROOT / "outputs" / "bench-vllm" / "vllm.json"
+    json_path = ROOT / "docs" / "guide" / "results" / "vllm.json"
     parser = lockstep_arguments(__doc__, steps=10, repeats=0, json_path=json_path)
     args = parser.parse_args()
     report, started = start_report(args)
     settings = {**demo_settings(args.steps), **VLLM_SETTINGS, "output_dir": str(ROOT / "outputs" / "bench-vllm")}
 
-    def stock_trl_reloads(trainers: dict) -> None:
+    generated = {name: [] for name in ("trl", "ours")}
+
+    def prepare(trainers: dict) -> None:
         reload_on_sync(trainers["trl"].vllm_generation, lora_merge_in_place=True)  # TRL's own stream, reloaded
+        for name, trainer in trainers.items():  # each generation batch's completion ids, to compare step 1's
+            generate = trainer._generate_and_score_completions
+
+            def recording(inputs, generate=generate, name=name):
+                output = generate(inputs)
+                generated[name].append(output["completion_ids"].cpu().clone())
+                return output
+
+            trainer._generate_and_score_completions = recording
 
     print(f"demo config + colocated vLLM, {args.steps} lock-step optimizer steps per trainer ...", flush=True)
     with shared_vllm_engine() as engine:
         built = time.perf_counter()
-        result = run_steps(args.steps, args.warmup, settings=settings, prepare=stock_trl_reloads)
+        result = run_steps(args.steps, args.warmup, settings=settings, prepare=prepare)
         trainers = result.pop("trainers")
         report["engine_start_seconds"] = engine.start_seconds
         report["total_train_seconds"] = time.perf_counter() - built
     lengths = {name: result[name]["completion_lengths"] for name in SIDES}
     first_loss_difference = abs(result["trl"]["losses"][0] - result["ours"]["losses"][0])
+    if not torch.equal(generated["trl"][0], generated["ours"][0]):
+        raise SystemExit(
+            "step 1: stock TRL and grpo_plus sampled other completions; the comparison is not on the same work"
+        )
+    logs = {name: trainers[name].vllm_generation.sync_log for name in SIDES}
+    measured = slice(args.warmup, None)
+    sync_seconds = {name: statistics.median(logs[name].seconds[measured]) for name in SIDES}
+    check_seconds = statistics.median([r.seconds for r in logs["ours"].receipts[measured]])
+    report["step1_same_completion_ids"] = True
+    report["sync_seconds"] = sync_seconds
+    report["sync_check_seconds"] = check_seconds
+    report["sync_check_share_of_step"] = check_seconds / result["ours"]["step"]
+    report["sync_check_receipts"] = [
+        dict(mean=r.mean_abs_difference, max=r.max_abs_difference, bound=r.bound, seconds=r.seconds)
+        for r in logs["ours"].receipts
+    ]
     report["demo_vllm"] = result
     trl_side, ours = result["trl"], result["ours"]
     mismatch = [
@@ -76,8 +109,11 @@ def main() -> None:
         f"{ours['train_pass'] / trl_side['train_pass']:.2f} |\n"
         f"| token positions in the training forward | {trl_side['positions']:.0f} | {ours['positions']:.0f} | "
         f"{ours['positions'] / trl_side['positions']:.2f} |\n"
-        f"\nengine start {engine.start_seconds:.0f} s (once, shared); first step: mean completion length TRL "
-        f"{lengths['trl'][0]:.2f}, grpo_plus {lengths['ours'][0]:.2f}, |loss difference| {first_loss_difference:.1e}; "
+        f"| weight sync (s) | {sync_seconds['trl']:.3f} | {sync_seconds['ours']:.3f} | "
+        f"{sync_seconds['ours'] / sync_seconds['trl']:.2f} |\n"
+        f"| sync check (s, share of the step) | - | {check_seconds:.3f} ({100 * check_seconds / ours['step']:.1f}%) | |\n"
+        f"\nengine start {engine.start_seconds:.0f} s (once, shared); first step: the same completion ids "
+        f"(mean length {lengths['trl'][0]:.2f}), |loss difference| {first_loss_difference:.1e}; "
         f"over all {len(lengths['trl'])} steps mean completion length TRL {statistics.fmean(lengths['trl']):.2f}, "
         f"grpo_plus {statistics.fmean(lengths['ours']):.2f}; dead-group share {trl_side['dead_groups']:.2f}; "
         f"sampler/trainer log-prob difference (mean per step) {min(mismatch):.3f}-{max(mismatch):.3f}",

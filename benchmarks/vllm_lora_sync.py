@@ -45,7 +45,9 @@ def load(path, base: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     if base == "nf4":
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        )
         return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
     return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base))
 
@@ -202,7 +204,7 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=8, help="syncs per trainer and base (the first is full)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-vllm-lora", action="store_true", help="skip part 2 (vLLM's own LoRA)")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-vllm" / "lora_sync.json"))
+    parser.add_argument("--json", default=str(ROOT / "docs" / "guide" / "results" / "vllm_lora_sync.json"))
     args = parser.parse_args()
 
     import torch

@@ -32,8 +32,6 @@ from grpo_plus.trl_compat import VERSION_FLOORS, VersionFloor
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_PAGE = "docs/guide/versions.md"
 SKIP_PREFIX = "documented floor `{name}` not met"  # every skip's reason holds it (the hooks read it)
-# tests/vllm_engine/ runs in make test-vllm's environment and keeps its own skips (not keyed on floors yet).
-EXEMPT = "tests/vllm_engine/"
 
 
 @dataclass(frozen=True)
@@ -213,8 +211,8 @@ def undocumented_skip(reason: str) -> str | None:
     return None
 
 
-def _fail_undocumented_skip(report, path: Path) -> None:
-    if not report.skipped or hasattr(report, "wasxfail") or EXEMPT in path.as_posix():
+def _fail_undocumented_skip(report) -> None:
+    if not report.skipped or hasattr(report, "wasxfail"):
         return
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
     problem = undocumented_skip(reason.removeprefix("Skipped: "))
@@ -225,10 +223,10 @@ def _fail_undocumented_skip(report, path: Path) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
-    _fail_undocumented_skip(outcome.get_result(), item.path)
+    _fail_undocumented_skip(outcome.get_result())
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
     outcome = yield
-    _fail_undocumented_skip(outcome.get_result(), collector.path)
+    _fail_undocumented_skip(outcome.get_result())

@@ -16,9 +16,8 @@ from helpers.tool_model import increment, load_tool_model, number_prompts, save_
 
 import grpo_plus
 from grpo_plus.engine import reload_on_sync
-from grpo_plus.trl_compat import agentic_unavailable_reason
 
-pytestmark = pytest.mark.skipif(agentic_unavailable_reason() is not None, reason=str(agentic_unavailable_reason()))
+pytestmark = pytest.mark.floor("tools")
 
 VLLM = dict(
     use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, per_device_train_batch_size=4,

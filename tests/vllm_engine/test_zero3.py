@@ -19,8 +19,6 @@ from helpers.models import save_tiny_model
 from helpers.probes import TRAIN_TINY, accelerate_launch, run_python, train_tiny_flags
 from transformers import AutoModelForCausalLM
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra (pip install -e '.[test]')")
-
 # |engine - model| of the sampled tokens' log-probs on each rank after training (bfloat16 engine, tiny Llama)
 ENGINE_MODEL_BOUND = 0.012
 ZERO3 = Path(__file__).resolve().parents[2] / "recipes" / "accelerate_configs" / "deepspeed_zero3.yaml"
