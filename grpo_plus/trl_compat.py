@@ -634,20 +634,25 @@ def logps_unavailable_reason(device_type: str = "cpu") -> str | None:
 
 
 # ---- vLLM (TRL's `trl.generation.vllm_generation.VLLMGeneration`, the same in 1.14.0-1.16.0) -------------------------
-# Its colocate sync is `for name, param in self._iter_named_params(): <model runner>.model.load_weights([(name, param)])`
-# with the model runner at `llm.llm_engine.model_executor.driver_worker.model_runner` (vLLM's V1 engine in-process).
+# Its colocate sync, `sync_weights()`, is `for name, param in self._iter_named_params(): <model runner>.model.
+# load_weights([(name, param)])` with the model runner at `llm.llm_engine.model_executor.driver_worker.model_runner`
+# (vLLM's V1 engine in-process), then `llm.reset_prefix_cache()`; names go through `_fix_param_name_to_vllm`.
+# grpo_plus replaces the stream on the instance, and wraps `sync_weights` there to check each sync after it.
 COLOCATE_WEIGHT_STREAM = "_iter_named_params"
+COLOCATE_SYNC_METHODS = (COLOCATE_WEIGHT_STREAM, "sync_weights", "_fix_param_name_to_vllm")
 
 
 def colocate_weight_stream_name() -> str:
     """The `VLLMGeneration` method that streams (name, tensor) pairs to the colocated engine at each sync (it gathers
-    ZeRO-3 / FSDP shards and merges PEFT adapters); raises TRLCompatibilityError if this TRL has none."""
+    ZeRO-3 / FSDP shards and merges PEFT adapters); raises TRLCompatibilityError if this TRL lacks it or another
+    method of COLOCATE_SYNC_METHODS."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    if not callable(getattr(VLLMGeneration, COLOCATE_WEIGHT_STREAM, None)):
+    missing = [name for name in COLOCATE_SYNC_METHODS if not callable(getattr(VLLMGeneration, name, None))]
+    if missing:
         raise TRLCompatibilityError(
             f"grpo_plus cannot sync weights into vLLM with TRL {trl.__version__}: VLLMGeneration has no "
-            f"{COLOCATE_WEIGHT_STREAM}. grpo_plus works with TRL {tested_trl_versions_text()}."
+            f"{', '.join(missing)}. grpo_plus works with TRL {tested_trl_versions_text()}."
         )
     return COLOCATE_WEIGHT_STREAM
 

@@ -290,3 +290,15 @@ def test_transformers_renames_that_trl_and_peft_still_use_are_silenced_and_nothi
         model.gradient_checkpointing_disable()
         warnings.warn("another deprecation", FutureWarning, stacklevel=1)
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["another deprecation"]
+
+
+@pytest.mark.parametrize("method", trl_compat.COLOCATE_SYNC_METHODS)
+def test_the_colocate_sync_fails_at_construction_when_trl_lacks_a_method_it_wraps(monkeypatch, method):
+    """grpo_plus replaces TRL's weight stream and wraps its `sync_weights` on the `VLLMGeneration` instance (the sync
+    check runs after it); a TRL without one of them fails when the trainer wires the sync, naming it."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert trl_compat.colocate_weight_stream_name() == "_iter_named_params"
+    monkeypatch.delattr(VLLMGeneration, method)
+    with pytest.raises(TRLCompatibilityError, match=f"VLLMGeneration has no {method}"):
+        trl_compat.colocate_weight_stream_name()

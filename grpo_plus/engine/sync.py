@@ -49,11 +49,13 @@ def reload_on_sync(
     inference: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     on_receipt: Callable[[SyncReceipt], None] | None = None,
+    overlap_check: bool = False,
 ) -> SyncLog | None:
     """Make TRL's `VLLMGeneration` (colocate mode) load every weight sync through `layerwise_reload`, a LoRA model's
     weights merged out of place (`lora_stream.LoraWeightStream`), and check syncs as `sync_check` says ("every",
-    "first", "off": `receipt.SyncChecker`, the trainer's model run as `inference` yields it under `autocast`, each
-    receipt handed to `on_receipt`); returns the sync's log (None in server mode).
+    "first", "off": `receipt.SyncChecker`, the trainer's model run as `inference` yields it under `autocast`, the
+    engine's read overlapped with it where `overlap_check`, each receipt handed to `on_receipt`); returns the sync's log
+    (None in server mode).
 
     Works on stock TRL's object too (the tests give stock TRL the same sync). `lora_merge_in_place=True` keeps TRL's
     own stream for a LoRA model (merge into the base, stream, unmerge: what the benchmark and the tests compare with).
