@@ -164,10 +164,10 @@ class SyncChecker:
     gathers the weights and takes DeepSpeed's hooks off, so the probe's forward does not enter DeepSpeed's record of
     the training forward's module order), `autocast` the trainer's forward context (accelerate's `autocast()`:
     bfloat16 under bf16=True), `rename` TRL's mapping of a module path to the engine's name, `wake_kv_cache` what makes
-    the engine's KV cache usable when a sleep mode released it (TRL wakes it itself before generating). With `overlap`
-    the engine reads the probe in a thread of its own while the trainer computes it (one process, one engine rank:
-    nothing else generates then, and neither side takes part in a collective), which on a CPU nearly halves the
-    check's time; elsewhere one after the other."""
+    the engine's KV cache usable when a sleep mode released it (TRL wakes it itself before generating). With
+    `overlap`, `begin()` before a sync starts the trainer's side of the check in a thread of its own while the weights
+    stream (for one process whose stream only reads the trainer's weights: nothing takes part in a collective, nothing
+    writes what the forward reads), so a check costs about the engine's read of the probe."""
 
     def __init__(
         self,
@@ -188,6 +188,7 @@ class SyncChecker:
         self.inference = inference or (lambda: nullcontext(model))
         self.autocast, self.wake_kv_cache, self.overlap = autocast, wake_kv_cache, overlap
         self._worker: ThreadPoolExecutor | None = None
+        self._trainer_read: Future | None = None  # the trainer's side of the check under way, computed meanwhile
         self.receipts: list[SyncReceipt] = []
         self.syncs = 0
         self._tokenizer = tokenizer
@@ -196,6 +197,16 @@ class SyncChecker:
         self._positions = 0  # token positions the trainer's model computed for the check under way
 
     # ---- the check ---------------------------------------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Before a sync whose stream only reads the trainer's weights: with `overlap`, the trainer starts computing the
+        probe in a thread of its own while the weights stream (they are final; the check then waits only for the
+        engine's read)."""
+        checked = self.mode == "every" or (self.mode == "first" and self.syncs == 0)
+        if self.overlap and checked:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-plus-sync-check")
+            self._trainer_read = self._worker.submit(self._trainer_side)
 
     def check(self, streamed: StreamRecord, report: ReloadReport) -> SyncReceipt | None:
         """The receipt of the sync just made (None when `mode` skips it); raises SyncCheckError naming what
@@ -209,16 +220,15 @@ class SyncChecker:
         if self.wake_kv_cache is not None:
             self.wake_kv_cache()
         probe, cache_probe = self.sequences()
-        engine_read = self._in_background(self._engine_reads, probe, cache_probe) if self.overlap else None
-        with self.inference() as model:
-            trainer = self._trainer_logprobs(model, probe)
-            engine, cached = engine_read.result() if engine_read else self._engine_reads(probe, cache_probe)
-            difference = (engine - trainer).abs()
-            mean = difference.mean().item()
-            measured_before = self._floor is not None
-            bound, precision = self.bound(model)
-            if not mean <= bound and measured_before:  # the floor moves as training sharpens the model: measure again
-                bound, precision = self.bound(model, measure_floor=True)
+        trainer_read, self._trainer_read = self._trainer_read, None
+        trainer = trainer_read.result() if trainer_read is not None else self._trainer_side()
+        engine, cached = self._engine_reads(probe, cache_probe)
+        difference = (engine - trainer).abs()
+        mean = difference.mean().item()
+        measured_before = self._floor is not None
+        bound, precision = self.bound()
+        if not mean <= bound and measured_before:  # the floor moves as training sharpens the model: measure again
+            bound, precision = self.bound(measure_floor=True)
         if cached:
             raise SyncCheckError(
                 f"weight sync {self.syncs}: the engine read {cached} tokens of a sequence it had computed before the sync "
@@ -279,10 +289,11 @@ class SyncChecker:
 
     # ---- the probe ---------------------------------------------------------------------------------------------------
 
-    def _in_background(self, read: Callable, *args) -> Future:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-plus-sync-check")
-        return self._worker.submit(read, *args)
+    def _trainer_side(self) -> torch.Tensor:
+        """The trainer's log-probs of the probe (its model run as `inference` yields it)."""
+        probe, _ = self.sequences()
+        with self.inference() as model:
+            return self._trainer_logprobs(model, probe)
 
     def sequences(self) -> tuple[list[int], list[int] | None]:
         """(the log-prob probe, the prefix-cache probe: one KV-cache block and one token, None where max_model_len
@@ -300,9 +311,9 @@ class SyncChecker:
             self._sequences = probe, cache_probe
         return self._sequences
 
-    def bound(self, model: torch.nn.Module, measure_floor: bool = False) -> tuple[float, str]:
+    def bound(self, measure_floor: bool = False) -> tuple[float, str]:
         """(the bound on the mean |difference|, how it was set) for the dtypes both sides compute in; the trainer's
-        precision floor is measured on `model` the first time it is needed, and again with `measure_floor`."""
+        precision floor is measured the first time it is needed, and again with `measure_floor`."""
         model_config = self._engine_model_config()
         engine = precision_class(model_config.dtype, getattr(model_config, "quantization", None))
         device = self._device().type
@@ -319,7 +330,8 @@ class SyncChecker:
             # other half precision, whose rounding differs (float16 keeps 3 more mantissa bits than bfloat16)
             engine_dtype = model_config.dtype if engine != "float32" else autocast
             other = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}.get(weights, engine_dtype)
-            self._floor = self._precision_floor(model, other)
+            with self.inference() as model:
+                self._floor = self._precision_floor(model, other)
         if not math.isfinite(self._floor):  # float16 overflowed where bfloat16 did not: no floor to scale
             return LOW_PRECISION_BOUNDS[precision], f"{precision}, the least precise side"
         return (

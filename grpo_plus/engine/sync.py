@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class SyncLog:
     """What each weight sync into the colocated engine sent, one entry per sync: seconds (the stream, vLLM's loading
     and processing), bytes and tensors streamed, what the engine took (`reloads`), the receipts of checked syncs and
-    the seconds each check took."""
+    the seconds each check took; the checker itself."""
 
     seconds: list[float] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
@@ -39,6 +39,7 @@ class SyncLog:
     streams: list[StreamRecord] = field(default_factory=list)
     reloads: list[ReloadReport] = field(default_factory=list)
     receipts: list[SyncReceipt] = field(default_factory=list)
+    checker: SyncChecker | None = None  # what checks the syncs (None: unchecked)
 
 
 def reload_on_sync(
@@ -53,9 +54,9 @@ def reload_on_sync(
 ) -> SyncLog | None:
     """Make TRL's `VLLMGeneration` (colocate mode) load every weight sync through `layerwise_reload`, a LoRA model's
     weights merged out of place (`lora_stream.LoraWeightStream`), and check syncs as `sync_check` says ("every",
-    "first", "off": `receipt.SyncChecker`, the trainer's model run as `inference` yields it under `autocast`, the
-    engine's read overlapped with it where `overlap_check`, each receipt handed to `on_receipt`); returns the sync's log
-    (None in server mode).
+    "first", "off": `receipt.SyncChecker`, the trainer's model run as `inference` yields it under `autocast`, its side
+    of the check computed while the weights stream where `overlap_check` and the stream only reads them, each receipt
+    handed to `on_receipt`); returns the sync's log (None in server mode).
 
     Works on stock TRL's object too (the tests give stock TRL the same sync). `lora_merge_in_place=True` keeps TRL's
     own stream for a LoRA model (merge into the base, stream, unmerge: what the benchmark and the tests compare with).
@@ -65,9 +66,21 @@ def reload_on_sync(
         return None
     if getattr(generation, "sync_log", None) is not None:
         return generation.sync_log
+    from accelerate.utils import is_peft_model
+
     lora = None if lora_merge_in_place else lora_stream(generation)
     stream = lora if lora is not None else getattr(generation, colocate_weight_stream_name())
+    # TRL's stream of a LoRA model merges the adapters into the base and unmerges them: it writes the weights
+    reads_only = lora is not None or not is_peft_model(generation.model)
     log = SyncLog()
+    checker = None
+    if sync_check != "off":  # (log.checker below)
+        checker = SyncChecker(
+            sync_check, generation.llm, generation.model, generation.processing_class,
+            rename=generation._fix_param_name_to_vllm, inference=inference, autocast=autocast,
+            wake_kv_cache=(lambda: generation.llm.wake_up(tags=["kv_cache"])) if generation.enable_sleep_mode else None,
+            overlap=overlap_check and reads_only,
+        )  # fmt: skip
 
     def reloading_stream() -> Iterator[tuple[str, torch.Tensor]]:
         # vLLM keeps a reference to each streamed tensor until its layer is complete (most layers: within the
@@ -76,6 +89,8 @@ def reload_on_sync(
         # ZeRO-3 shards that it then releases by rebinding `param.data`, which leaves the referenced tensor intact,
         # and LoRA weights merged in place, which its unmerge changes: safe only for layers complete within the
         # stream (linear layers).
+        if checker is not None:
+            checker.begin()  # the trainer's side of the check, meanwhile where it can run beside the stream
         started, sent = time.perf_counter(), 0
         record, report = StreamRecord(full=lora is None or lora.next_is_full_stream()), ReloadReport()
         with layerwise_reload(generation.llm, report):
@@ -91,19 +106,7 @@ def reload_on_sync(
         log.reloads.append(report)
 
     setattr(generation, colocate_weight_stream_name(), reloading_stream)
-    if sync_check != "off":
-        checker = SyncChecker(
-            sync_check,
-            generation.llm,
-            generation.model,
-            generation.processing_class,
-            rename=generation._fix_param_name_to_vllm,
-            inference=inference,
-            autocast=autocast,
-            wake_kv_cache=(lambda: generation.llm.wake_up(tags=["kv_cache"]))
-            if generation.enable_sleep_mode
-            else None,
-        )
+    if checker is not None:
         sync_weights = generation.sync_weights
 
         def checked_sync_weights() -> None:
@@ -115,6 +118,7 @@ def reload_on_sync(
                     on_receipt(receipt)
 
         generation.sync_weights = checked_sync_weights
+        log.checker = checker
     generation.sync_log = log
     return log
 

@@ -203,21 +203,21 @@ def test_lora_matches_stock_trl(shared_engine, model_dir, tmp_path):
 
 
 def test_without_the_zero_waste_pass_four_steps_are_stock_trls_bit_for_bit(shared_engine, model_dir, tmp_path):
-    """In the bfloat16 engine TRL gives (vLLM's "auto"), with AdamW, four steps and four syncs: grpo_plus with the
-    zero-waste pass off computes what stock TRL computes, so the engine gets the same weights and every step is
-    stock TRL's to the bit (the sync checks draw no random numbers). With the pass on, weights 1e-7 apart round to
-    other bfloat16 values and the runs part after the first real sync: tests/vllm_engine/test_multistep.py compares
-    those on a float32 engine."""
+    """In the bfloat16 engine TRL gives (vLLM's "auto"), with AdamW, four generation batches (four syncs) of two
+    optimizer steps each: grpo_plus with the zero-waste pass off computes what stock TRL computes, so the engine gets
+    the same weights and every step is stock TRL's to the bit (the sync checks draw no random numbers). With the pass
+    on, weights 1e-7 apart round to other bfloat16 values and the runs part after the first real sync:
+    tests/vllm_engine/test_multistep.py compares those on a float32 engine."""
     runs = {}
     for package in (trl, grpo_plus):
         overrides = {"zero_waste_pass": False} if package is grpo_plus else {}
         trainer = build(package, model_dir, tmp_path / package.__name__, optim="adamw_torch", learning_rate=0.01,
-                        max_steps=4, steps_per_generation=1, **overrides)  # fmt: skip
+                        max_steps=8, **overrides)  # fmt: skip
         record = StepRecorder(trainer)
         trainer.train()
         runs[package.__name__] = trainer, record
     (theirs, their_record), (ours, our_record) = runs["trl"], runs["grpo_plus"]
-    assert len(our_record.weights) == 4 and len(ours.vllm_generation.sync_log.receipts) == 4
+    assert len(our_record.weights) == 8 and len(ours.vllm_generation.sync_log.receipts) == 4
     for a, b in zip(their_record.generated, our_record.generated, strict=True):
         assert torch.equal(a["completion_ids"], b["completion_ids"])
         assert torch.equal(a["importance_sampling_ratio"], b["importance_sampling_ratio"])
