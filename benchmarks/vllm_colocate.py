@@ -91,6 +91,7 @@ def main() -> None:
         built = time.perf_counter()
         result = run_steps(args.steps, args.warmup, settings=settings, prepare=prepare)
         trainers = result.pop("trainers")
+        cost = check_cost(trainers["ours"])  # while the engine runs
         report["engine_start_seconds"] = engine.start_seconds
         report["total_train_seconds"] = time.perf_counter() - built
     lengths = {name: result[name]["completion_lengths"] for name in SIDES}
@@ -106,7 +107,6 @@ def main() -> None:
     report["step1_same_completion_ids"] = True
     report["sync_seconds"] = sync_seconds
     report["sync_check_seconds"] = check_seconds  # the check after each sync (its trainer side ran beside the stream)
-    cost = check_cost(trainers["ours"])
     report["sync_check_cost"] = cost
     report["sync_check_share_of_step"] = cost["cost"] / result["ours"]["step"]
     report["sync_check_receipts"] = [

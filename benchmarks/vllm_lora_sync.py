@@ -40,28 +40,17 @@ PROBE = "What is 7 + 5? The answer is 12, because seven plus five makes twelve."
 BASES = ("float32", "bfloat16", "nf4")
 
 
-def load(path, base: str):
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    if base == "nf4":
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-        )
-        return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base))
-
-
 def build(package, path, tokenizer, base: str, settings: dict):
     from peft import LoraConfig
     from transformers import set_seed
 
     from grpo_plus.app import tasks
+    from grpo_plus.app.testing import load_with_base
     from grpo_plus.engine import reload_on_sync
 
     set_seed(0)
     trainer = package.GRPOTrainer(
-        model=load(path, base),
+        model=load_with_base(path, base),
         reward_funcs=[tasks.correctness_reward, tasks.format_reward],
         args=package.GRPOConfig(**settings),
         train_dataset=tasks.make_dataset("train", "add-1d", seed=0),
@@ -168,6 +157,8 @@ def part_vllm_lora(path, tokenizer, settings: dict, merged_llm) -> dict:
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
+    from grpo_plus.app.testing import load_with_base
+
     batch = demo_batch(tokenizer)
     merged = timed_generations(merged_llm, batch)
     merged_llm.llm_engine.engine_core.shutdown()
@@ -179,7 +170,9 @@ def part_vllm_lora(path, tokenizer, settings: dict, merged_llm) -> dict:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     start_seconds = time.perf_counter() - started
-    model = get_peft_model(load(path, "float32"), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model = get_peft_model(
+        load_with_base(path, "float32"), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    )
     new_adapter([model], seed=0)
     folder = tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     loads = []

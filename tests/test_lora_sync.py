@@ -203,13 +203,13 @@ def test_what_the_engine_is_asked_for(monkeypatch):
 def test_a_4bit_base_on_a_gpu_engine_is_served_by_its_memory(tmp_path, monkeypatch, fp8_runs):
     """'auto' for a 4-bit base on a (faked) 24 GB card: Qwen2.5-7B's 15.2 GB in bfloat16 do not fit 0.3 of it, so
     fp8 where vLLM runs it (else bfloat16); Qwen2.5-0.5B stays in bfloat16."""
-    from grpo_plus import vllm_sync
+    from grpo_plus.engine import precision
     from grpo_plus.fit import known_config
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=24e9))
-    monkeypatch.setattr(vllm_sync, "_fp8_runs", lambda: fp8_runs)
+    monkeypatch.setattr(precision, "_fp8_runs", lambda: fp8_runs)
     for name in ("qwen2.5-7b", "qwen2.5-0.5b"):
         known_config(name).save_pretrained(tmp_path / name)
     assert engine_quantization("auto", "bitsandbytes", str(tmp_path / "qwen2.5-7b"), 0.3) == (

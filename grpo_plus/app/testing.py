@@ -138,6 +138,19 @@ def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:
     return path
 
 
+def load_with_base(path: str | Path, base: str):
+    """The causal LM saved in `path` with its weights in `base`: "float32", "bfloat16", or "nf4" (bitsandbytes 4-bit
+    NormalFloat, computing in float32): the bases a LoRA / QLoRA sync is tested and measured on."""
+    if base == "nf4":
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        )
+        return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, base))
+
+
 def prompt_dataset(num_prompts: int = 8, conversational: bool = False) -> Dataset:
     """Short prompts with an integer `answer` column."""
     rows = []

@@ -31,9 +31,10 @@ from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
 from helpers.probes import logged
 from helpers.rewards import odd_prompts_dead_reward
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
+from grpo_plus.app.testing import load_with_base
 from grpo_plus.engine import layerwise_reload
 
 VLLM = dict(
@@ -61,15 +62,6 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("vllm-lora-model"), hidden_size=128))
 
 
-def load(model_dir, base: str):
-    if base == "nf4":
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-        )
-        return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, base))
-
-
 def build(package, model_dir, output_dir, base: str, lora: dict, **overrides):
     if base == "nf4" and "lm_head" in lora.get("modules_to_save", ()):
         # TRL keeps a 4-bit base's trainable weights in bfloat16, the LM head's copy too, which a float32 forward
@@ -77,7 +69,7 @@ def build(package, model_dir, output_dir, base: str, lora: dict, **overrides):
         lora = {**lora, "modules_to_save": [m for m in lora["modules_to_save"] if m != "lm_head"]}
     args = package.GRPOConfig(**tiny_run_kwargs(output_dir, **{"loss_type": "dapo", **VLLM, **overrides}))
     return package.GRPOTrainer(
-        model=load(model_dir, base),
+        model=load_with_base(model_dir, base),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         reward_funcs=[odd_prompts_dead_reward],
         args=args,

@@ -24,9 +24,10 @@ from helpers.engine import engine_logprobs, fresh_engine_logprobs
 from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
 from helpers.rewards import odd_prompts_dead_reward
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import grpo_plus
+from grpo_plus.app.testing import load_with_base
 from grpo_plus.engine import IncompleteSyncError, SyncChecker, SyncCheckError
 from grpo_plus.engine import lora_stream as lora_stream_module
 from grpo_plus.engine.lora_stream import LoraWeightStream
@@ -44,19 +45,10 @@ def model_dir(tmp_path_factory):
     return str(save_tiny_model(tmp_path_factory.mktemp("vllm-checked-model"), hidden_size=128, tied=True))
 
 
-def load(model_dir, base: str):
-    if base == "nf4":
-        quantization = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
-        )
-        return AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=quantization, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, base))
-
-
 def build(model_dir, output_dir, *, base="float32", lora: dict | None = None, **overrides):
     args = grpo_plus.GRPOConfig(**tiny_run_kwargs(output_dir, **{**VLLM, **overrides}))
     return grpo_plus.GRPOTrainer(
-        model=load(model_dir, base),
+        model=load_with_base(model_dir, base),
         processing_class=AutoTokenizer.from_pretrained(model_dir),
         reward_funcs=[odd_prompts_dead_reward],
         args=args,
