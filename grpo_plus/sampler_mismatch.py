@@ -11,7 +11,10 @@ the log-probs of the tokens it sampled: TRL's `sampling_per_token_logps` (vLLM, 
   holds the IS weights (`rollout_is_weights`, (B, T)) and the mask after rejection (`rollout_response_mask`, the
   completion mask times TRL's tool mask times the rejection), with `num_items_in_batch` recounted over it, as verl
   counts its token-mean over the mask after rejection. The loss multiplies the policy term by the weights and
-  aggregates over that mask. The metrics are logged once per generation batch.
+  aggregates over that mask. The metrics are logged once per generation batch. On-policy (no optimizer step between
+  generation and the loss) without rejection or batch normalization, the old log-probs are the training forward's and
+  no pass runs: each micro-batch's weights come from its forward (`OnPolicyCorrection`, which does the same for TRL's
+  own vLLM correction).
 - bypass (`rollout_bypass_mode`, verl's `bypass_mode`; two policies): the sampler's log-probs are the old policy, so no
   old-log-prob pass runs. In each micro-batch the correction compares the training forward's log-probs (detached)
   with the sampler's: the mask after rejection goes to the loss (`num_items_in_batch` keeps its count, as verl's);
@@ -43,7 +46,14 @@ from .objective.rollout_corr import (
 )
 from .registry import did_you_mean
 from .settings import ConfigError, not_allowed
-from .trl_compat import SAMPLER_LOGPS_KEY, TRL_SAMPLER_CORRECTION, trl_sampler_correction_changes
+from .trl_compat import (
+    SAMPLER_LOGPS_KEY,
+    TRL_SAMPLER_CORRECTION,
+    TRL_SAMPLER_METRICS,
+    trl_sampler_correction_changes,
+    trl_sampler_metric_values,
+    trl_sampler_ratio,
+)
 
 DEFAULT_IS_THRESHOLD = 2.0  # verl's default rollout_is_threshold
 TRAINED_ROWS_PREFIX = METRIC_PREFIX + "trained_rows/"
@@ -194,6 +204,20 @@ class RolloutCorrectionSettings:
         """Where the old log-probs come from: 'generation' (decoupled: every row, at generation), 'none' (bypass: the
         sampler's are the old ones, no pass runs), 'trl' (no correction of ours: as TRL decides)."""
         return "none" if self.bypass else "generation" if self.decoupled else "trl"
+
+    def in_loss_blocker(self) -> str | None:
+        """Why the decoupled correction needs every row of the generation batch before the first micro-batch's loss
+        (so on-policy too its old log-probs come from a no-grad pass at generation), or None."""
+        if not self.decoupled:
+            return None
+        if self.rollout_rs is not None:
+            return (
+                f"rollout_rs={self.rollout_rs!r}: the mask after rejection sets the loss's token count over the whole "
+                "generation batch (num_items_in_batch, dapo's N) before the first micro-batch's loss"
+            )
+        if self.rollout_is is not None and self.rollout_is_batch_normalize:
+            return "rollout_is_batch_normalize=True: each weight is divided by the mean over the generation batch"
+        return None
 
     def row_skip_blocker(self) -> str | None:
         """Why the zero-waste pass must compute every row of the training forward, or None."""
@@ -387,6 +411,15 @@ class RolloutCorrector:
             metrics[name].append(value)
         return output
 
+    def log_metrics(
+        self, old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, metrics: dict[str, list], prefix: str
+    ) -> None:
+        """verl's metrics of every process's rows (`old`, `rollout`, `mask`: (B, T)) under `prefix`; none without a
+        token."""
+        if bool(mask.any()):
+            for name, value in rollout_correction(old, rollout, mask, **self.options).metrics.items():
+                metrics[prefix + name.removeprefix(METRIC_PREFIX)].append(value)
+
     # ---- in the loss: every micro-batch -------------------------------------------------------------------------
 
     def loss_inputs(
@@ -419,10 +452,13 @@ class RolloutCorrector:
         result = rollout_correction(
             current, old, judged, **self.options, all_reduce_sum=reduce_sum if normalize else None
         )
-        corrected = result.response_mask
+        corrected, measured = result.response_mask, result.metrics
         if computed_rows is not None:  # rows left out of the forward keep their mask (their advantage is 0)
             corrected = torch.where(computed_rows.unsqueeze(1), corrected, mask)
-        self._log_mean(result.metrics, reduce_sum, metrics, logps.device)
+            # and stay out of the per-row metrics (perplexities, sequence weights), which would count them as empty rows
+            rows = computed_rows
+            measured = rollout_correction(current[rows], old[rows], judged[rows], **self.options).metrics
+        self._log_mean(measured, reduce_sum, metrics, logps.device)
         return LossInputs(old, result.weights if self.weights_in_loss else None, corrected)
 
     def _log_mean(
@@ -435,3 +471,113 @@ class RolloutCorrector:
         total, count = reduce_sum(totals.to(device)).tolist()
         for name, value, weight in zip(names, total, count, strict=True):
             metrics[self.prefix + name.removeprefix(METRIC_PREFIX)].append(value / weight if weight else math.nan)
+
+
+# ---- on-policy: the correction from the training forward ------------------------------------------------------------
+
+
+class GenerationBatchRows:
+    """One generation batch's values as its `parts` micro-batches reach the loss: `add` keeps each micro-batch's tensors
+    (first dimension: rows or values) and returns them concatenated once the last part is in. Later calls (the batch's
+    further iterations with `num_iterations > 1`, at the same weights, so the same values) return None: counted once."""
+
+    def __init__(self, parts: int):
+        self.parts = parts
+        self._kept: list[dict[str, torch.Tensor]] = []
+
+    def add(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        if len(self._kept) >= self.parts:
+            return None
+        self._kept.append({key: value.detach() for key, value in tensors.items()})
+        if len(self._kept) < self.parts:
+            return None
+        return {key: torch.cat([part[key] for part in self._kept]) for key in self._kept[0]}
+
+
+@dataclass(frozen=True)
+class TRLSamplerCorrection:
+    """TRL's vLLM correction as the trainer holds it: `vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`."""
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+
+
+class OnPolicyCorrection:
+    """The sampler correction of a generation batch from the training forward, where training is on-policy (no
+    optimizer step between generation and the loss, so the old log-probs are the training forward's, detached): the
+    no-grad old-log-prob pass at generation does not run. Either TRL's vLLM correction (`trl`: its ratio in its four
+    modes, handed to the loss as TRL's `importance_sampling_ratio`, and its `sampling/*` metrics) or the decoupled
+    rollout correction of `corrector` (its IS weights; not with rejection or batch normalization, which need every row
+    before the first micro-batch's loss: `RolloutCorrectionSettings.in_loss_blocker`).
+
+    Both weights are per row (token or sequence), so each micro-batch's equal the pass's. The metrics summarize the
+    whole generation batch: its values are kept micro-batch by micro-batch and the metrics computed once the last is in
+    (`start(parts)`), over every process as TRL and the decoupled pass compute them. With `trained_rows_only` (the
+    zero-waste pass may leave zero-advantage rows out of the forward) they cover the rows it computed and say so:
+    `sampling/trained_rows/...`, `rollout_corr/trained_rows/...`; a left-out row's ratio is 1 (its loss is 0)."""
+
+    def __init__(self, corrector: RolloutCorrector, trl: TRLSamplerCorrection, trained_rows_only: bool):
+        self.corrector, self.trl, self.trained_rows_only = corrector, trl, trained_rows_only
+        self.rows: GenerationBatchRows | None = None
+
+    @property
+    def active(self) -> bool:
+        """Whether the current generation batch is corrected in the loss."""
+        return self.rows is not None
+
+    def start(self, parts: int | None) -> None:
+        """A new generation batch: corrected in the loss over its `parts` micro-batches, or (None) at generation."""
+        self.rows = None if parts is None else GenerationBatchRows(parts)
+
+    def loss_inputs(
+        self,
+        logps: torch.Tensor,
+        inputs: Mapping[str, Any],
+        mask: torch.Tensor,
+        computed_rows: torch.Tensor | None,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        gather_rows: Callable[[torch.Tensor], torch.Tensor],
+        metrics: dict[str, list],
+    ) -> tuple[dict[str, Any], LossInputs]:
+        """(the micro-batch, TRL's ratio added for TRL's correction; its old log-probs, IS weights and loss mask).
+        `computed_rows` as in `RolloutCorrector.loss_inputs`; `gather` stacks a scalar of every process, `gather_rows`
+        pads a (B, T) tensor across processes and stacks them (called on every process at the same micro-batch)."""
+        current = logps.detach()
+        if self.corrector.decoupled:
+            weights = self._rollout_weights(current, inputs, mask, computed_rows, gather_rows, metrics)
+            return dict(inputs), LossInputs(current, weights, mask)
+        ratio = self._trl_ratio(current, inputs, mask, computed_rows, gather, metrics)
+        return {**inputs, "importance_sampling_ratio": ratio}, LossInputs(current, None, mask)
+
+    def _trl_ratio(self, current, inputs, mask, computed_rows, gather, metrics) -> torch.Tensor:
+        sampled, trl = sampler_logps(inputs), self.trl
+        ratio = trl_sampler_ratio(current, sampled, mask, trl.mode, trl.clip_min, trl.clip_max)
+        if computed_rows is not None:  # left out of the forward: zero advantage, nothing to correct
+            ratio = torch.where(computed_rows.unsqueeze(1), ratio, torch.ones_like(ratio))
+        batch = self.rows.add(trl_sampler_metric_values(current, sampled, mask, ratio, trl.mode, computed_rows))
+        if batch is not None:
+            unknown = math.nan if self.trained_rows_only else 0.0  # TRL's 0 where a process has no token
+            for name, key, statistic, reduction in TRL_SAMPLER_METRICS:
+                values = batch[key]
+                value = statistic(values) if values.numel() else values.new_tensor(unknown)
+                if self.trained_rows_only:
+                    name = name.replace("sampling/", "sampling/trained_rows/", 1)
+                metrics[name].append(reduction(gather(value)).item())
+        return ratio
+
+    def _rollout_weights(self, current, inputs, mask, computed_rows, gather_rows, metrics) -> torch.Tensor | None:
+        corrector = self.corrector
+        rollout = where_known(sampler_logps(inputs), current)
+        judged = mask if computed_rows is None else mask * computed_rows.unsqueeze(1).to(mask.dtype)
+        weights = None
+        if corrector.settings.rollout_is is not None and bool(judged.any()):
+            weights = rollout_correction(current, rollout, judged, **corrector.options).weights
+        computed = torch.ones_like(mask[:, :1]) if computed_rows is None else computed_rows.unsqueeze(1).to(mask.dtype)
+        batch = self.rows.add({"old": current, "rollout": rollout, "mask": judged, "computed": computed})
+        if batch is not None:  # the rows the forward computed, of every process (a row left out is no empty row)
+            every = {key: gather_rows(value) for key, value in batch.items()}
+            rows = every["computed"][:, 0].bool()
+            prefix = TRAINED_ROWS_PREFIX if self.trained_rows_only else METRIC_PREFIX
+            corrector.log_metrics(every["old"][rows], every["rollout"][rows], every["mask"][rows], metrics, prefix)
+        return weights

@@ -38,7 +38,13 @@ from .multi_turn import TurnCache
 from .objective import combine_rewards, compute_policy_loss
 from .offloading import training_step_context
 from .quantization import keep_4bit_trainable_on_cpu
-from .sampler_mismatch import RolloutCorrector, sampler_blocker, sampler_logps
+from .sampler_mismatch import (
+    OnPolicyCorrection,
+    RolloutCorrector,
+    TRLSamplerCorrection,
+    sampler_blocker,
+    sampler_logps,
+)
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
 from .tiled_mlp import tile_mlps
@@ -108,10 +114,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._zero_waste = ZeroWastePass(
             self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt, self.plus.zero_waste_exact_entropy,
             old_logps=rollout.old_logps_source, row_skip_blocker=rollout.row_skip_blocker(),
+            correction_blocker=rollout.in_loss_blocker(),
         )  # fmt: skip
-        self._rollout_correction = RolloutCorrector(
-            rollout, self.plus.algorithms.policy_loss, trained_rows_only=self._zero_waste.row_skip_blocker is None
+        trained_rows_only = self._zero_waste.row_skip_blocker is None
+        self._rollout_correction = RolloutCorrector(rollout, self.plus.algorithms.policy_loss, trained_rows_only)
+        trl_correction = TRLSamplerCorrection(
+            self.vllm_importance_sampling_mode,
+            self.vllm_importance_sampling_clip_min,
+            self.vllm_importance_sampling_clip_max,
         )
+        self._on_policy_correction = OnPolicyCorrection(self._rollout_correction, trl_correction, trained_rows_only)
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
         self._crash_checkpoint = CrashCheckpoint(self, parts)
@@ -223,8 +235,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         if selective:
             for name, value in self._selective_rollout.end_batch().items():
                 self._metrics["train"][f"selective_rollout/{name}"].append(value)
-        if self._rollout_correction.decoupled:
+        in_loss = self._zero_waste.correction_in_loss  # on-policy: the sampler correction from the training forward
+        if self._rollout_correction.decoupled and not in_loss:
             output = self._correct_generation_batch(output)
+        parts = self.args.steps_per_generation if self.model.training else 1  # the micro-batches it is split into
+        self._on_policy_correction.start(parts if in_loss else None)
         return output
 
     # ---- verl's rollout correction (grpo_plus.sampler_mismatch) ----------------------------------------------------
@@ -238,11 +253,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self._rollout_correction.correct_generation_batch(
             output,
             old_logps_pass=lambda: self._zero_waste.old_logps_of_every_row(output, batch_size),
-            gather_rows=lambda x: accelerator.gather(accelerator.pad_across_processes(x, dim=1)),
+            gather_rows=self._gather_rows,
             process_index=accelerator.process_index,
             count_tokens=lambda mask: accelerator.gather(mask.sum()).sum(),
             metrics=self._metrics["train" if training else "eval"],
         )
+
+    def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(B, T) rows of every process, padded to the widest, stacked in process order."""
+        return self.accelerator.gather(self.accelerator.pad_across_processes(rows, dim=1))
 
     def _score_round(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's generation and scoring, with the advantages recomputed by grpo_plus's normalizer."""
@@ -415,7 +434,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         policy = self._zero_waste.policy_forward(model, inputs, self._metrics[mode])
         logps, entropies = policy.logps, policy.entropies
         correction_weights = None
-        if correction.active:  # verl's IS weights and rejection (grpo_plus.sampler_mismatch)
+        if self._on_policy_correction.active:  # the sampler correction from this forward: no old-log-prob pass ran
+            inputs, corrected = self._on_policy_correction.loss_inputs(
+                logps, inputs, mask, policy.computed_rows, self.accelerator.gather, self._gather_rows,
+                self._metrics[mode],
+            )  # fmt: skip
+            old_logps, correction_weights, mask = corrected.old_logps, corrected.weights, corrected.mask
+        elif correction.active:  # verl's IS weights and rejection (grpo_plus.sampler_mismatch)
             reduce_sum = functools.partial(self.accelerator.reduce, reduction="sum")
             corrected = correction.loss_inputs(
                 logps, inputs, mask, policy.computed_rows, reduce_sum, self._metrics[mode]

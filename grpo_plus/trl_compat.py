@@ -45,7 +45,12 @@ __all__ = [
     "TRL_SAMPLER_CORRECTION_SHAPE",
     "SAMPLER_LOGPS_KEY",
     "TRL_SCALE_REWARDS",
+    "TRL_SAMPLER_METRICS",
+    "TRL_SEQUENCE_SAMPLER_MODES",
     "trl_sampler_correction_changes",
+    "trl_sampler_correction_off",
+    "trl_sampler_metric_values",
+    "trl_sampler_ratio",
     "disable_gradient_checkpointing",
     "entropy_bonus",
     "environment_routing",
@@ -454,6 +459,85 @@ def trl_sampler_correction_changes(args) -> dict[str, object]:
         f.name: f.default for f in dataclasses.fields(trl.GRPOConfig) if f.name in TRL_SAMPLER_CORRECTION_SHAPE
     }
     return {name: getattr(args, name) for name, default in defaults.items() if getattr(args, name, default) != default}
+
+
+# TRL 1.14-1.16 run the no-grad old-log-prob pass for that correction, derive its ratio and log its `sampling/*` metrics
+# inline in `_generate_and_score_completions`, reading the switch nowhere else on grpo_plus's path (TRL's own
+# `_compute_loss` reads it too, and the ratio from the generation batch). Where training is on-policy grpo_plus turns the
+# switch off for that call and computes the same ratio and metrics in the loss, from the training forward (detached),
+# with the formulas below (TRL's, the same in 1.14.0-1.16.0).
+TRL_SEQUENCE_SAMPLER_MODES = ("sequence_mask", "sequence_truncate")
+
+
+@contextmanager
+def trl_sampler_correction_off(trainer: trl.GRPOTrainer) -> Iterator[None]:
+    """TRL's vLLM correction switched off for one `_generate_and_score_completions` call: no old-log-prob pass (on-policy
+    TRL then computes no old log-probs), no ratio, no `sampling/*` metrics; the sampler's log-probs are kept."""
+    was = getattr(trainer, TRL_SAMPLER_CORRECTION)
+    setattr(trainer, TRL_SAMPLER_CORRECTION, False)
+    try:
+        yield
+    finally:
+        setattr(trainer, TRL_SAMPLER_CORRECTION, was)
+
+
+def trl_sampler_ratio(
+    old_logps: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """TRL's `importance_sampling_ratio`: d = (old - sampled) * mask per token (NaN, a token the sampler could not score:
+    0), r = exp(d) per token (B, T) or exp(sum_t d) per sequence (B, 1); '*_truncate' clamps r to [clip_min, clip_max],
+    '*_mask' sets r outside them to 0."""
+    diff = torch.nan_to_num((old_logps - sampled_logps) * mask, nan=0.0)
+    if mode in TRL_SEQUENCE_SAMPLER_MODES:
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    if mode in ("sequence_mask", "token_mask"):
+        low = -float("inf") if clip_min is None else clip_min
+        high = float("inf") if clip_max is None else clip_max
+        return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+    raise ValueError(
+        f"Unknown vLLM importance sampling level: {mode}. Possible values are 'token_truncate', 'token_mask', "
+        "'sequence_truncate', and 'sequence_mask'."
+    )
+
+
+def trl_sampler_metric_values(
+    old_logps: torch.Tensor,
+    sampled_logps: torch.Tensor,
+    mask: torch.Tensor,
+    ratio: torch.Tensor,
+    mode: str,
+    rows: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """The values TRL's `sampling/*` metrics summarize, of the rows `rows` ((B,) bool; None: every row): "delta",
+    |old - sampled| on the mask where known, and "ratio", the ratio on the mask (token modes) or of each sequence."""
+    mask = mask.bool()
+    if rows is not None:
+        mask = mask & rows[:, None]
+    delta = torch.abs(old_logps - sampled_logps)
+    if mode in TRL_SEQUENCE_SAMPLER_MODES:
+        flat = ratio.flatten() if rows is None else ratio[rows].flatten()
+    else:
+        flat = ratio[mask]
+    return {"delta": delta[mask & ~torch.isnan(delta)], "ratio": flat}
+
+
+# TRL's `sampling/*` metrics: (name, values, statistic per process (0 where it has none), reduction over processes).
+# TRL reduces the two differences with mean / max; the NaN-aware ones give the same where every process knows its value.
+TRL_SAMPLER_METRICS = (
+    ("sampling/sampling_logp_difference/mean", "delta", torch.mean, torch.nanmean),
+    ("sampling/sampling_logp_difference/max", "delta", torch.max, nanmax),
+    ("sampling/importance_sampling_ratio/min", "ratio", torch.min, nanmin),
+    ("sampling/importance_sampling_ratio/mean", "ratio", torch.mean, torch.nanmean),
+    ("sampling/importance_sampling_ratio/max", "ratio", torch.max, nanmax),
+)
 
 
 def policy_weights(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from .trl_compat import (
     fused_lm_head_forward,
     has_fused_lm_head,
     reference_model,
+    trl_sampler_correction_off,
     version_gap,
 )
 
@@ -77,7 +78,9 @@ class ZeroWastePass:
     `zero_waste_shared_prompt` / `zero_waste_exact_entropy`. `old_logps` says where the old log-probs come from (the
     rollout correction's `old_logps_source`): "trl" (as TRL decides), "generation" (every row, at generation, before
     the rewards: never deferred) or "none" (the sampler's are the old ones: TRL's old-log-prob pass never runs).
-    `row_skip_blocker`: another capability's reason to compute every row of the training forward, or None."""
+    `row_skip_blocker`: another capability's reason to compute every row of the training forward, or None.
+    `correction_blocker`: the decoupled rollout correction's reason to need every row before the first loss (so its
+    old log-probs come from a pass at generation even on-policy), or None."""
 
     def __init__(
         self,
@@ -87,16 +90,19 @@ class ZeroWastePass:
         exact_entropy: bool = False,
         old_logps: str = "trl",
         row_skip_blocker: str | None = None,
+        correction_blocker: str | None = None,
     ):
         self.trainer, self.enabled, self.shared_prompt = trainer, enabled, shared_prompt
         self.exact_entropy = exact_entropy
         self.old_logps = old_logps
         self._other_row_skip_blocker = row_skip_blocker
+        self._correction_blocker = correction_blocker
         self._notes: set[tuple[str, str]] = set()
         self.positions = 0  # token positions the model computed since the training forward began
         self.images = 0  # images (or tiles) the vision tower encoded since the training forward began
         self.deferring = False  # inside TRL's generation step: old/ref passes get placeholders
         self.pending: tuple[str, ...] = ()  # generation-batch keys still holding placeholders
+        self.correction_in_loss = False  # the last generation batch's sampler correction is the training forward's
         self.row_skip_blocker = self.find_row_skip_blocker()
 
     def note_fallback(self, part: str, reason: str) -> None:
@@ -224,27 +230,67 @@ class ZeroWastePass:
     # log-probs (TRL's ratio of exactly 1 and KL of exactly 0 at the reference), dead rows are skipped there too, and
     # every process makes one model call per micro-batch and pass (ZeRO-3 / FSDP gather weights on every call).
 
+    def corrects_sampler(self) -> bool:
+        """Whether a sampler correction that reads the old log-probs at generation is on: TRL's vLLM one (it derives the
+        sampler/trainer ratio and its `sampling/*` metrics there) or grpo_plus's decoupled rollout correction."""
+        trainer = self.trainer
+        return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction) or self.old_logps == "generation"
+
+    def correction_in_loss_blocker(self) -> str | None:
+        """None where the sampler correction may come from the training forward (detached), so that the no-grad
+        old-log-prob pass at generation does not run; else why not. The old log-probs must be the training forward's:
+        training on-policy as TRL decides it (`gradient_accumulation_steps` a multiple of `steps_per_generation x
+        num_iterations`: every use of a generation batch precedes the next optimizer step, TRL's own condition for
+        computing no old log-probs), no active dropout (the pass draws masks of its own), the loss grpo_plus's (TRL's
+        `_compute_loss` reads the ratio from the generation batch), and a correction whose numbers each micro-batch can
+        give (`correction_blocker`)."""
+        trainer, args = self.trainer, self.trainer.args
+        if not self.enabled:
+            return "zero_waste_pass=False"
+        every = args.steps_per_generation * trainer.num_iterations
+        if args.gradient_accumulation_steps % every:
+            return (
+                f"training is off-policy (gradient_accumulation_steps={args.gradient_accumulation_steps} is not a "
+                f"multiple of steps_per_generation x num_iterations = {every}): the old log-probs are those of the "
+                "weights at generation"
+            )
+        if trainer.loss_type in TRL_NATIVE_LOSS_TYPES:
+            return (
+                f"loss_type={trainer.loss_type!r} is computed by TRL's own _compute_loss, which reads the ratio from "
+                "the generation batch"
+            )
+        if self._correction_blocker is not None:
+            return self._correction_blocker
+        return self.dropout_blocker(trainer.model)
+
     def defers_logps(self) -> bool:
         """Not under a sampler correction computed at generation (TRL's vLLM one derives the sampler/trainer ratio and
         its `sampling/*` metrics from the old log-probs during generation, before the rewards say which rows are dead,
         and so does grpo_plus's decoupled rollout correction: there the pass still saves padding and shared prompts,
-        every row computed), nor with active dropout (masks must be drawn where TRL draws them). Always where no old
-        log-prob pass may run (`old_logps="none"`, the rollout correction's bypass mode): TRL's no-grad passes get
-        placeholders, the old one is dropped and the reference one computed after the split, even with the pass off or
-        dropout on."""
+        every row computed), unless that correction comes from the training forward (`correction_in_loss`), nor with
+        active dropout (masks must be drawn where TRL draws them). Always where no old log-prob pass may run
+        (`old_logps="none"`, the rollout correction's bypass mode): TRL's no-grad passes get placeholders, the old one
+        is dropped and the reference one computed after the split, even with the pass off or dropout on."""
         if self.old_logps == "none":
             return True
-        trainer = self.trainer
-        corrects_sampler = (trainer.use_vllm and trainer.vllm_importance_sampling_correction) or (
-            self.old_logps == "generation"
-        )
-        return self.enabled and not corrects_sampler and self.dropout_blocker(trainer.model) is None
+        at_generation = self.corrects_sampler() and not self.correction_in_loss
+        return self.enabled and not at_generation and self.dropout_blocker(self.trainer.model) is None
 
     @contextmanager
     def generation_step(self) -> Iterator[Callable[[dict[str, Any]], None]]:
-        """Around TRL's `_generate_and_score_completions`: yields `record(output)`, which notes the placeholders."""
+        """Around TRL's `_generate_and_score_completions`: yields `record(output)`, which notes the placeholders. Where
+        the sampler correction comes from the training forward, TRL's vLLM correction is off for the call (TRL then
+        runs no old-log-prob pass: on-policy it needs none)."""
+        in_loss = False
+        if self.corrects_sampler():
+            reason = self.correction_in_loss_blocker()
+            if reason is not None:
+                self.note_fallback("the sampler correction's old log-probs (a no-grad pass at generation)", reason)
+            in_loss = reason is None
+        self.correction_in_loss = in_loss
         self.deferring = self.defers_logps()
-        deferring = self.deferring
+        deferring, trainer = self.deferring, self.trainer
+        trl_off = in_loss and trainer.use_vllm and trainer.vllm_importance_sampling_correction
 
         def record(output: dict[str, Any]) -> None:
             if self.old_logps == "none":  # TRL's placeholder: the sampler's log-probs are the old ones
@@ -253,7 +299,8 @@ class ZeroWastePass:
                 self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
 
         try:
-            yield record
+            with trl_sampler_correction_off(trainer) if trl_off else nullcontext():
+                yield record
         finally:
             self.deferring = False
 
@@ -278,7 +325,8 @@ class ZeroWastePass:
     def old_logps_of_every_row(self, batch: dict[str, Any], batch_size: int) -> torch.Tensor:
         """The no-grad old-log-prob pass TRL runs at generation under its vLLM correction (the policy model, every row
         of the generation batch `batch`, `batch_size` rows per call, its image inputs), for a correction that needs
-        the old log-probs where TRL computed none (on-policy training): padding and shared prompts saved, rows not."""
+        the old log-probs where TRL computed none (on-policy training) and cannot take them from the training forward
+        (`correction_in_loss_blocker`): padding and shared prompts saved, rows not."""
         trainer = self.trainer
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)

@@ -96,6 +96,29 @@ def logged(trainer, key: str) -> list:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
+def trl_sampling_metrics(batches: list[dict], mode: str, rows=None) -> dict[str, float]:
+    """TRL's `sampling/*` metrics of one generation batch (its micro-batches as stock TRL trained them, one process),
+    written from TRL's description: |old - sampler| log-prob over the completion tokens the sampler scored (mean, max),
+    the importance-sampling ratio over those tokens (token modes) or the sequences (min, mean, max). `rows(batch)`:
+    the (B,) rows to cover (None: every row)."""
+    deltas, ratios = [], []
+    for batch in batches:
+        keep = torch.ones(batch["completion_mask"].shape[0], dtype=torch.bool) if rows is None else rows(batch)
+        mask = batch["completion_mask"].bool() & keep[:, None]
+        delta = (batch["old_per_token_logps"] - batch["sampling_per_token_logps"]).abs()
+        deltas.append(delta[mask & ~delta.isnan()])
+        ratio = batch["importance_sampling_ratio"]
+        ratios.append(ratio[keep].flatten() if mode.startswith("sequence") else ratio[mask])
+    delta, ratio = torch.cat(deltas).double(), torch.cat(ratios).double()
+    return {
+        "sampling/sampling_logp_difference/mean": delta.mean().item(),
+        "sampling/sampling_logp_difference/max": delta.max().item(),
+        "sampling/importance_sampling_ratio/min": ratio.min().item(),
+        "sampling/importance_sampling_ratio/mean": ratio.mean().item(),
+        "sampling/importance_sampling_ratio/max": ratio.max().item(),
+    }
+
+
 @contextmanager
 def kept_unchanged(folder: str | Path, what: str):
     """Asserts that no file under `folder` was added, removed or changed in the block: for what fixtures share

@@ -23,7 +23,7 @@ import torch
 import trl
 from helpers.engine import StepRecorder, engine_logprobs, fresh_engine_logprobs
 from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
-from helpers.probes import ForwardLog, max_weight_diff, record_trained_batches
+from helpers.probes import ForwardLog, max_weight_diff, record_trained_batches, trl_sampling_metrics
 from helpers.rewards import odd_prompts_dead_reward
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,7 +80,8 @@ def train(package, model_dir, output_dir, **overrides):
 
 def assert_same_run(model_dir, tmp_path, **overrides):
     """Stock TRL and grpo_plus, both on the engine: same completions, weights, losses and logged metrics; returns
-    grpo_plus's log history and forward calls."""
+    grpo_plus's log history and forward calls, and stock TRL's trained micro-batches. (A `sampling/*` metric grpo_plus
+    logs over the rows its forward computed, `sampling/trained_rows/*`, is the caller's to check.)"""
     trl_weights, trl_logs, trl_batches, trl_forwards = train(trl, model_dir, tmp_path / "trl", **overrides)
     our_weights, our_logs, our_batches, our_forwards = train(grpo_plus, model_dir, tmp_path / "plus", **overrides)
     assert len(trl_batches) == len(our_batches)
@@ -99,6 +100,9 @@ def assert_same_run(model_dir, tmp_path, **overrides):
                 continue
             if key == "entropy" and ours.get(key) is None:  # rows were skipped (documented in zero-waste.md)
                 continue
+            if key.startswith("sampling/") and key not in ours:  # on-policy: from the forward, its rows
+                assert key.replace("sampling/", "sampling/trained_rows/") in ours, key
+                continue
             assert ours[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     rows = [entry["zero_waste/rows_computed_frac"] for entry in our_logs if "zero_waste/rows_computed_frac" in entry]
     positions = [entry["zero_waste/positions_frac"] for entry in our_logs if "zero_waste/positions_frac" in entry]
@@ -111,7 +115,7 @@ def assert_same_run(model_dir, tmp_path, **overrides):
     no_grad = [log.positions - log.training_positions - log.checked for log in (trl_forwards, our_forwards)]
     assert our_forwards.checked > 0 and trl_forwards.checked == 0
     assert no_grad[0] > 0 and no_grad[1] < no_grad[0], f"no-grad positions, TRL vs grpo_plus: {no_grad}"
-    return our_logs, our_forwards
+    return our_logs, our_forwards, trl_batches
 
 
 def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_dir, tmp_path):
@@ -151,7 +155,9 @@ def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_d
 def test_without_importance_sampling_correction_old_logps_are_deferred(shared_engine, model_dir, tmp_path):
     """Without the correction TRL computes the old log-probs only for the off-policy step (steps_per_generation 2 >
     gradient_accumulation_steps 1); grpo_plus defers them to the micro-batches, skipping dead rows there too."""
-    logs, deferred = assert_same_run(model_dir, tmp_path, loss_type="dapo", vllm_importance_sampling_correction=False)
+    logs, deferred, _ = assert_same_run(
+        model_dir, tmp_path, loss_type="dapo", vllm_importance_sampling_correction=False
+    )
     assert not any(key.startswith("sampling/") for entry in logs for key in entry)
     *_, in_generation = train(grpo_plus, model_dir, tmp_path / "corrected", loss_type="dapo")
     no_grad = [log.positions - log.training_positions - log.checked for log in (in_generation, deferred)]
@@ -170,7 +176,7 @@ def test_without_importance_sampling_correction_old_logps_are_deferred(shared_en
 def test_zero_waste_pass_matches_stock_trl_with_importance_sampling_correction(
     shared_engine, model_dir, tmp_path, mode, clip_min, clip_max
 ):
-    logs, _ = assert_same_run(
+    logs, *_ = assert_same_run(
         model_dir,
         tmp_path,
         loss_type="dapo",
@@ -193,6 +199,43 @@ def test_zero_waste_pass_matches_stock_trl_with_importance_sampling_correction(
         assert lowest == 0.0, "no token fell outside the caps: the mask did nothing"
     elif clip_min is not None and mode.endswith("truncate"):
         assert lowest == pytest.approx(clip_min) or highest == pytest.approx(clip_max), "no ratio reached a cap"
+
+
+@pytest.mark.parametrize(
+    "mode, clip_min, clip_max",
+    [
+        ("sequence_mask", None, 3.0),  # TRL's default
+        ("sequence_truncate", 0.999, 1.001),
+        ("token_mask", 0.9995, 1.0005),
+        ("token_truncate", 0.9995, 1.0005),
+    ],
+)
+def test_on_policy_the_correction_comes_from_the_training_forward(
+    shared_engine, model_dir, tmp_path, mode, clip_min, clip_max
+):
+    """One optimizer step per generation batch (gradient_accumulation_steps = steps_per_generation = 2): stock TRL runs
+    its no-grad old-log-prob pass over every row at generation for its correction; grpo_plus takes the old log-probs
+    and the ratio from the training forward and runs no pass at all (its sync checks' probes aside), with stock TRL's
+    completions, weights and losses. Its `sampling/*` metrics cover the rows the forward computed
+    (`sampling/trained_rows/*`): TRL's formulas on those rows of TRL's own batches."""
+    correction = dict(
+        vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=clip_min,
+        vllm_importance_sampling_clip_max=clip_max,
+    )  # fmt: skip
+    logs, forwards, trl_batches = assert_same_run(
+        model_dir, tmp_path, loss_type="dapo", gradient_accumulation_steps=2, max_steps=1, **correction
+    )
+    assert forwards.positions - forwards.training_positions - forwards.checked == 0
+    batches = [batch for _, batch in trl_batches]
+    assert len(batches) == 2  # one generation batch, its two micro-batches in one optimizer step
+    expected = trl_sampling_metrics(
+        batches, mode, rows=lambda b: (b["advantages"] != 0) & b["completion_mask"].any(-1)
+    )
+    for name, value in expected.items():
+        trained = name.replace("sampling/", "sampling/trained_rows/")
+        assert [entry[trained] for entry in logs if trained in entry] == [pytest.approx(value, rel=1e-5)], name
+    ratio = torch.cat([batch["importance_sampling_ratio"].flatten() for batch in batches])
+    assert ((ratio - 1).abs() > 1e-4).any(), "vLLM's and the trainer's log-probs agree: nothing to correct"
 
 
 def test_lora_matches_stock_trl(shared_engine, model_dir, tmp_path):
