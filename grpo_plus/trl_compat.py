@@ -42,6 +42,7 @@ __all__ = [
     "TRL_IMPORTANCE_SAMPLING_LEVELS",
     "TRL_NATIVE_LOSS_TYPES",
     "TRL_SCALE_REWARDS",
+    "TRL_SHARED_REWARD_KWARGS",
     "disable_gradient_checkpointing",
     "entropy_bonus",
     "environment_routing",
@@ -57,6 +58,7 @@ __all__ = [
     "is_async_callable",
     "is_tested_trl_version",
     "logps_unavailable_reason",
+    "reward_call_problem",
     "uses_continuous_batching",
     "CAPABILITY_FLOORS",
     "SAVING_VERSION_FLOORS",
@@ -245,6 +247,8 @@ class HookedMethod:
 HOOKED_METHODS = (
     HookedMethod("_compute_loss", ("model", "inputs")),
     HookedMethod("_prepare_inputs", ("generation_batch",)),
+    # The reward runner (grpo_plus.rewards.runner) also relies on how it calls each reward function: see
+    # TRL_SHARED_REWARD_KWARGS and reward_call_problem.
     HookedMethod("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list")),
     HookedMethod("_generate_and_score_completions", ("inputs",)),
     # 1.14.0: (..., multimodal_fields, has_tool_images=False); 1.14.2+: (..., multimodal_fields, num_generations,
@@ -489,6 +493,41 @@ def agentic_unavailable_reason(*, environments: bool = False) -> str | None:
     TRL 1.14-1.16 raise ImportError at construction below the documented floors (CAPABILITY_FLOORS' `tools` and
     `environment_factory`); grpo_plus adds nothing there and fails the same way."""
     return version_gap("environment_factory" if environments else "tools")
+
+
+# How TRL 1.14-1.16's `_calculate_rewards` calls a reward function, which the reward runner splits by completion: by
+# keyword, `prompts`, `completions`, `completion_ids` and every other key of its `reward_kwargs` a list with one item
+# per completion (the dataset columns, and `environments` with an environment_factory), except these, which it sets
+# once for the call: the trainer state, and the two logging functions (`log_extra(column, values)` with one value
+# per completion, `log_metric(name, value)` with one value for the call), which the runner calls in the trainer's
+# process with what a worker recorded.
+TRL_SHARED_REWARD_KWARGS = ("trainer_state", "log_extra", "log_metric")
+_TRL_PER_COMPLETION_REWARD_KWARGS = ("environments",)
+
+
+@functools.cache
+def reward_call_problem() -> str | None:
+    """Why the reward runner cannot split this TRL's reward calls by completion, or None: every key that
+    `_calculate_rewards` sets in its `reward_kwargs` (besides the dataset columns) must be one it knows, shared by the
+    call (TRL_SHARED_REWARD_KWARGS) or one item per completion (`environments`), read from TRL's own source."""
+    tree = _method_tree(trl.GRPOTrainer._calculate_rewards)
+    keys = {
+        target.slice.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Subscript)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "reward_kwargs"
+        and isinstance(target.slice, ast.Constant)
+    }
+    unknown = sorted(keys - {*TRL_SHARED_REWARD_KWARGS, *_TRL_PER_COMPLETION_REWARD_KWARGS})
+    if unknown:
+        return (
+            f"TRL {trl.__version__}'s _calculate_rewards passes reward functions {', '.join(unknown)}, which the reward "
+            "runner does not know how to split by completion"
+        )
+    return None
 
 
 def completion_eos_token_ids(trainer) -> list[int]:
