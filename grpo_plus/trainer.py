@@ -139,19 +139,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _sync_weights_checked(self) -> None:
         """Every sync into the colocated engine through vLLM's reload, checked as `vllm_sync_check` says (grpo_plus.engine:
-        the probe's forward runs on the whole model, under the trainer's autocast; with one process and one engine
-        rank, while the weights stream)."""
+        the probe's forward runs on the whole model, under the trainer's autocast, after the stream)."""
         reload_on_sync(
             self.vllm_generation,
             sync_check=self.plus.vllm.sync_check,
             inference=functools.partial(whole_model_for_generation, self.model, self, gather=True),
             autocast=self.accelerator.autocast,
             on_receipt=self._log_sync_receipt,
-            # beside the stream only where nothing is gathered (DeepSpeed / FSDP keep per-parameter state) and one
-            # process, one engine rank run: nothing waits on a collective
-            overlap_check=self.accelerator.num_processes == 1
-            and self.args.vllm_tensor_parallel_size == 1
-            and not (self.is_deepspeed_enabled or self.is_fsdp_enabled),
         )
 
     def _log_sync_receipt(self, receipt: SyncReceipt) -> None:

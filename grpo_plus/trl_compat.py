@@ -27,7 +27,7 @@ import trl.trainer.utils as trl_utils
 from packaging.version import Version
 from trl.models import unwrap_model_for_generation
 from trl.models.utils import disable_gradient_checkpointing
-from trl.rewards import get_soft_overlong_punishment
+from trl.rewards import get_soft_overlong_punishment, think_format_reward
 from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict, use_adapter
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "TRL_IMPORTANCE_SAMPLING_LEVELS",
     "TRL_NATIVE_LOSS_TYPES",
     "TRL_SCALE_REWARDS",
+    "TRL_ACCURACY_REWARD",
     "TRL_SHARED_REWARD_KWARGS",
     "disable_gradient_checkpointing",
     "entropy_bonus",
@@ -53,6 +54,7 @@ __all__ = [
     "colocate_distribution",
     "vllm_engine_factory",
     "get_soft_overlong_punishment",
+    "think_format_reward",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
     "is_async_callable",
@@ -717,3 +719,12 @@ def vllm_engine_factory():
     import importlib
 
     return importlib.import_module(VLLM_ENGINE_MODULE), VLLM_ENGINE_FACTORY
+
+
+# ---- reward functions (`trl.rewards`, the same in 1.14.0-1.16.0) ----------------------------------------------------
+# `accuracy_reward(completions, solution, log_extra=None, **kwargs)` gives math-verify its signal-based timeouts
+# (10 s per parse, 5 s per comparison) only on the main thread; on any other it runs with none (a pathological answer
+# hangs the call). grpo_plus.rewards.accuracy_reward calls it where they work: the caller's main thread, or a helper
+# process's, which imports it by this path (importing grpo_plus there would cost seconds). It logs "solution",
+# "gold_parsed" and "answer_parsed" through `log_extra`.
+TRL_ACCURACY_REWARD = "trl.rewards:accuracy_reward"
