@@ -225,7 +225,6 @@ def test_every_reward_pickles_by_reference_for_worker_processes():
     import pickle
 
     import grpo_plus.rewards
-
     from grpo_plus.rewards import verifiers
 
     for name in grpo_plus.rewards.__all__:
