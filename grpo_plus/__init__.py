@@ -1,8 +1,8 @@
 """grpo_plus: pluggable GRPO objectives on top of TRL's GRPOTrainer.
 
-The core (`grpo_plus.objective`: advantages, policy losses, KL, aggregation) imports only torch; the trainer and config are loaded
-lazily so `import grpo_plus` stays light. The demo kit the recipes use (task, embedded model, Hub push, plots,
-the `grpo-plus` command) is `grpo_plus.app`, which the library never imports.
+The core (`grpo_plus.objective`: advantages, policy losses, KL, aggregation, rollout correction) imports only
+torch; the trainer and config are loaded lazily so `import grpo_plus` stays light. The demo kit the recipes use (task,
+embedded model, Hub push, plots, the `grpo-plus` command) is `grpo_plus.app`, which the library never imports.
 """
 
 from .objective import (
@@ -15,6 +15,7 @@ from .objective import (
     available_kl_estimators,
     available_loss_types,
     available_policy_losses,
+    available_rejection_criteria,
     compute_advantages,
     compute_policy_loss,
     register_advantage_estimator,
@@ -23,6 +24,8 @@ from .objective import (
     register_kl_estimator,
     register_loss_type,
     register_policy_loss,
+    register_rejection_criterion,
+    rollout_correction,
 )
 from .quantization import hide_bitsandbytes_kernel_notice
 
@@ -54,6 +57,7 @@ __all__ = [
     "available_kl_estimators",
     "available_loss_types",
     "available_policy_losses",
+    "available_rejection_criteria",
     "compute_advantages",
     "compute_policy_loss",
     "register_advantage_estimator",
@@ -62,4 +66,6 @@ __all__ = [
     "register_kl_estimator",
     "register_loss_type",
     "register_policy_loss",
+    "register_rejection_criterion",
+    "rollout_correction",
 ]

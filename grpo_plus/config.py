@@ -30,6 +30,7 @@ from .objective.loss import TRL_ACCEPTS, unusual_settings
 from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
 from .rewards.runner import REWARD_ON_ERROR, RewardRunnerSettings
+from .sampler_mismatch import PRESETS, RolloutCorrectionSettings, expand_preset
 from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
 from .settings import ConfigError, not_allowed
@@ -57,9 +58,10 @@ _REWARD_DEFAULTS = RewardRunnerSettings()
 
 def validate_grpo_settings(args: trl.GRPOConfig) -> None:
     """Check the GRPO objective fields of a (grpo_plus or TRL) config; canonicalize aliases in place."""
-    settings = PlusSettings.from_args(args)
-    load_plugins(settings.plugins)
+    load_plugins(PlusSettings.from_args(args).plugins)
     _check_field_types(args)
+    expand_preset(args)  # a rollout_correction preset writes its fields (plugins first: they may register criteria)
+    settings = PlusSettings.from_args(args)
     args.loss_type = LOSS_TYPES.check(args.loss_type, also=TRL_NATIVE_LOSS_TYPES, error=ConfigError)
     trl_native = args.loss_type in TRL_NATIVE_LOSS_TYPES
     args.importance_sampling_level = IMPORTANCE_SAMPLERS.check(args.importance_sampling_level, error=ConfigError)
@@ -487,6 +489,65 @@ class GRPOConfig(trl.GRPOConfig):
             "every completion of the call None)."
         },
     )
+    rollout_correction: str | None = field(
+        default=None,
+        metadata={
+            "help": "verl's rollout correction, by preset name (verl's RolloutCorrectionConfig presets): "
+            + ", ".join(PRESETS)
+            + ". A preset sets rollout_is, rollout_rs, rollout_bypass_mode (and policy_loss 'ppo_clip' or 'gpg' for the "
+            "bypass ones) and its thresholds, which rollout_is_threshold / rollout_rs_threshold replace; a field set to "
+            "another value than the preset's is an error. 'disabled' logs the mismatch metrics only. Any rollout_* "
+            "setting replaces TRL's vllm_importance_sampling_correction. Needs the sampler's log-probs (vLLM, or a "
+            "rollout_func returning 'logprobs'). docs/guide/rollout-correction.md says which to pick."
+        },
+    )
+    rollout_is: str | None = field(
+        default=None,
+        metadata={
+            "help": "verl's IS weights for the sampler/trainer mismatch, multiplying the policy term: 'token' "
+            "(w = pi_old / pi_rollout per token) or 'sequence' (their product over the sequence), truncated at "
+            "rollout_is_threshold. In bypass mode, for policy_loss='gpg' only (verl's REINFORCE). None: no weights.",
+            "choices": list(RolloutCorrectionSettings.IS_CHOICES),
+        },
+    )
+    rollout_is_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Upper cap of the rollout IS weights (verl's TIS; None: verl's default 2.0)."},
+    )
+    rollout_is_batch_normalize: bool = field(
+        default=False,
+        metadata={
+            "help": "Divide the rollout IS weights by their mean over the batch (tokens for 'token', sequences for "
+            "'sequence'), after truncation: decoupled over the generation batch of every process, bypass over each "
+            "micro-batch of every process (verl's)."
+        },
+    )
+    rollout_rs: str | None = field(
+        default=None,
+        metadata={
+            "help": "verl's rejection sampling: comma-separated criteria a token or sequence must all pass, else it "
+            "leaves the loss mask: token_k1/k2/k3 (each token), seq_sum_k1/k2/k3, seq_mean_k1/k2/k3 (seq_mean_k1 is "
+            "the geometric mean of the ratio), seq_max_k2/k3, with k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r "
+            "of r = pi_old / pi_rollout. None: no rejection."
+        },
+    )
+    rollout_rs_threshold: float | str | None = field(
+        default=None,
+        metadata={
+            "help": "Thresholds of rollout_rs, comma-separated, one per criterion or one for all: the k1 criteria "
+            "take a ratio range 'lower_upper' (e.g. '0.999_1.001'; one value u means 1/u_u), k2 / k3 an upper bound "
+            "(e.g. 0.01)."
+        },
+    )
+    rollout_bypass_mode: bool = field(
+        default=False,
+        metadata={
+            "help": "verl's bypass mode: the sampler's log-probs are the old policy (pi_old = pi_rollout), so the "
+            "no-grad old-log-prob pass never runs; rejection and IS weights are computed in each micro-batch from "
+            "the training forward. policy_loss='ppo_clip' corrects by its ratio pi_theta / pi_rollout; "
+            "policy_loss='gpg' (verl's REINFORCE) takes the rollout_is weights."
+        },
+    )
     plugins: list[str] | None = field(
         default=None,
         metadata={
@@ -589,6 +650,7 @@ class PlusSettings:
     selective: SelectiveRolloutSettings
     algorithms: AlgorithmSettings
     rewards: RewardRunnerSettings
+    rollout: RolloutCorrectionSettings
 
     @classmethod
     def from_args(cls, args: trl.GRPOConfig) -> PlusSettings:
@@ -612,6 +674,7 @@ class PlusSettings:
             selective=SelectiveRolloutSettings.from_args(own),
             algorithms=AlgorithmSettings.from_args(own, args),
             rewards=RewardRunnerSettings.from_args(own),
+            rollout=RolloutCorrectionSettings.from_args(own),
         )
 
     def validate(self, args: trl.GRPOConfig, trl_native: bool) -> None:
@@ -635,5 +698,6 @@ class PlusSettings:
         self.dynamic_sampling.validate(args.per_device_train_batch_size, args.num_generations)
         self.selective.validate()
         self.algorithms.validate(args, trl_native)
+        self.rollout.validate(args, trl_native, getattr(args, "policy_loss", self.algorithms.policy_loss))
         self.health.validate()
         self.rewards.validate()

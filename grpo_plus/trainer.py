@@ -1,9 +1,10 @@
 """GRPOTrainer: TRL's trainer with grpo_plus's capabilities wired in.
 
 Each override is a few lines that call the module holding the capability: the objective (`objective`), what the
-published algorithms need around it (`algorithms`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste
-generation (`generation`), dynamic sampling (`sampling`), selective rollout (`selective_rollout`), crashes and
-resuming (`faults`, `checkpoints`, `training_state`), input checks (`validation`, `distributed`). Everything else
+published algorithms need around it (`algorithms`), verl's rollout correction of the sampler/trainer mismatch
+(`sampler_mismatch`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste generation (`generation`), dynamic
+sampling (`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`,
+`training_state`), input checks (`validation`, `distributed`). Everything else
 (TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
 types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
 """
@@ -38,6 +39,7 @@ from .objective import combine_rewards, compute_policy_loss
 from .offloading import training_step_context
 from .quantization import keep_4bit_trainable_on_cpu
 from .rewards.runner import RewardRunner, RewardRunnerSettings
+from .sampler_mismatch import RolloutCorrector, sampler_blocker, sampler_logps
 from .sampling import DynamicSampling, shuffle_groups
 from .selective_rollout import SelectiveRollout
 from .tiled_mlp import tile_mlps
@@ -89,6 +91,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
         check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
         self.plus = PlusSettings.from_args(self.args)
+        has_rollout_func = getattr(self, "rollout_func", None) is not None
+        if self.plus.rollout.active and (reason := sampler_blocker(self.use_vllm, has_rollout_func)):
+            raise ValueError(f"grpo_plus cannot correct this sampler: {reason}.")
         if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
             self._sync_weights_checked()
         self.dual_clip = self.plus.dual_clip
@@ -108,8 +113,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.plus.overlong_buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
             self._add_reward(punishment, weight=self.plus.overlong_penalty)
+        rollout = self.plus.rollout
         self._zero_waste = ZeroWastePass(
-            self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt, self.plus.zero_waste_exact_entropy
+            self, self.plus.zero_waste_pass, self.plus.zero_waste_shared_prompt, self.plus.zero_waste_exact_entropy,
+            old_logps=rollout.old_logps_source, row_skip_blocker=rollout.row_skip_blocker(),
+        )  # fmt: skip
+        self._rollout_correction = RolloutCorrector(
+            rollout, self.plus.algorithms.policy_loss, trained_rows_only=self._zero_waste.row_skip_blocker is None
         )
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
@@ -221,7 +231,26 @@ class GRPOTrainer(trl.GRPOTrainer):
         if selective:
             for name, value in self._selective_rollout.end_batch().items():
                 self._metrics["train"][f"selective_rollout/{name}"].append(value)
+        if self._rollout_correction.decoupled:
+            output = self._correct_generation_batch(output)
         return output
+
+    # ---- verl's rollout correction (grpo_plus.sampler_mismatch) ----------------------------------------------------
+
+    def _correct_generation_batch(self, output: dict[str, Any]) -> dict[str, Any]:
+        """Decoupled mode: the old log-probs of every row (TRL's, else one no-grad pass), the IS weights and the mask
+        after rejection over every process's generation batch, its metrics logged."""
+        training = self.model.training
+        batch_size = self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
+        accelerator = self.accelerator
+        return self._rollout_correction.correct_generation_batch(
+            output,
+            old_logps_pass=lambda: self._zero_waste.old_logps_of_every_row(output, batch_size),
+            gather_rows=lambda x: accelerator.gather(accelerator.pad_across_processes(x, dim=1)),
+            process_index=accelerator.process_index,
+            count_tokens=lambda mask: accelerator.gather(mask.sum()).sum(),
+            metrics=self._metrics["train" if training else "eval"],
+        )
 
     def _score_round(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's generation and scoring, with the advantages recomputed by grpo_plus's normalizer."""
@@ -388,12 +417,25 @@ class GRPOTrainer(trl.GRPOTrainer):
         mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        correction = self._rollout_correction
+        if correction.bypass:  # the sampler's log-probs are the old ones (rows left out of the forward keep them)
+            inputs = {**inputs, "old_per_token_logps": torch.nan_to_num(sampler_logps(inputs), nan=0.0)}
         policy = self._zero_waste.policy_forward(model, inputs, self._metrics[mode])
         logps, entropies = policy.logps, policy.entropies
-        old_logps = inputs.get("old_per_token_logps")
-        old_logps = logps.detach() if old_logps is None else old_logps
+        correction_weights = None
+        if correction.active:  # verl's IS weights and rejection (grpo_plus.sampler_mismatch)
+            reduce_sum = functools.partial(self.accelerator.reduce, reduction="sum")
+            corrected = correction.loss_inputs(
+                logps, inputs, mask, policy.computed_rows, reduce_sum, self._metrics[mode]
+            )
+            old_logps, correction_weights, mask = corrected.old_logps, corrected.weights, corrected.mask
+        else:
+            old_logps = inputs.get("old_per_token_logps")
+            old_logps = logps.detach() if old_logps is None else old_logps
 
         entropy_mask, weights = policy_weights(self, inputs, advantages, logps, old_logps, entropies, mask)
+        if correction_weights is not None:
+            weights = correction_weights if weights is None else weights * correction_weights
 
         accumulation_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
         num_items = inputs["num_items_in_batch"]

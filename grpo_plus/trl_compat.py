@@ -41,9 +41,13 @@ __all__ = [
     "check_trl_compatibility",
     "TRL_IMPORTANCE_SAMPLING_LEVELS",
     "TRL_NATIVE_LOSS_TYPES",
+    "TRL_SAMPLER_CORRECTION",
+    "TRL_SAMPLER_CORRECTION_SHAPE",
+    "SAMPLER_LOGPS_KEY",
     "TRL_SCALE_REWARDS",
     "TRL_ACCURACY_REWARD",
     "TRL_SHARED_REWARD_KWARGS",
+    "trl_sampler_correction_changes",
     "disable_gradient_checkpointing",
     "entropy_bonus",
     "environment_routing",
@@ -437,6 +441,27 @@ def entropy_bonus(trainer: trl.GRPOTrainer, entropies: torch.Tensor, mask: torch
     return coef * mean_entropy
 
 
+# TRL's own vLLM importance-sampling correction (1.7-1.16): its switch, and the fields that shape it. A config that moved
+# one of those away from TRL's default asked for TRL's correction (grpo_plus's rollout correction then refuses to
+# replace it). And the generation-batch key of the sampler's log-probs of the sampled tokens (vLLM's, or a
+# `rollout_func`'s "logprobs"; NaN where vLLM could not score a token).
+TRL_SAMPLER_CORRECTION = "vllm_importance_sampling_correction"
+TRL_SAMPLER_CORRECTION_SHAPE = (
+    "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+)
+SAMPLER_LOGPS_KEY = "sampling_per_token_logps"
+
+
+def trl_sampler_correction_changes(args) -> dict[str, object]:
+    """The fields of TRL's vLLM correction `args` sets to other values than TRL's `GRPOConfig` defaults."""
+    defaults = {
+        f.name: f.default for f in dataclasses.fields(trl.GRPOConfig) if f.name in TRL_SAMPLER_CORRECTION_SHAPE
+    }
+    return {name: getattr(args, name) for name, default in defaults.items() if getattr(args, name, default) != default}
+
+
 def policy_weights(
     trainer: trl.GRPOTrainer,
     inputs: dict,
@@ -458,7 +483,7 @@ def policy_weights(
         off_policy = trainer.get_off_policy_mask(
             advantages=advantages,
             per_token_logps=logps,
-            sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_logps),
+            sampling_per_token_logps=inputs.get(SAMPLER_LOGPS_KEY, old_logps),
             mask=mask,
             off_policy_threshold=trainer.off_policy_mask_threshold,
         )

@@ -74,11 +74,24 @@ class PolicyForward:
 
 class ZeroWastePass:
     """One run's zero-waste pass. `enabled` / `shared_prompt` / `exact_entropy` are GRPOConfig's `zero_waste_pass` /
-    `zero_waste_shared_prompt` / `zero_waste_exact_entropy`."""
+    `zero_waste_shared_prompt` / `zero_waste_exact_entropy`. `old_logps` says where the old log-probs come from (the
+    rollout correction's `old_logps_source`): "trl" (as TRL decides), "generation" (every row, at generation, before
+    the rewards: never deferred) or "none" (the sampler's are the old ones: TRL's old-log-prob pass never runs).
+    `row_skip_blocker`: another capability's reason to compute every row of the training forward, or None."""
 
-    def __init__(self, trainer: trl.GRPOTrainer, enabled: bool, shared_prompt: bool, exact_entropy: bool = False):
+    def __init__(
+        self,
+        trainer: trl.GRPOTrainer,
+        enabled: bool,
+        shared_prompt: bool,
+        exact_entropy: bool = False,
+        old_logps: str = "trl",
+        row_skip_blocker: str | None = None,
+    ):
         self.trainer, self.enabled, self.shared_prompt = trainer, enabled, shared_prompt
         self.exact_entropy = exact_entropy
+        self.old_logps = old_logps
+        self._other_row_skip_blocker = row_skip_blocker
         self._notes: set[tuple[str, str]] = set()
         self.positions = 0  # token positions the model computed since the training forward began
         self.images = 0  # images (or tiles) the vision tower encoded since the training forward began
@@ -108,7 +121,9 @@ class ZeroWastePass:
         trainer = self.trainer
         if not self.enabled:
             return "zero_waste_pass=False"
-        if trainer.loss_type in TRL_NATIVE_LOSS_TYPES:
+        if self._other_row_skip_blocker is not None:
+            reason = self._other_row_skip_blocker
+        elif trainer.loss_type in TRL_NATIVE_LOSS_TYPES:
             reason = f"loss_type={trainer.loss_type!r} is computed by TRL's own _compute_loss"
         else:
             loss_type, level = (
@@ -210,12 +225,19 @@ class ZeroWastePass:
     # every process makes one model call per micro-batch and pass (ZeRO-3 / FSDP gather weights on every call).
 
     def defers_logps(self) -> bool:
-        """Not under vLLM's importance-sampling correction (TRL derives the sampler/trainer ratio and its
-        `sampling/*` metrics from the old log-probs during generation, before the rewards say which rows are dead:
-        there the pass still saves padding and shared prompts, every row computed), nor with active dropout (masks
-        must be drawn where TRL draws them)."""
+        """Not under a sampler correction computed at generation (TRL's vLLM one derives the sampler/trainer ratio and
+        its `sampling/*` metrics from the old log-probs during generation, before the rewards say which rows are dead,
+        and so does grpo_plus's decoupled rollout correction: there the pass still saves padding and shared prompts,
+        every row computed), nor with active dropout (masks must be drawn where TRL draws them). Always where no old
+        log-prob pass may run (`old_logps="none"`, the rollout correction's bypass mode): TRL's no-grad passes get
+        placeholders, the old one is dropped and the reference one computed after the split, even with the pass off or
+        dropout on."""
+        if self.old_logps == "none":
+            return True
         trainer = self.trainer
-        corrects_sampler = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        corrects_sampler = (trainer.use_vllm and trainer.vllm_importance_sampling_correction) or (
+            self.old_logps == "generation"
+        )
         return self.enabled and not corrects_sampler and self.dropout_blocker(trainer.model) is None
 
     @contextmanager
@@ -225,6 +247,8 @@ class ZeroWastePass:
         deferring = self.deferring
 
         def record(output: dict[str, Any]) -> None:
+            if self.old_logps == "none":  # TRL's placeholder: the sampler's log-probs are the old ones
+                output.pop("old_per_token_logps", None)
             if deferring:
                 self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
 
@@ -250,6 +274,24 @@ class ZeroWastePass:
                 if "ref_per_token_logps" in pending:
                     with reference_model(trainer) as ref_model:
                         inputs["ref_per_token_logps"] = self.micro_batch_logps(ref_model, inputs, False).logps
+
+    def old_logps_of_every_row(self, batch: dict[str, Any], batch_size: int) -> torch.Tensor:
+        """The no-grad old-log-prob pass TRL runs at generation under its vLLM correction (the policy model, every row
+        of the generation batch `batch`, `batch_size` rows per call, its image inputs), for a correction that needs
+        the old log-probs where TRL computed none (on-policy training): padding and shared prompts saved, rows not."""
+        trainer = self.trainer
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        model_inputs = {key: batch[key] for key in FORWARD_INPUT_KEYS if batch.get(key) is not None}
+        with (
+            torch.no_grad(),
+            disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
+        ):
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size,
+                **model_inputs,
+            )  # fmt: skip
+        return logps
 
     # ---- TRL's `_get_per_token_logps_and_entropies` --------------------------------------------------------------
 

@@ -259,3 +259,185 @@ def adaptive_kl(beta, target, horizon, steps):
         beta = beta * (1 + error * n / horizon)
         values.append(beta)
     return values
+
+
+# ---- verl's rollout correction, from docs/algo/rollout_corr.md ------------------------------------------------------
+# Conventions the docs leave open, as verl's code has them: a row without tokens has mean log-prob 0 (perplexity 1) and
+# IS row-mean 0; the sequence-level IS extremes and threshold shares count every row; the final
+# rollout_rs_seq_masked_fraction divides by every row; a two-sided (k1) threshold given as one value u means 1/u_u.
+
+BOUND = 20.0
+
+
+def _clip(x):
+    return min(max(x, -BOUND), BOUND)
+
+
+def _avg(values):
+    return sum(values) / len(values) if values else 0.0
+
+
+def _sample_std(values):
+    return _std(values) if len(values) > 1 else 0.0
+
+
+def _spread(values):
+    """sqrt(max(E[v^2] - E[v]^2, 0)) (population), 0 for fewer than two values."""
+    if len(values) < 2:
+        return 0.0
+    return math.sqrt(max(_avg([v * v for v in values]) - _avg(values) ** 2, 0.0))
+
+
+def _row_stats(prefix, rows, upper, lower, ideal):
+    stats = {
+        f"{prefix}_mean": _avg(rows),
+        f"{prefix}_std": _sample_std(rows),
+        f"{prefix}_max": max(rows),
+        f"{prefix}_min": min(rows),
+        f"{prefix}_max_deviation": max(abs(v - ideal) for v in rows),
+        f"{prefix}_fraction_high": _avg([float(v > upper) for v in rows]),
+    }
+    if lower is not None:
+        stats[f"{prefix}_fraction_low"] = _avg([float(v < lower) for v in rows])
+    return stats
+
+
+def _is_weights(log_ratio, tokens, level, threshold, normalize):
+    """Stage 1-4 of the docs' "How IS weights are processed", with the IS metrics (taken before truncation)."""
+    rows = range(len(log_ratio))
+    sums = [sum(log_ratio[i][t] for t in tokens[i]) for i in rows]
+    raw = [{t: math.exp(_clip(log_ratio[i][t] if level == "token" else sums[i])) for t in tokens[i]} for i in rows]
+    flat = [w for row in raw for w in row.values()]
+    lower = 1.0 / threshold
+    metrics = {"rollout_is_mean": _avg(flat)}
+    if level == "sequence":  # from the log-space sums, over every row
+        metrics["rollout_is_max"] = math.exp(min(max(sums), BOUND))
+        metrics["rollout_is_min"] = math.exp(min(sums))
+        metrics["rollout_is_ratio_fraction_high"] = _avg([float(s > math.log(threshold)) for s in sums])
+        metrics["rollout_is_ratio_fraction_low"] = _avg([float(s < math.log(lower)) for s in sums])
+    else:
+        metrics["rollout_is_max"], metrics["rollout_is_min"] = max(flat), min(flat)
+        metrics["rollout_is_ratio_fraction_high"] = _avg([float(w > threshold) for w in flat])
+        metrics["rollout_is_ratio_fraction_low"] = _avg([float(w < lower) for w in flat])
+    clamped = [min(max(w, lower), threshold) for w in flat]
+    metrics["rollout_is_std"] = _spread(clamped)
+    mean_clamped = _avg(clamped)
+    metrics["rollout_is_eff_sample_size"] = 1.0 / _avg([(c / mean_clamped) ** 2 for c in clamped])
+    row_means = [_avg(list(row.values())) for row in raw]
+    metrics.update(_row_stats("rollout_is_seq", row_means, threshold, lower, 1.0))
+    weights = [{t: min(w, threshold) for t, w in row.items()} for row in raw]
+    if normalize:
+        if level == "token":
+            mean = _avg([w for row in weights for w in row.values()])
+        else:
+            mean = _avg([_avg(list(row.values())) for row in weights if row])
+        factor = mean if mean > 1e-8 else 1.0
+        weights = [{t: w / factor for t, w in row.items()} for row in weights]
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, metrics
+
+
+def _divergence(kind, x):
+    return {"k1": -x, "k2": 0.5 * x * x, "k3": math.exp(x) - 1.0 - x}[kind]
+
+
+def _thresholds(names, spec):
+    entries = [part.strip() for part in str(spec).split(",") if part.strip()]
+    entries = entries * len(names) if len(entries) == 1 else entries
+    bounds = {}
+    for name, entry in zip(names, entries, strict=True):
+        if name.endswith("k1"):
+            low, high = (float(v) for v in entry.split("_")) if "_" in entry else (1.0 / float(entry), float(entry))
+            bounds[name] = (math.log(low), math.log(high))
+        else:
+            bounds[name] = (None, float(entry))
+    return bounds
+
+
+def _rejection(log_ratio, tokens, rollout_rs, spec):
+    """Every criterion of `rollout_rs` must pass; per token, or one verdict per sequence of its sum / mean / max."""
+    names = list(dict.fromkeys(part.strip() for part in rollout_rs.split(",") if part.strip()))
+    bounds = _thresholds(names, spec)
+    rows = range(len(log_ratio))
+    with_tokens = [i for i in rows if tokens[i]]
+    rejected_by_any = [set() for _ in rows]
+    metrics = {}
+    for name in names:
+        aggregation, kind = name.rsplit("_", 1)
+        lower, upper = bounds[name]
+        per_token = [{t: _divergence(kind, _clip(log_ratio[i][t])) for t in tokens[i]} for i in rows]
+        if aggregation == "token":
+            stat = per_token
+            row_values = [_avg(list(stat[i].values())) for i in with_tokens]
+        else:
+            reduce = {"seq_sum": sum, "seq_mean": _avg, "seq_max": lambda v: max(v) if v else 0.0}[aggregation]
+            per_row = [reduce(list(per_token[i].values())) for i in rows]
+            stat = [{t: per_row[i] for t in tokens[i]} for i in rows]
+            row_values = [per_row[i] for i in with_tokens]
+
+        def outside(v, lower=lower, upper=upper):
+            return v > upper or (lower is not None and v < lower)
+
+        rejected = [{t for t, v in stat[i].items() if outside(v)} for i in rows]
+        values = [v for row in stat for v in row.values()]
+        prefix = f"rollout_rs_{name}"
+        metrics[f"{prefix}_mean"] = _avg(values)
+        compared = values if aggregation == "token" else row_values
+        metrics[f"{prefix}_max"], metrics[f"{prefix}_min"] = max(compared), min(compared)
+        metrics[f"{prefix}_fraction_high"] = _avg([float(v > upper) for v in compared])
+        metrics[f"{prefix}_fraction_low"] = 0.0 if lower is None else _avg([float(v < lower) for v in compared])
+        low_clamp = 0.0 if lower is None else lower
+        metrics[f"{prefix}_std"] = _spread([min(max(v, low_clamp), upper) for v in values])
+        metrics.update(_row_stats(f"{prefix}_seq", row_values, upper, lower, 0.0))
+        metrics[f"{prefix}_masked_fraction"] = sum(len(r) for r in rejected) / len(values)
+        metrics[f"{prefix}_seq_masked_fraction"] = _avg([float(bool(rejected[i])) for i in with_tokens])
+        for i in rows:
+            rejected_by_any[i] |= rejected[i]
+    total = sum(len(t) for t in tokens)
+    metrics["rollout_rs_masked_fraction"] = sum(len(r) for r in rejected_by_any) / total
+    metrics["rollout_rs_seq_masked_fraction"] = _avg([float(bool(r)) for r in rejected_by_any])
+    return rejected_by_any, metrics
+
+
+def _mismatch(old, rollout, tokens):
+    """The off-policy metrics: KL(rollout || old), k3, perplexities, log-perplexity gaps, chi^2 (token, sequence)."""
+    rows = range(len(old))
+    old_mean = [_avg([old[i][t] for t in tokens[i]]) for i in rows]
+    rollout_mean = [_avg([rollout[i][t] for t in tokens[i]]) for i in rows]
+    log_ratio = [(old[i][t] - rollout[i][t], i) for i in rows for t in tokens[i]]
+    gaps = [r - o for r, o in zip(rollout_mean, old_mean, strict=True)]
+    return {
+        "training_ppl": _avg([math.exp(-m) for m in old_mean]),
+        "training_log_ppl": _avg([-m for m in old_mean]),
+        "kl": _avg([-x for x, _ in log_ratio]),
+        "k3_kl": _avg([math.exp(x) - x - 1 for x, _ in log_ratio]),
+        "rollout_ppl": _avg([math.exp(-m) for m in rollout_mean]),
+        "rollout_log_ppl": _avg([-m for m in rollout_mean]),
+        "log_ppl_diff": _avg(gaps),
+        "log_ppl_abs_diff": _avg([abs(g) for g in gaps]),
+        "log_ppl_diff_max": max(gaps),
+        "log_ppl_diff_min": min(gaps),
+        "ppl_ratio": _avg([math.exp(g) for g in gaps]),
+        "chi2_token": _avg([math.exp(_clip(x)) ** 2 for x, _ in log_ratio]) - 1.0,
+        "chi2_seq": _avg([math.exp(2 * _clip(sum(x for x, j in log_ratio if j == i))) for i in rows]) - 1.0,
+    }
+
+
+def rollout_correction(
+    old, rollout, mask, rollout_is=None, threshold=2.0, normalize=False, rollout_rs=None, spec=None
+):
+    """(IS weights as lists or None, the mask after rejection as lists, metrics prefixed rollout_corr/), from lists."""
+    tokens = [[t for t, m in enumerate(row) if m] for row in mask]
+    log_ratio = [[o - r for o, r in zip(o_row, r_row, strict=True)] for o_row, r_row in zip(old, rollout, strict=True)]
+    metrics, weights = {}, None
+    if rollout_is is not None:
+        by_token, is_metrics = _is_weights(log_ratio, tokens, rollout_is, threshold, normalize)
+        weights = [[row.get(t, 0.0) for t in range(len(mask[0]))] for row in by_token]
+        metrics.update(is_metrics)
+    kept = [list(map(int, row)) for row in mask]
+    if rollout_rs is not None:
+        rejected, rs_metrics = _rejection(log_ratio, tokens, rollout_rs, spec)
+        kept = [[0 if t in rejected[i] else m for t, m in enumerate(row)] for i, row in enumerate(kept)]
+        metrics.update(rs_metrics)
+    metrics.update(_mismatch(old, rollout, tokens))
+    return weights, kept, {f"rollout_corr/{name}": value for name, value in metrics.items()}

@@ -57,9 +57,9 @@ def restore_environment():
 def restore_registries():
     """Undo modes a test registered or removed (plugins, user modes, overrides): every test starts from, and leaves,
     the built-in registries. The one way tests restore a registry (`Registry.snapshot` / `restore`)."""
-    from grpo_plus.objective import REGISTRIES
+    from grpo_plus.objective import REGISTRIES, REJECTION_CRITERIA
 
-    snapshots = [(registry, registry.snapshot()) for registry in REGISTRIES]
+    snapshots = [(registry, registry.snapshot()) for registry in (*REGISTRIES, REJECTION_CRITERIA)]
     yield
     for registry, snapshot in snapshots:
         registry.restore(snapshot)

@@ -68,6 +68,13 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "reward_workers",
         "reward_on_error",
         "reward_whole_batch",
+        "rollout_correction",
+        "rollout_is",
+        "rollout_is_threshold",
+        "rollout_is_batch_normalize",
+        "rollout_rs",
+        "rollout_rs_threshold",
+        "rollout_bypass_mode",
     }
     assert isinstance(make(tmp_path), trl.GRPOConfig)
 
@@ -295,8 +302,10 @@ def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_c
         "health",
         "vllm",
         "rewards",
+        "rollout",
     }
     read |= {f"vllm_{f.name}" for f in dataclasses.fields(settings.vllm)}
+    read |= {f.name for f in dataclasses.fields(settings.rollout)}  # named as the fields (verl's names)
     read |= {f.name for f in dataclasses.fields(settings.algorithms)} - {"policy_loss_options"}
     for loss in ("clip_cov", "kl_cov"):  # a policy loss's options are read from the fields of the same names
         options = dict(clip_cov_ratio=1e-3, clip_cov_lb=0.5, clip_cov_ub=2.0, kl_cov_ratio=1e-3, kl_cov_coef=0.5)

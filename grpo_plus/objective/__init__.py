@@ -6,6 +6,8 @@
 - `kl`: KL estimators (`kl_estimator`) and the adaptive KL coefficient
 - `aggregation`: per-token loss -> micro-batch loss (`loss_type`)
 - `loss`: `compute_policy_loss`, the axes composed
+- `rollout_corr`: verl's rollout correction (`rollout_is`, `rollout_rs`): the sampler's log-probs against the
+  trainer's -> truncated IS weights, a rejection mask, mismatch metrics
 
 Nothing here imports the trainer, the config or TRL; any training loop can call `compute_advantages` and
 `compute_policy_loss`.
@@ -40,8 +42,16 @@ from .policy_losses import (
     available_policy_losses,
     register_policy_loss,
 )
+from .rollout_corr import (
+    REJECTION_CRITERIA,
+    RolloutCorrection,
+    available_rejection_criteria,
+    register_rejection_criterion,
+    rollout_correction,
+)
 
-# Every registry of the objective, in the order `grpo-plus list` shows them.
+# Every registry of the objective, in the order `grpo-plus list` shows them (the rejection criteria of `rollout_rs` are
+# not a loss axis: grpo_plus.objective.rollout_corr holds them).
 REGISTRIES = (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_NORMALIZERS,
@@ -70,12 +80,15 @@ __all__ = [
     "PolicyLossContext",
     "PolicyLossOutput",
     "PolicyTerm",
+    "REJECTION_CRITERIA",
+    "RolloutCorrection",
     "available_advantage_estimators",
     "available_advantage_normalizers",
     "available_importance_sampling_levels",
     "available_kl_estimators",
     "available_loss_types",
     "available_policy_losses",
+    "available_rejection_criteria",
     "combine_rewards",
     "compute_advantages",
     "compute_policy_loss",
@@ -85,5 +98,7 @@ __all__ = [
     "register_kl_estimator",
     "register_loss_type",
     "register_policy_loss",
+    "register_rejection_criterion",
+    "rollout_correction",
     "sequence_mean",
 ]

@@ -1,0 +1,437 @@
+"""verl's rollout correction in a GRPOTrainer (`rollout_is`, `rollout_rs`, `rollout_correction`, ...): its presets, the
+settings group, where the old log-probs come from, and the IS weights and rejection mask handed to the loss.
+
+The formulas are the core's (`grpo_plus.objective.rollout_corr`); `trainer.py` wires this in. The sampler must report
+the log-probs of the tokens it sampled: TRL's `sampling_per_token_logps` (vLLM, or a `rollout_func` returning
+"logprobs"). Two modes, verl's:
+
+- decoupled (three policies: the sampler's, the old one, the current one; the default): at generation, over the whole
+  generation batch of every process, the correction compares the trainer's old log-probs (TRL's `old_per_token_logps`,
+  computed by a no-grad pass over every row where TRL computed none) with the sampler's. The generation batch then
+  holds the IS weights (`rollout_is_weights`, (B, T)) and the mask after rejection (`rollout_response_mask`, the
+  completion mask times TRL's tool mask times the rejection), with `num_items_in_batch` recounted over it, as verl
+  counts its token-mean over the mask after rejection. The loss multiplies the policy term by the weights and
+  aggregates over that mask. The metrics are logged once per generation batch.
+- bypass (`rollout_bypass_mode`, verl's `bypass_mode`; two policies): the sampler's log-probs are the old policy, so no
+  old-log-prob pass runs. In each micro-batch the correction compares the training forward's log-probs (detached)
+  with the sampler's: the mask after rejection goes to the loss (`num_items_in_batch` keeps its count, as verl's);
+  the IS weights multiply the policy term of `policy_loss="gpg"` (verl's REINFORCE, `loss_type="reinforce"`), a loss
+  with a ratio being corrected by its ratio pi_theta / pi_rollout (verl's `loss_type="ppo_clip"`). The metrics are
+  logged per micro-batch, averaged over processes; where the zero-waste pass may leave zero-advantage rows out of the
+  forward they cover the rows it computed and are logged as `rollout_corr/trained_rows/<name>`.
+
+A sampler log-prob that is NaN (vLLM could not score the token; TRL keeps it as NaN) counts as equal to the trainer's
+there: ratio 1, never rejected, as TRL's own correction treats it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from .objective.rollout_corr import (
+    IS_LEVELS,
+    METRIC_PREFIX,
+    parse_rejection_criteria,
+    parse_thresholds,
+    rollout_correction,
+)
+from .registry import did_you_mean
+from .settings import ConfigError, not_allowed
+from .trl_compat import SAMPLER_LOGPS_KEY, TRL_SAMPLER_CORRECTION, trl_sampler_correction_changes
+
+DEFAULT_IS_THRESHOLD = 2.0  # verl's default rollout_is_threshold
+TRAINED_ROWS_PREFIX = METRIC_PREFIX + "trained_rows/"
+# Generation-batch keys this module adds (per row, (B, T)).
+WEIGHTS_KEY, MASK_KEY = "rollout_is_weights", "rollout_response_mask"
+# The policy loss verl's bypass "reinforce" is (-A logp, the IS weights multiplying it); its "ppo_clip" is ours.
+POLICY_GRADIENT, PPO_CLIP = "gpg", "ppo_clip"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One of verl's `RolloutCorrectionConfig` presets as GRPOConfig fields; `policy_loss` is the bypass loss (None:
+    any policy loss). The thresholds are the preset's defaults, which the config's own values replace (verl's preset
+    parameters)."""
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | None = None
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | float | None = None
+    rollout_bypass_mode: bool = False
+    policy_loss: str | None = None
+
+
+_SEQ_RS, _GEO_RS, _K3_RS = ("seq_sum_k1", "0.5_2.0"), ("seq_mean_k1", "0.999_1.001"), ("seq_mean_k3", 0.01)
+_BYPASS_CLIP, _BYPASS_PG = (
+    dict(rollout_bypass_mode=True, policy_loss=PPO_CLIP),
+    dict(rollout_bypass_mode=True, policy_loss=POLICY_GRADIENT),
+)
+# verl's presets (the classmethods of RolloutCorrectionConfig, volcengine/verl b178a3c), by name.
+PRESETS: Mapping[str, Preset] = MappingProxyType(
+    {
+        "decoupled_token_is": Preset("token", 2.0),
+        "decoupled_seq_is": Preset("sequence", 2.0),
+        "decoupled_seq_is_rs": Preset("sequence", 2.0, *_SEQ_RS),
+        "decoupled_geo_rs": Preset(None, None, *_GEO_RS),
+        "decoupled_geo_rs_seq_tis": Preset("sequence", 2.0, *_GEO_RS),
+        "decoupled_geo_rs_token_tis": Preset("token", 2.0, *_GEO_RS),
+        "decoupled_k3_rs": Preset(None, None, *_K3_RS),
+        "decoupled_k3_rs_seq_tis": Preset("sequence", 2.0, *_K3_RS),
+        "decoupled_k3_rs_token_tis": Preset("token", 2.0, *_K3_RS),
+        "bypass_ppo_clip": Preset(**_BYPASS_CLIP),
+        "bypass_ppo_clip_geo_rs": Preset(None, None, *_GEO_RS, **_BYPASS_CLIP),
+        "bypass_ppo_clip_k3_rs": Preset(None, None, *_K3_RS, **_BYPASS_CLIP),
+        "bypass_pg_is": Preset("sequence", 2.0, **_BYPASS_PG),
+        "bypass_pg_geo_rs": Preset(None, None, *_GEO_RS, **_BYPASS_PG),
+        "bypass_pg_geo_rs_seq_tis": Preset("sequence", 2.0, *_GEO_RS, **_BYPASS_PG),
+        "bypass_pg_geo_rs_token_tis": Preset("token", 2.0, *_GEO_RS, **_BYPASS_PG),
+        "disabled": Preset(),  # verl's: the metrics only, no correction
+    }
+)
+
+
+def _conflict(preset: str, name: str, given: Any, wanted: Any) -> ConfigError:
+    return ConfigError(
+        f"{name}={given!r} conflicts with rollout_correction={preset!r}, which sets {name}={wanted!r}: leave {name} "
+        "unset, or drop the preset and set the rollout_* fields yourself."
+    )
+
+
+def expand_preset(args: Any) -> None:
+    """Write the fields of `args.rollout_correction`'s preset into `args` (in place, so validating twice is a no-op).
+
+    A field the config set to another value than the preset's is an error; the thresholds are the config's where it
+    set them (verl's preset parameters), else the preset's; `policy_loss` is set for the bypass presets where the
+    config left it at its default (ppo_clip)."""
+    name = getattr(args, "rollout_correction", None)
+    if name is None:
+        return
+    if name not in PRESETS:
+        raise ConfigError(
+            f"rollout_correction={name!r} is not one of verl's presets.{did_you_mean(name, PRESETS)} Allowed: "
+            f"{', '.join(PRESETS)}, or None."
+        )
+    preset = PRESETS[name]
+    for field in ("rollout_is", "rollout_rs"):
+        given, wanted = getattr(args, field), getattr(preset, field)
+        if given is not None and _canonical(field, given) != wanted:
+            raise _conflict(name, field, given, wanted)
+        setattr(args, field, wanted)
+    if args.rollout_bypass_mode and not preset.rollout_bypass_mode:
+        raise _conflict(name, "rollout_bypass_mode", True, False)
+    args.rollout_bypass_mode = preset.rollout_bypass_mode
+    if preset.policy_loss is not None and hasattr(args, "policy_loss"):
+        if args.policy_loss not in (PPO_CLIP, preset.policy_loss):
+            raise _conflict(name, "policy_loss", args.policy_loss, preset.policy_loss)
+        args.policy_loss = preset.policy_loss
+    for field, part in (("rollout_is_threshold", "rollout_is"), ("rollout_rs_threshold", "rollout_rs")):
+        if getattr(preset, part) is None and getattr(args, field) is not None:
+            raise ConfigError(
+                f"{field}={getattr(args, field)!r} has nothing to apply to: rollout_correction={name!r} sets "
+                f"{part}=None."
+            )
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(preset, field))
+
+
+def _canonical(field: str, value: Any) -> Any:
+    """A rollout_rs as its canonical comma-separated criteria (so " seq_mean_k1" equals the preset's); else value."""
+    if field != "rollout_rs":
+        return value
+    try:
+        return ",".join(parse_rejection_criteria(value))
+    except ValueError:
+        return value
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionSettings:
+    """GRPOConfig's rollout-correction fields (verl's names; `rollout_bypass_mode` is verl's `bypass_mode`), read once
+    after `expand_preset`."""
+
+    rollout_correction: str | None = None
+    rollout_is: str | None = None
+    rollout_is_threshold: float | None = None
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None
+    rollout_rs_threshold: str | float | None = None
+    rollout_bypass_mode: bool = False
+
+    IS_CHOICES = IS_LEVELS  # what rollout_is takes besides None (the CLI's choices)
+
+    @classmethod
+    def from_args(cls, own: Any) -> RolloutCorrectionSettings:
+        """Each field from the GRPOConfig field of the same name."""
+        return cls(**{f.name: getattr(own, f.name) for f in fields(cls)})
+
+    @property
+    def active(self) -> bool:
+        """Whether grpo_plus's correction replaces TRL's: a preset (even verl's metrics-only "disabled"), IS weights,
+        rejection or bypass is set."""
+        return (
+            self.rollout_correction is not None
+            or self.rollout_is is not None
+            or self.rollout_rs is not None
+            or self.rollout_bypass_mode
+        )
+
+    @property
+    def bypass(self) -> bool:
+        return self.active and bool(self.rollout_bypass_mode)
+
+    @property
+    def decoupled(self) -> bool:
+        return self.active and not self.rollout_bypass_mode
+
+    @property
+    def old_logps_source(self) -> str:
+        """Where the old log-probs come from: 'generation' (decoupled: every row, at generation), 'none' (bypass: the
+        sampler's are the old ones, no pass runs), 'trl' (no correction of ours: as TRL decides)."""
+        return "none" if self.bypass else "generation" if self.decoupled else "trl"
+
+    def row_skip_blocker(self) -> str | None:
+        """Why the zero-waste pass must compute every row of the training forward, or None."""
+        if self.bypass and self.rollout_is is not None and self.rollout_is_batch_normalize:
+            return (
+                "rollout_is_batch_normalize=True in bypass mode: each row's IS weight is divided by the mean over "
+                "every row's, computed from the training forward"
+            )
+        return None
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments of `grpo_plus.objective.rollout_correction` (the IS threshold defaulted to verl's)."""
+        threshold = DEFAULT_IS_THRESHOLD if self.rollout_is_threshold is None else self.rollout_is_threshold
+        return dict(
+            rollout_is=self.rollout_is,
+            rollout_is_threshold=threshold,
+            rollout_is_batch_normalize=self.rollout_is_batch_normalize,
+            rollout_rs=self.rollout_rs,
+            rollout_rs_threshold=self.rollout_rs_threshold,
+        )
+
+    def validate(self, args: Any, trl_native: bool, policy_loss: str) -> None:
+        """Raise ConfigError for a value or combination the correction cannot run with; canonicalize `rollout_rs` and
+        turn TRL's own vLLM correction off on `args` where this one replaces it."""
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            raise not_allowed("rollout_is", self.rollout_is, "None, 'token' or 'sequence' (verl's IS levels)")
+        threshold = self.rollout_is_threshold
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+            raise not_allowed("rollout_is_threshold", threshold, "a number > 0 (the IS weights' upper cap) or None")
+        if threshold is not None and not threshold > 0:
+            raise not_allowed("rollout_is_threshold", threshold, "> 0 (the IS weights' upper cap) or None")
+        if self.rollout_is is None:
+            for name, value, unset in (
+                ("rollout_is_threshold", threshold, None),
+                ("rollout_is_batch_normalize", self.rollout_is_batch_normalize, False),
+            ):
+                if value != unset:
+                    raise ConfigError(f"{name}={value!r} has no effect without rollout_is ('token' or 'sequence').")
+        self._check_rejection(args)
+        if not self.active:
+            return
+        if trl_native:
+            raise ConfigError(
+                f"The rollout correction cannot be combined with loss_type={args.loss_type!r}: TRL computes that loss "
+                "itself and applies only its own vllm_importance_sampling_* correction. Use one of grpo_plus's loss "
+                "types with policy_loss='cispo' or 'sapo' instead (the same losses, computed by grpo_plus)."
+            )
+        if self.bypass and self.rollout_is is not None and policy_loss != POLICY_GRADIENT:
+            raise ConfigError(
+                f"rollout_is={self.rollout_is!r} with rollout_bypass_mode=True needs policy_loss='gpg' (verl's "
+                f"REINFORCE, the weights multiplying -A logp): policy_loss={policy_loss!r} already corrects by its "
+                "ratio pi_theta / pi_rollout, and verl applies no IS weights on top of it (they would count the "
+                "mismatch twice). Set rollout_is=None, or policy_loss='gpg'."
+            )
+        self._replace_trl_correction(args)
+
+    def _check_rejection(self, args: Any) -> None:
+        if self.rollout_rs is None:
+            if self.rollout_rs_threshold is not None:
+                raise ConfigError(
+                    f"rollout_rs_threshold={self.rollout_rs_threshold!r} has no effect without rollout_rs (the "
+                    "rejection criteria)."
+                )
+            return
+        try:
+            criteria = parse_rejection_criteria(self.rollout_rs)
+            parse_thresholds(criteria, self.rollout_rs_threshold)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if hasattr(args, "rollout_rs"):
+            args.rollout_rs = ",".join(criteria)
+
+    @staticmethod
+    def _replace_trl_correction(args: Any) -> None:
+        """Under vLLM, this correction replaces TRL's: `vllm_importance_sampling_correction` is turned off, unless the
+        config also changed TRL's mode or bounds (it asked for both: refused)."""
+        if not getattr(args, "use_vllm", False) or not getattr(args, TRL_SAMPLER_CORRECTION, False):
+            return
+        changed = trl_sampler_correction_changes(args)
+        if changed:
+            settings = ", ".join(f"{name}={value!r}" for name, value in changed.items())
+            raise ConfigError(
+                f"The config sets both TRL's vLLM correction ({settings}) and grpo_plus's rollout correction: choose "
+                f"one. For TRL's, leave the rollout_* fields unset; for grpo_plus's, leave TRL's at their defaults "
+                f"(it is then turned off) or set {TRL_SAMPLER_CORRECTION}=False."
+            )
+        setattr(args, TRL_SAMPLER_CORRECTION, False)
+
+
+# ---- the correction in a run -------------------------------------------------------------------------------------
+
+
+@dataclass
+class LossInputs:
+    """What one micro-batch's loss takes from the correction: the old log-probs, the IS weights multiplying the policy
+    term (None: none) and the mask to aggregate over."""
+
+    old_logps: torch.Tensor
+    weights: torch.Tensor | None
+    mask: torch.Tensor
+
+
+def sampler_logps(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """TRL's `sampling_per_token_logps`, or a clear error where the sampler reported none."""
+    logps = inputs.get(SAMPLER_LOGPS_KEY)
+    if logps is None:
+        raise ValueError(
+            "The rollout correction needs the sampler's log-probs of the tokens it sampled, and this generation "
+            "batch has none (TRL's `sampling_per_token_logps`): generate with vLLM (use_vllm=True) or with a "
+            "`rollout_func` that returns them under 'logprobs'."
+        )
+    return logps
+
+
+def sampler_blocker(use_vllm: bool, has_rollout_func: bool) -> str | None:
+    """Why this run's sampler reports no per-token log-probs for the correction to compare, or None."""
+    if use_vllm or has_rollout_func:
+        return None
+    return (
+        "the rollout correction compares the sampler's per-token log-probs with the trainer's, and transformers' "
+        "generation reports none (it samples from the trainer's own weights): generate with vLLM (use_vllm=True) or "
+        "with a `rollout_func` that returns 'logprobs'"
+    )
+
+
+def where_known(sampled: torch.Tensor, trainer_logps: torch.Tensor) -> torch.Tensor:
+    """The sampler's log-probs, the trainer's where the sampler's are NaN (unscored: ratio 1 there, as TRL's)."""
+    return torch.where(torch.isnan(sampled), trainer_logps, sampled)
+
+
+class RolloutCorrector:
+    """One run's rollout correction. `settings` after validation; `policy_loss` the run's (bypass applies the IS
+    weights to 'gpg' only); `trained_rows_only`: the zero-waste pass may leave zero-advantage rows out of the training
+    forward (bypass metrics then cover the computed rows, under `rollout_corr/trained_rows/`)."""
+
+    def __init__(self, settings: RolloutCorrectionSettings, policy_loss: str, trained_rows_only: bool = False):
+        self.settings = settings
+        self.options = settings.options()
+        self.weights_in_loss = settings.decoupled or policy_loss == POLICY_GRADIENT
+        self.prefix = TRAINED_ROWS_PREFIX if settings.bypass and trained_rows_only else METRIC_PREFIX
+        # The names the correction reports with these settings (they depend on nothing else): bypass logs them from
+        # every process in the same order, NaN where a process had nothing to judge.
+        one = torch.zeros(1, 1)
+        self.metric_names = tuple(rollout_correction(one, one, torch.ones(1, 1), **self.options).metrics)
+
+    @property
+    def active(self) -> bool:
+        return self.settings.active
+
+    @property
+    def bypass(self) -> bool:
+        return self.settings.bypass
+
+    @property
+    def decoupled(self) -> bool:
+        return self.settings.decoupled
+
+    # ---- decoupled: once per generation batch ---------------------------------------------------------------------
+
+    def correct_generation_batch(
+        self,
+        output: dict[str, Any],
+        old_logps_pass: Callable[[], torch.Tensor],
+        gather_rows: Callable[[torch.Tensor], torch.Tensor],
+        process_index: int,
+        count_tokens: Callable[[torch.Tensor], torch.Tensor],
+        metrics: dict[str, list],
+    ) -> dict[str, Any]:
+        """Decoupled mode: the generation batch with the old log-probs (TRL's, else `old_logps_pass()`), the IS
+        weights and the mask after rejection, computed over every process's rows (`gather_rows` pads a (B, T) tensor
+        across processes and stacks them; this process's rows follow `process_index`); the metrics appended to
+        `metrics`. `count_tokens(mask)` is TRL's `num_items_in_batch` for a loss mask."""
+        sampled = sampler_logps(output)
+        old = output.get("old_per_token_logps")
+        old = old_logps_pass() if old is None else old
+        mask = output["completion_mask"] * output.get("tool_mask", 1)
+        rollout = where_known(sampled, old)
+        every_old, every_rollout, every_mask = gather_rows(old), gather_rows(rollout), gather_rows(mask)
+        output = {**output, "old_per_token_logps": old}
+        if not bool(every_mask.any()):  # no completion token anywhere: nothing to correct or measure
+            return output
+        result = rollout_correction(every_old, every_rollout, every_mask, **self.options)
+        rows, width = slice(process_index * mask.shape[0], (process_index + 1) * mask.shape[0]), mask.shape[1]
+        if result.weights is not None:
+            output[WEIGHTS_KEY] = result.weights[rows, :width]
+        if self.settings.rollout_rs is not None:
+            corrected = result.response_mask[rows, :width]
+            output[MASK_KEY] = corrected
+            output["num_items_in_batch"] = count_tokens(corrected)
+        for name, value in result.metrics.items():
+            metrics[name].append(value)
+        return output
+
+    # ---- in the loss: every micro-batch -------------------------------------------------------------------------
+
+    def loss_inputs(
+        self,
+        logps: torch.Tensor,
+        inputs: Mapping[str, Any],
+        mask: torch.Tensor,
+        computed_rows: torch.Tensor | None,
+        reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+        metrics: dict[str, list],
+    ) -> LossInputs:
+        """The micro-batch's old log-probs, IS weights and loss mask. Decoupled: read from the generation batch.
+        Bypass: the sampler's log-probs are the old ones; the correction compares them with `logps` (detached) over
+        the `computed_rows` (None: every row), its mask replacing theirs, its weights applied to 'gpg'; metrics
+        averaged over processes with `reduce_sum` (called the same number of times on every process)."""
+        if self.decoupled:
+            old = inputs.get("old_per_token_logps")
+            old = logps.detach() if old is None else old
+            return LossInputs(old, inputs.get(WEIGHTS_KEY), inputs.get(MASK_KEY, mask))
+        current = logps.detach()
+        old = where_known(sampler_logps(inputs), current)
+        judged = mask if computed_rows is None else mask * computed_rows.unsqueeze(1).to(mask.dtype)
+        normalize = self.settings.rollout_is_batch_normalize and self.settings.rollout_is is not None
+        if not bool(judged.any()):  # nothing to judge here; other processes may still reduce (kept in step)
+            if normalize:
+                zero = torch.zeros((), device=logps.device)
+                reduce_sum(zero), reduce_sum(zero)
+            self._log_mean(dict.fromkeys(self.metric_names, math.nan), reduce_sum, metrics, logps.device)
+            return LossInputs(old, None, mask)
+        result = rollout_correction(
+            current, old, judged, **self.options, all_reduce_sum=reduce_sum if normalize else None
+        )
+        corrected = result.response_mask
+        if computed_rows is not None:  # rows left out of the forward keep their mask (their advantage is 0)
+            corrected = torch.where(computed_rows.unsqueeze(1), corrected, mask)
+        self._log_mean(result.metrics, reduce_sum, metrics, logps.device)
+        return LossInputs(old, result.weights if self.weights_in_loss else None, corrected)
+
+    def _log_mean(
+        self, values: dict[str, float], reduce_sum: Callable, metrics: dict[str, list], device: torch.device
+    ) -> None:
+        """Append each value's mean over the processes that know it (NaN: unknown here) under this run's prefix."""
+        names = self.metric_names
+        known = torch.tensor([values[name] for name in names], dtype=torch.float32)
+        totals = torch.stack([torch.nan_to_num(known, nan=0.0), (~torch.isnan(known)).to(known.dtype)])
+        total, count = reduce_sum(totals.to(device)).tolist()
+        for name, value, weight in zip(names, total, count, strict=True):
+            metrics[self.prefix + name.removeprefix(METRIC_PREFIX)].append(value / weight if weight else math.nan)
