@@ -18,7 +18,7 @@ $(PY):
 
 # Every package at the version in $(LOCK), whatever PyPI holds today: the README's two commands do the same on any day.
 # The newest releases are tested by `make test-matrix-newest` (CI), and `make lock` moves the lock to them.
-EXTRAS := test,dev,embedded,plot,docs
+EXTRAS := test,dev,embedded,plot,docs,tasks
 
 $(STAMP): $(PY) pyproject.toml $(LOCK)
 	$(PIP) install --upgrade pip
@@ -62,7 +62,7 @@ TRL_MINORS   ?= 1.14 1.15 1.16
 MATRIX_DIR   ?= .venvs
 MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_losses_parity.py tests/test_invariance.py \
                 tests/test_trainer_parity.py tests/test_train_pass_trainer.py \
-                tests/test_generation.py tests/test_savings_on.py
+                tests/test_generation.py tests/test_savings_on.py tests/test_verifiers.py
 MATRIX_ENVS  := $(addprefix trl-,$(TRL_MINORS)) oldest newest
 WHOLE_SUITE_ENVS := oldest newest
 # uv (from the dev extra) builds the environments: hard links from its cache make each one seconds, not minutes.

@@ -29,6 +29,7 @@ from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
 from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
+from .rewards.runner import REWARD_ON_ERROR, RewardRunnerSettings
 from .sampler_mismatch import PRESETS, RolloutCorrectionSettings, expand_preset
 from .sampling import DynamicSamplingSettings
 from .selective_rollout import SelectiveRolloutSettings
@@ -52,6 +53,7 @@ _SELECTIVE_DEFAULTS = SelectiveRolloutSettings()
 _DYNAMIC_DEFAULTS = DynamicSamplingSettings()
 _CLIP_COV, _KL_COV = POLICY_LOSSES.entry("clip_cov").trait(OPTIONS), POLICY_LOSSES.entry("kl_cov").trait(OPTIONS)
 _HEALTH_DEFAULTS = HealthSettings()
+_REWARD_DEFAULTS = RewardRunnerSettings()
 
 
 def validate_grpo_settings(args: trl.GRPOConfig) -> None:
@@ -451,6 +453,42 @@ class GRPOConfig(trl.GRPOConfig):
             "logged value. None turns the check off."
         },
     )
+    reward_timeout: float | None = field(
+        default=_REWARD_DEFAULTS.timeout,
+        metadata={
+            "help": "Seconds a reward function's call (one per reward function per generation batch) may take, in "
+            "worker processes (needs reward_workers >= 1). The completions not scored by then, narrowed down to "
+            "those the function stalled on, get None (no reward; the other reward functions still count) and are "
+            "counted in rewards/<name>/timeouts. None: no timeout (TRL's behaviour)."
+        },
+    )
+    reward_workers: int = field(
+        default=_REWARD_DEFAULTS.workers,
+        metadata={
+            "help": "0: reward functions are called in the trainer's process (TRL's behaviour). N > 0: each call is "
+            "split into N pieces of consecutive completions scored at once by N worker processes, so a reward that "
+            "stalls, raises or ends its process never takes the trainer with it (a dead worker is replaced). The "
+            "rewards are those of one in-process call, for functions that score each completion on its own "
+            "(reward_whole_batch names the others). Reward models and environment-owned rewards stay TRL's."
+        },
+    )
+    reward_on_error: str = field(
+        default=_REWARD_DEFAULTS.on_error,
+        metadata={
+            "help": "What a reward function's exception does: 'raise' (TRL's behaviour) or 'none': the call is narrowed "
+            "down to the completions that raise, which get None, counted in rewards/<name>/errors, with a warning the "
+            "first time. A worker that ends (os._exit, a segfault) gives its completions None either way.",
+            "choices": list(REWARD_ON_ERROR),
+        },
+    )
+    reward_whole_batch: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Names of reward functions that score a completion against the others of its batch: the reward "
+            "runner calls them on the whole batch (never split across workers, never narrowed down: a failure gives "
+            "every completion of the call None)."
+        },
+    )
     rollout_correction: str | None = field(
         default=None,
         metadata={
@@ -611,6 +649,7 @@ class PlusSettings:
     selective_rollout: bool
     selective: SelectiveRolloutSettings
     algorithms: AlgorithmSettings
+    rewards: RewardRunnerSettings
     rollout: RolloutCorrectionSettings
 
     @classmethod
@@ -634,6 +673,7 @@ class PlusSettings:
             selective_rollout=own.selective_rollout,
             selective=SelectiveRolloutSettings.from_args(own),
             algorithms=AlgorithmSettings.from_args(own, args),
+            rewards=RewardRunnerSettings.from_args(own),
             rollout=RolloutCorrectionSettings.from_args(own),
         )
 
@@ -660,3 +700,4 @@ class PlusSettings:
         self.algorithms.validate(args, trl_native)
         self.rollout.validate(args, trl_native, getattr(args, "policy_loss", self.algorithms.policy_loss))
         self.health.validate()
+        self.rewards.validate()

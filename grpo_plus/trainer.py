@@ -38,6 +38,7 @@ from .multi_turn import TurnCache
 from .objective import combine_rewards, compute_policy_loss
 from .offloading import training_step_context
 from .quantization import keep_4bit_trainable_on_cpu
+from .rewards.runner import RewardRunner, RewardRunnerSettings
 from .sampler_mismatch import (
     OnPolicyCorrection,
     RolloutCorrector,
@@ -79,8 +80,15 @@ class GRPOTrainer(trl.GRPOTrainer):
             validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
             if (reason := sleep_mode_blocker(args)) is not None:  # before TRL loads the model and starts vLLM
                 raise ValueError(reason)
-        with engine_precision(args):  # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes")
-            super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        # Before TRL loads the model: the reward workers fork from a process that holds little (grpo_plus.rewards)
+        settings = PlusSettings.from_args(args).rewards if args is not None else RewardRunnerSettings()
+        self._reward_runner = RewardRunner(settings, reward_funcs)
+        try:
+            with engine_precision(args):  # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes")
+                super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+        except BaseException:
+            self._reward_runner.close()
+            raise
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
         unavailable = logps_unavailable_reason(self.accelerator.device.type)
         if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
@@ -107,6 +115,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._selective_draw = None  # the draw whose completions are being generated and scored
         self._turn_cache: TurnCache | None = None  # the caches of a round's tool turns (grpo_plus.multi_turn)
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
+        self.reward_funcs = self._reward_runner.wrap(self.reward_funcs, self.reward_func_names)
         if self.plus.overlong_buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
             self._add_reward(punishment, weight=self.plus.overlong_penalty)
@@ -152,19 +161,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _sync_weights_checked(self) -> None:
         """Every sync into the colocated engine through vLLM's reload, checked as `vllm_sync_check` says (grpo_plus.engine:
-        the probe's forward runs on the whole model, under the trainer's autocast; with one process and one engine
-        rank, while the weights stream)."""
+        the probe's forward runs on the whole model, under the trainer's autocast, after the stream)."""
         reload_on_sync(
             self.vllm_generation,
             sync_check=self.plus.vllm.sync_check,
             inference=functools.partial(whole_model_for_generation, self.model, self, gather=True),
             autocast=self.accelerator.autocast,
             on_receipt=self._log_sync_receipt,
-            # beside the stream only where nothing is gathered (DeepSpeed / FSDP keep per-parameter state) and one
-            # process, one engine rank run: nothing waits on a collective
-            overlap_check=self.accelerator.num_processes == 1
-            and self.args.vllm_tensor_parallel_size == 1
-            and not (self.is_deepspeed_enabled or self.is_fsdp_enabled),
         )
 
     def _log_sync_receipt(self, receipt: SyncReceipt) -> None:
@@ -194,6 +197,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         except (Exception, KeyboardInterrupt):
             self._crash_checkpoint.save()
             raise
+        finally:
+            self._reward_runner.stop_workers()  # a later evaluate() or train() forks them again
         self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
         return output
 
@@ -223,6 +228,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers the rewards of all processes here; keep them so our normalizer sees every group whole.
         self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # the reward runner's rewards/<name>/timeouts, /errors, /seconds, from every process (grpo_plus.rewards)
+        sink = self._metrics["train" if self.model.training else "eval"]
+        self._reward_runner.log_metrics(sink, self.accelerator.gather, self.accelerator.device)
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import trl.trainer.utils as trl_utils
 from packaging.version import Version
 from trl.models import unwrap_model_for_generation
 from trl.models.utils import disable_gradient_checkpointing
-from trl.rewards import get_soft_overlong_punishment
+from trl.rewards import get_soft_overlong_punishment, think_format_reward
 from trl.trainer.utils import is_async_callable, nanmax, nanmin, split_tensor_dict, use_adapter
 
 __all__ = [
@@ -47,6 +47,8 @@ __all__ = [
     "TRL_SCALE_REWARDS",
     "TRL_SAMPLER_METRICS",
     "TRL_SEQUENCE_SAMPLER_MODES",
+    "TRL_ACCURACY_REWARD",
+    "TRL_SHARED_REWARD_KWARGS",
     "trl_sampler_correction_changes",
     "trl_sampler_correction_off",
     "trl_sampler_metric_values",
@@ -61,11 +63,13 @@ __all__ = [
     "colocate_distribution",
     "vllm_engine_factory",
     "get_soft_overlong_punishment",
+    "think_format_reward",
     "has_fused_lm_head",
     "ignore_renames_trl_still_uses",
     "is_async_callable",
     "is_tested_trl_version",
     "logps_unavailable_reason",
+    "reward_call_problem",
     "uses_continuous_batching",
     "CAPABILITY_FLOORS",
     "SAVING_VERSION_FLOORS",
@@ -254,6 +258,8 @@ class HookedMethod:
 HOOKED_METHODS = (
     HookedMethod("_compute_loss", ("model", "inputs")),
     HookedMethod("_prepare_inputs", ("generation_batch",)),
+    # The reward runner (grpo_plus.rewards.runner) also relies on how it calls each reward function: see
+    # TRL_SHARED_REWARD_KWARGS and reward_call_problem.
     HookedMethod("_calculate_rewards", ("inputs", "prompts", "completions", "completion_ids_list")),
     HookedMethod("_generate_and_score_completions", ("inputs",)),
     # 1.14.0: (..., multimodal_fields, has_tool_images=False); 1.14.2+: (..., multimodal_fields, num_generations,
@@ -600,6 +606,41 @@ def agentic_unavailable_reason(*, environments: bool = False) -> str | None:
     return version_gap("environment_factory" if environments else "tools")
 
 
+# How TRL 1.14-1.16's `_calculate_rewards` calls a reward function, which the reward runner splits by completion: by
+# keyword, `prompts`, `completions`, `completion_ids` and every other key of its `reward_kwargs` a list with one item
+# per completion (the dataset columns, and `environments` with an environment_factory), except these, which it sets
+# once for the call: the trainer state, and the two logging functions (`log_extra(column, values)` with one value
+# per completion, `log_metric(name, value)` with one value for the call), which the runner calls in the trainer's
+# process with what a worker recorded.
+TRL_SHARED_REWARD_KWARGS = ("trainer_state", "log_extra", "log_metric")
+_TRL_PER_COMPLETION_REWARD_KWARGS = ("environments",)
+
+
+@functools.cache
+def reward_call_problem() -> str | None:
+    """Why the reward runner cannot split this TRL's reward calls by completion, or None: every key that
+    `_calculate_rewards` sets in its `reward_kwargs` (besides the dataset columns) must be one it knows, shared by the
+    call (TRL_SHARED_REWARD_KWARGS) or one item per completion (`environments`), read from TRL's own source."""
+    tree = _method_tree(trl.GRPOTrainer._calculate_rewards)
+    keys = {
+        target.slice.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Subscript)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "reward_kwargs"
+        and isinstance(target.slice, ast.Constant)
+    }
+    unknown = sorted(keys - {*TRL_SHARED_REWARD_KWARGS, *_TRL_PER_COMPLETION_REWARD_KWARGS})
+    if unknown:
+        return (
+            f"TRL {trl.__version__}'s _calculate_rewards passes reward functions {', '.join(unknown)}, which the reward "
+            "runner does not know how to split by completion"
+        )
+    return None
+
+
 def completion_eos_token_ids(trainer) -> list[int]:
     """The token ids that end a completion in TRL's generation.
 
@@ -787,3 +828,12 @@ def vllm_engine_factory():
     import importlib
 
     return importlib.import_module(VLLM_ENGINE_MODULE), VLLM_ENGINE_FACTORY
+
+
+# ---- reward functions (`trl.rewards`, the same in 1.14.0-1.16.0) ----------------------------------------------------
+# `accuracy_reward(completions, solution, log_extra=None, **kwargs)` gives math-verify its signal-based timeouts
+# (10 s per parse, 5 s per comparison) only on the main thread; on any other it runs with none (a pathological answer
+# hangs the call). grpo_plus.rewards.accuracy_reward calls it where they work: the caller's main thread, or a helper
+# process's, which imports it by this path (importing grpo_plus there would cost seconds). It logs "solution",
+# "gold_parsed" and "answer_parsed" through `log_extra`.
+TRL_ACCURACY_REWARD = "trl.rewards:accuracy_reward"

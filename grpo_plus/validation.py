@@ -95,19 +95,24 @@ class GuardedReward:
     own code call them with other arguments), and checks the output against the completions only where
     `completions` was passed. `__wrapped__` makes `inspect.signature` read the function's own signature."""
 
-    def __init__(self, func: Callable[..., Any], name: str):
+    def __init__(self, func: Callable[..., Any], name: str, warn_non_finite: bool = True):
         self.func, self.__wrapped__, self.__name__ = func, func, name
-        self._warned_non_finite = False
+        self._warned_non_finite = not warn_non_finite  # the reward runner's workers leave the warning to the trainer
 
     def __call__(self, *args, **kwargs):
-        completions = kwargs.get("completions")
         try:
             rewards = self.func(*args, **kwargs)
         except Exception as error:
-            raise _keeping_type(error, self._context(error, completions, kwargs)) from error.__cause__
+            raise self.failure(error, kwargs) from error.__cause__
         if "completions" not in kwargs:  # not a scoring call of TRL's: there is no count to check against
             return rewards
-        return self._check(rewards, completions)
+        return self.check_output(rewards, kwargs["completions"])
+
+    def failure(self, error: Exception, kwargs: Mapping[str, Any]) -> Exception:
+        """`error`, raised by the function called with `kwargs`, as this wrapper raises it: its own type and
+        RewardFunctionError, with a note naming the function and the first completion."""
+        completions = kwargs.get("completions")
+        return _keeping_type(error, self._context(error, completions, kwargs))
 
     def _context(self, error: Exception, completions, kwargs) -> str:
         columns = sorted(k for k in kwargs if k not in _NOT_DATASET_COLUMNS)
@@ -118,7 +123,7 @@ class GuardedReward:
             f"{', '.join(columns)} (every dataset column is passed; accept **kwargs for the ones you do not use)."
         )
 
-    def _check(self, rewards: Any, completions: Sequence[Any] | None) -> Any:
+    def check_output(self, rewards: Any, completions: Sequence[Any] | None) -> Any:
         """`rewards` as TRL will read them (an iterator, which TRL reads once, as a list); raises what TRL cannot
         turn into one number (or None) per completion."""
         expected = len(completions or [])

@@ -64,6 +64,10 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "vllm_quantization",
         "vllm_dtype",
         "vllm_sync_check",
+        "reward_timeout",
+        "reward_workers",
+        "reward_on_error",
+        "reward_whole_batch",
         "rollout_correction",
         "rollout_is",
         "rollout_is_threshold",
@@ -104,6 +108,15 @@ def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
         (dict(vllm_quantization="bitsandbytes"), "vllm_quantization='bitsandbytes' is not allowed"),
         (dict(vllm_dtype="fp32"), "vllm_dtype='fp32' is not allowed"),
         (dict(vllm_sync_check="always"), "vllm_sync_check='always' is not allowed"),
+        (dict(reward_workers=-1), "reward_workers=-1 is not allowed"),
+        (dict(reward_workers=2, reward_timeout=0), "reward_timeout=0 is not allowed"),
+        (dict(reward_workers=2, reward_timeout=float("inf")), "reward_timeout=inf is not allowed"),
+        (
+            dict(reward_on_error="skip"),
+            "reward_on_error='skip' is not allowed: reward_on_error must be one of 'raise'",
+        ),
+        # a thread cannot be killed: a timeout needs worker processes
+        (dict(reward_timeout=5), "reward_timeout=5 needs reward_workers >= 1"),
         # what TRL itself fails on (TRL 1.16: its sampler's negative length; torch.quantile's q = 1.5)
         (dict(num_iterations=-1), "num_iterations=-1 is not allowed"),
         (dict(top_entropy_quantile=-0.5), "top_entropy_quantile=-0.5 is not allowed"),
@@ -243,6 +256,8 @@ def test_values_trl_accepts_warn_once_and_build(tiny_model_dir, tmp_path, kwargs
         (dict(max_steps=2.5), "max_steps=2.5 is not allowed: max_steps must be an integer, not a float"),
         (dict(use_cpu="false"), "use_cpu='false' is not allowed: use_cpu must be true or false, not a str"),
         (dict(epsilon_high={"low": 1}), "epsilon_high must be a number or null/None, not a dict"),
+        (dict(reward_workers=1.5), "reward_workers=1.5 is not allowed: reward_workers must be an integer"),
+        (dict(reward_timeout=[5]), "reward_timeout must be a number or null/None, not a list"),
     ],
 )
 def test_a_value_of_the_wrong_type_names_the_field(tmp_path, kwargs, fragment):
@@ -286,6 +301,7 @@ def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_c
         "algorithms",
         "health",
         "vllm",
+        "rewards",
         "rollout",
     }
     read |= {f"vllm_{f.name}" for f in dataclasses.fields(settings.vllm)}
@@ -297,4 +313,5 @@ def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_c
         assert chosen.algorithms.policy_loss_options == {k: v for k, v in options.items() if k.startswith(loss)}
         read |= set(chosen.algorithms.policy_loss_options)
     read |= {f"health_{f.name}" for f in dataclasses.fields(settings.health)}
+    read |= {f"reward_{f.name}" for f in dataclasses.fields(settings.rewards)}
     assert own == read, f"GRPOConfig fields PlusSettings does not read: {own - read}; unknown: {read - own}"

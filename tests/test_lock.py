@@ -18,7 +18,7 @@ VLLM_LOCK = ROOT / "constraints-vllm.txt"  # .venvs/vllm's (make test-vllm): vll
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 INSTALLED_SEPARATELY = {"torch"}  # TORCH_SPEC: the machine's own build
 # The extras each environment installs (the Makefile's EXTRAS, and the vLLM environment's).
-LOCKED_EXTRAS = {LOCK: ("test", "dev", "embedded", "plot", "docs"), VLLM_LOCK: ("test", "embedded")}
+LOCKED_EXTRAS = {LOCK: ("test", "dev", "embedded", "plot", "docs", "tasks"), VLLM_LOCK: ("test", "embedded")}
 
 
 def locked(lock: Path = LOCK) -> dict[str, str]:

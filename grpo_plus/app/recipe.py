@@ -16,12 +16,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import yaml
 from trl import ModelConfig, TrlParser
 
+from .. import rewards
 from ..checkpoints import CheckpointError, hub_id_of, public_model_name, register_hub_id
 from ..config import GRPOConfig, field_type_problem
 from ..plugins import PluginError, import_user_module
 from ..registry import quoted_with_hint
 from ..validation import check_dataset
-from . import tasks
+from . import real_tasks, tasks
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
 from .vlm import IMAGE_LEVELS, make_image_dataset
 
@@ -30,10 +31,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# "correctness" and "format" are the task's own (real_tasks.task_rewards: the built-in arithmetic's, or the verifier
+# and format reward of a GSM8K / MATH / reasoning-gym dataset); the others name grpo_plus.rewards functions.
 BUILTIN_REWARDS: dict[str, Callable[..., list[float]]] = {
     "correctness": tasks.correctness_reward,
     "format": tasks.format_reward,
+    "accuracy": rewards.accuracy_reward,
+    "gsm8k_accuracy": rewards.gsm8k_accuracy_reward,
+    "reasoning_gym": rewards.reasoning_gym_reward,
+    "think_format": rewards.think_format_reward,
+    "think_answer_format": rewards.think_answer_format_reward,
+    "answer_format": rewards.answer_format_reward,
+    "gsm8k_format": rewards.gsm8k_format_reward,
+    "boxed_format": rewards.boxed_format_reward,
 }
+TASK_REWARDS = ("correctness", "format")
 
 
 @dataclass
@@ -47,21 +59,41 @@ class ScriptArguments:
             f"images ({', '.join(IMAGE_LEVELS)})."
         },
     )
-    task_train_size: int | None = field(default=None, metadata={"help": "Training problems (default: all, max 256)."})
-    task_eval_size: int | None = field(default=None, metadata={"help": "Held-out problems (default: all, max 64)."})
-    task_seed: int = field(default=0, metadata={"help": "Seed of the generated problems."})
+    task_train_size: int | None = field(
+        default=None,
+        metadata={"help": "Training problems (the built-in and reasoning-gym tasks: default 256; a dataset: all)."},
+    )
+    task_eval_size: int | None = field(
+        default=None,
+        metadata={"help": "Held-out problems (the built-in and reasoning-gym tasks: default 64; a dataset: all)."},
+    )
+    task_seed: int = field(default=0, metadata={"help": "Seed of the generated problems (and of a held-out draw)."})
     dataset_name: str | None = field(
         default=None,
-        metadata={"help": "Your own dataset (hub id or local path, for datasets.load_dataset) instead of the task."},
+        metadata={
+            "help": "A dataset instead of the built-in task: a hub id, a local folder or file (.json, .jsonl, "
+            ".parquet, .csv) in TRL's, GSM8K's or MATH's format, or reasoning-gym:<task> (generated locally)."
+        },
     )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset config name."})
+    dataset_config: str | None = field(
+        default=None,
+        metadata={"help": "Dataset config name; for reasoning-gym:<task>, its config as field=value,field=value."},
+    )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str | None = field(
-        default=None, metadata={"help": "Held-out split (needs an 'answer' column for the accuracy report)."}
+        default=None,
+        metadata={
+            "help": "Held-out split (default for GSM8K / MATH data: 'test' if there is one, else rows held out of "
+            "train; a TRL-format dataset needs an 'answer' column for the accuracy report)."
+        },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["correctness", "format"],
-        metadata={"help": "Reward functions: built-in names (correctness, format) or 'package.module:function'."},
+        metadata={
+            "help": "Reward functions: correctness and format (the task's own verifier and format reward), other "
+            f"built-in names ({', '.join(n for n in BUILTIN_REWARDS if n not in TASK_REWARDS)}) or "
+            "'package.module:function' (e.g. trl.rewards:think_format_reward)."
+        },
     )
     eval_before_after: bool = field(default=True, metadata={"help": "Held-out greedy eval before and after."})
     eval_max_new_tokens: int = field(default=24, metadata={"help": "Token budget of the held-out eval."})
@@ -227,17 +259,21 @@ def load_tokenizer(model_args: ModelConfig) -> tuple[str, Any]:
 def load_data_and_rewards(args: ScriptArguments):
     """(train dataset, held-out dataset or None, reward functions), or exit with the reason."""
     try:
-        return (*load_datasets(args), resolve_reward_funcs(args.reward_funcs))
+        train, test = load_datasets(args)
+        return train, test, resolve_reward_funcs(args.reward_funcs, train)
     except ValueError as error:
         fail(str(error))
 
 
-def resolve_reward_funcs(names: list[str]) -> list[Callable[..., list[float]]]:
-    """Built-in reward names or 'module:function' references -> callables."""
+def resolve_reward_funcs(names: list[str], dataset=None) -> list[Callable[..., list[float]]]:
+    """Built-in reward names or 'module:function' references -> callables. With the training `dataset`, "correctness"
+    and "format" are its format's verifier and format reward (real_tasks.task_rewards); without, the built-in
+    task's."""
+    task_funcs = dict(zip(TASK_REWARDS, real_tasks.task_rewards(dataset), strict=True)) if dataset is not None else {}
     funcs = []
     for name in names:
         if name in BUILTIN_REWARDS:
-            funcs.append(BUILTIN_REWARDS[name])
+            funcs.append(task_funcs.get(name, BUILTIN_REWARDS[name]))
             continue
         module_name, _, attr = name.partition(":")
         if not attr:
@@ -253,7 +289,8 @@ def resolve_reward_funcs(names: list[str]) -> list[Callable[..., list[float]]]:
 
 
 def load_datasets(args: ScriptArguments):
-    """(train, held-out or None): the built-in task, or the user's dataset with its 'prompt' column checked."""
+    """(train, held-out or None): the built-in task, a reasoning-gym task, or the user's dataset in one of the formats
+    real_tasks reads (a GSM8K / MATH one gets prompts and a held-out split), its 'prompt' column checked."""
     if args.dataset_name is None and args.task_level in IMAGE_LEVELS:
         sizes = dict(level=args.task_level, seed=args.task_seed, image_size=args.image_size)
         train = make_image_dataset("train", size=args.task_train_size, **sizes)
@@ -262,20 +299,36 @@ def load_datasets(args: ScriptArguments):
         train = tasks.make_dataset("train", args.task_level, size=args.task_train_size, seed=args.task_seed)
         test = tasks.make_dataset("test", args.task_level, size=args.task_eval_size, seed=args.task_seed)
         return train, test
-    from datasets import load_dataset
-
-    try:
-        loaded = load_dataset(args.dataset_name, args.dataset_config)
-    except Exception as error:  # datasets raises many types, and a bare StopIteration for an empty JSON Lines file
-        reason = str(error) or f"{type(error).__name__} (is a data file empty?)"
-        raise ValueError(f"cannot load dataset {args.dataset_name!r}: {reason}") from error
-    splits = [args.dataset_train_split, *([args.dataset_test_split] if args.dataset_test_split else [])]
-    for split in splits:
+    if real_tasks.is_reasoning_gym(args.dataset_name):
+        return real_tasks.reasoning_gym_datasets(
+            args.dataset_name, args.dataset_config, args.task_train_size, args.task_eval_size, args.task_seed
+        )
+    loaded = real_tasks.load_dataset_dict(args.dataset_name, args.dataset_config)
+    for split in [args.dataset_train_split, *([args.dataset_test_split] if args.dataset_test_split else [])]:
         if split not in loaded:
             raise ValueError(f"{args.dataset_name} has no split {split!r}; it has {sorted(loaded)}.")
-        check_dataset(loaded[split], name=f"{args.dataset_name}[{split!r}]")
-    test = loaded[args.dataset_test_split] if args.dataset_test_split else None
-    return loaded[args.dataset_train_split], test
+    train_name = f"{args.dataset_name}[{args.dataset_train_split!r}]"
+    check_dataset(loaded[args.dataset_train_split], name=train_name, prompt_required=False)  # empty: one line
+    fmt = real_tasks.data_format(loaded[args.dataset_train_split], name=train_name)
+    if fmt.name == "trl":
+        train = loaded[args.dataset_train_split]
+        test = loaded[args.dataset_test_split] if args.dataset_test_split else None
+    else:
+        splits = {"train": loaded[args.dataset_train_split], **{k: v for k, v in loaded.items() if k == "test"}}
+        if args.dataset_test_split:
+            splits[args.dataset_test_split] = loaded[args.dataset_test_split]
+        train, test, source = real_tasks.held_out_split(
+            splits, args.dataset_test_split, args.task_eval_size, args.task_seed
+        )
+        logger.info("%s: %s format, held-out rows from %s", args.dataset_name, fmt.name, source)
+        train, test = real_tasks.with_prompts(train, fmt), None if test is None else real_tasks.with_prompts(test, fmt)
+    train = train.select(range(min(args.task_train_size, len(train)))) if args.task_train_size else train
+    if test is not None and args.task_eval_size is not None:
+        test = test.select(range(min(args.task_eval_size, len(test))))
+    check_dataset(train, name=train_name)
+    if test is not None:
+        check_dataset(test, name=f"{args.dataset_name}[held-out]")
+    return train, test
 
 
 @contextlib.contextmanager
@@ -376,14 +429,21 @@ def evaluate_held_out(
 ) -> dict[str, Any] | None:
     """Greedy held-out accuracy / format rate, when there is a held-out set with answers. Pass the trainer after
     training: under DeepSpeed ZeRO-3 its engine's weight shards are gathered for generation (every rank evaluates)."""
-    if not args.eval_before_after or dataset is None or "answer" not in dataset.column_names:
+    scorers = None if dataset is None else real_tasks.evaluation_rewards(dataset)
+    if not args.eval_before_after or scorers is None:
         return None
     from ..distributed import whole_model_for_generation
 
     print(f"\nHeld-out evaluation {label} training ({len(dataset)} prompts, greedy):", flush=True)
     with whole_model_for_generation(model, trainer) as whole_model:
         result = tasks.evaluate(
-            whole_model, tokenizer, dataset, batch_size=args.eval_batch_size, max_new_tokens=args.eval_max_new_tokens
+            whole_model,
+            tokenizer,
+            dataset,
+            batch_size=args.eval_batch_size,
+            max_new_tokens=args.eval_max_new_tokens,
+            correctness=scorers[0],
+            format=scorers[1],
         )
     return {k: v for k, v in result.items() if k != "completions"}
 
@@ -414,6 +474,9 @@ def held_out_accuracy(before: dict[str, Any] | None, after: dict[str, Any] | Non
 def task_description(args: ScriptArguments) -> dict[str, Any] | str:
     """What the model card says the run trained on."""
     if args.dataset_name is not None:
+        described = real_tasks.describe(args)
+        if described is not None:
+            return described
         return f"dataset {args.dataset_name} (train split {args.dataset_train_split!r}), rewards {args.reward_funcs}"
     if args.task_level in IMAGE_LEVELS:
         return {

@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..rewards.verifiers import NUMBER
+
 ANSWER_PREFIX = "The answer is"
 INSTRUCTION = f'Show the calculation, then end your reply with "{ANSWER_PREFIX} <number>."'
 # None keeps the model's own default system prompt (SmolLM2's chat template adds one).
@@ -32,9 +34,9 @@ DEFAULT_SIZES = {"train": 256, "test": 64}
 # Consecutive rejected draws after which a split's pool of distinct questions counts as exhausted.
 _MAX_MISSES = 20_000
 
-# A number as the model writes it: a sign only when it is not a binary minus ("9-4" is 9 and 4), optional
-# thousands commas, optional decimals. A sentence's final period is not a decimal point.
-_NUMBER = re.compile(r"(?:(?<![\w.-])-)?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+# A number as the model writes it (the verifiers' reading: a sign only when it is not a binary minus, thousands commas,
+# decimals; a sentence's final period is not a decimal point).
+_NUMBER = NUMBER
 _BARE_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?\.?")
 # "3 + 4 = 7", "12 - 5 = 7", "2 + 3 + 4 = 9": numbers joined by operators, then "=" and a number.
 _CALCULATION = re.compile(r"\d\s*(?:[-+*/×−]\s*\d[\d,]*\s*)+=\s*-?\d")
@@ -311,14 +313,23 @@ def evaluate(
     progress: bool = True,
     return_completions: bool = False,
     zero_waste: bool = True,
+    correctness: Callable[..., list] | None = None,
+    format: Callable[..., list] | None = None,
 ) -> dict[str, Any]:
-    """Greedy accuracy and format rate of `model` on `dataset` ("prompt" + "answer" columns), in batches.
+    """Greedy accuracy and format rate of `model` on `dataset` (a "prompt" column and what the rewards read), in
+    batches.
 
-    `zero_waste`: replies that ended leave the decode batch (grpo_plus.generation; the same replies as
-    `model.generate`, which runs when it is False or the model is not a transformers model)."""
+    `correctness` / `format`: TRL reward functions scoring the replies (default: this task's `correctness_reward` on
+    the "answer" column and `format_reward`); they get the dataset's other columns as keywords, as in training, and
+    replies to chat prompts as [{"role": "assistant", "content": ...}]. Accuracy: the share of replies `correctness`
+    gives full marks (1.0) among those it scores (None: unscorable, left out). `zero_waste`: replies that ended leave
+    the decode batch (grpo_plus.generation; the same replies as `model.generate`, which runs when it is False or the
+    model is not a transformers model)."""
     from tqdm.auto import tqdm
 
-    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    correctness, format = correctness or correctness_reward, format or format_reward
+    prompts = list(dataset["prompt"])
+    columns = {name: list(dataset[name]) for name in dataset.column_names if name != "prompt"}
     if not prompts:
         raise ValueError("evaluate() got an empty dataset.")
     completions: list[str] = []
@@ -336,10 +347,13 @@ def evaluate(
     finally:
         model.train(was_training)
         tokenizer.padding_side, tokenizer.pad_token = padding_side, pad_token
-    correct = correctness_reward(completions, answers)
-    formats = format_reward(completions)
+    replies = (
+        completions if isinstance(prompts[0], str) else [[{"role": "assistant", "content": c}] for c in completions]
+    )
+    correct = [score for score in correctness(completions=replies, **columns) if score is not None]
+    formats = format(completions=replies, **columns)
     result: dict[str, Any] = {
-        "accuracy": sum(correct) / len(correct),
+        "accuracy": sum(score == 1.0 for score in correct) / max(1, len(correct)),
         "format_rate": sum(f == 1.0 for f in formats) / len(formats),
         "format_reward": sum(formats) / len(formats),
         "n": len(correct),

@@ -50,13 +50,11 @@ def reload_on_sync(
     inference: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
     autocast: Callable[[], AbstractContextManager] = nullcontext,
     on_receipt: Callable[[SyncReceipt], None] | None = None,
-    overlap_check: bool = False,
 ) -> SyncLog | None:
     """Make TRL's `VLLMGeneration` (colocate mode) load every weight sync through `layerwise_reload`, a LoRA model's
     weights merged out of place (`lora_stream.LoraWeightStream`), and check syncs as `sync_check` says ("every",
-    "first", "off": `receipt.SyncChecker`, the trainer's model run as `inference` yields it under `autocast`, its side
-    of the check computed while the weights stream where `overlap_check` and the stream only reads them, each receipt
-    handed to `on_receipt`); returns the sync's log (None in server mode).
+    "first", "off": `receipt.SyncChecker`, the trainer's model run as `inference` yields it under `autocast`, each
+    receipt handed to `on_receipt`); returns the sync's log (None in server mode).
 
     Works on stock TRL's object too (the tests give stock TRL the same sync). `lora_merge_in_place=True` keeps TRL's
     own stream for a LoRA model (merge into the base, stream, unmerge: what the benchmark and the tests compare with).
@@ -66,12 +64,8 @@ def reload_on_sync(
         return None
     if getattr(generation, "sync_log", None) is not None:
         return generation.sync_log
-    from accelerate.utils import is_peft_model
-
     lora = None if lora_merge_in_place else lora_stream(generation)
     stream = lora if lora is not None else getattr(generation, colocate_weight_stream_name())
-    # TRL's stream of a LoRA model merges the adapters into the base and unmerges them: it writes the weights
-    reads_only = lora is not None or not is_peft_model(generation.model)
     log = SyncLog()
     checker = None
     if sync_check != "off":  # (log.checker below)
@@ -79,7 +73,6 @@ def reload_on_sync(
             sync_check, generation.llm, generation.model, generation.processing_class,
             rename=generation._fix_param_name_to_vllm, inference=inference, autocast=autocast,
             wake_kv_cache=(lambda: generation.llm.wake_up(tags=["kv_cache"])) if generation.enable_sleep_mode else None,
-            overlap=overlap_check and reads_only,
         )  # fmt: skip
 
     def reloading_stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -89,8 +82,6 @@ def reload_on_sync(
         # ZeRO-3 shards that it then releases by rebinding `param.data`, which leaves the referenced tensor intact,
         # and LoRA weights merged in place, which its unmerge changes: safe only for layers complete within the
         # stream (linear layers).
-        if checker is not None:
-            checker.begin()  # the trainer's side of the check, meanwhile where it can run beside the stream
         started, sent = time.perf_counter(), 0
         record, report = StreamRecord(full=lora is None or lora.next_is_full_stream()), ReloadReport()
         with layerwise_reload(generation.llm, report):

@@ -91,3 +91,25 @@ def engine_logprobs(llm, token_ids: list[int]) -> torch.Tensor:
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     out = llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)[0]
     return torch.tensor([lp[t].logprob for t, lp in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)])
+
+
+def tiny_engine_trainer(
+    package, model_dir: str, output_dir, config: dict, base: str = "float32", lora: dict | None = None
+):
+    """`package`'s GRPOTrainer (grpo_plus or trl) on the tiny model saved at `model_dir` loaded with a `base` dtype
+    ("float32", "bfloat16", "nf4"), `odd_prompts_dead_reward` on two prompts, LoRA where `lora` gives its settings."""
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    from grpo_plus.app.testing import load_with_base
+    from helpers.models import prompt_dataset, tiny_run_kwargs
+    from helpers.rewards import odd_prompts_dead_reward
+
+    return package.GRPOTrainer(
+        model=load_with_base(model_dir, base),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        reward_funcs=[odd_prompts_dead_reward],
+        args=package.GRPOConfig(**tiny_run_kwargs(output_dir, **config)),
+        train_dataset=prompt_dataset(2),
+        peft_config=None if lora is None else LoraConfig(**lora),
+    )

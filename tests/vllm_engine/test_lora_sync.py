@@ -26,15 +26,12 @@ import traceback
 import pytest
 import torch
 import trl
-from helpers.engine import fresh_engine_logprobs, use_trl_stream
-from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
+from helpers.engine import fresh_engine_logprobs, tiny_engine_trainer, use_trl_stream
+from helpers.models import save_tiny_model
 from helpers.probes import logged
-from helpers.rewards import odd_prompts_dead_reward
-from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
-from grpo_plus.app.testing import load_with_base
 from grpo_plus.engine import layerwise_reload
 
 VLLM = dict(
@@ -67,14 +64,9 @@ def build(package, model_dir, output_dir, base: str, lora: dict, **overrides):
         # TRL keeps a 4-bit base's trainable weights in bfloat16, the LM head's copy too, which a float32 forward
         # (bf16=False) cannot multiply with: TRL's own training stops there, before any sync.
         lora = {**lora, "modules_to_save": [m for m in lora["modules_to_save"] if m != "lm_head"]}
-    args = package.GRPOConfig(**tiny_run_kwargs(output_dir, **{"loss_type": "dapo", **VLLM, **overrides}))
-    return package.GRPOTrainer(
-        model=load_with_base(model_dir, base),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        reward_funcs=[odd_prompts_dead_reward],
-        args=args,
-        train_dataset=prompt_dataset(2),
-        peft_config=LoraConfig(lora_dropout=0.0, task_type="CAUSAL_LM", **lora),
+    config = {"loss_type": "dapo", **VLLM, **overrides}
+    return tiny_engine_trainer(
+        package, model_dir, output_dir, config, base, dict(lora_dropout=0.0, task_type="CAUSAL_LM", **lora)
     )
 
 

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engine import engine_logprobs, fresh_engine_logprobs
-from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
-from helpers.rewards import odd_prompts_dead_reward
-from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from helpers.engine import engine_logprobs, fresh_engine_logprobs, tiny_engine_trainer
+from helpers.models import save_tiny_model
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 import grpo_plus
-from grpo_plus.app.testing import load_with_base
 from grpo_plus.engine import IncompleteSyncError, SyncChecker, SyncCheckError
 from grpo_plus.engine import lora_stream as lora_stream_module
 from grpo_plus.engine.lora_stream import LoraWeightStream
@@ -46,15 +43,7 @@ def model_dir(tmp_path_factory):
 
 
 def build(model_dir, output_dir, *, base="float32", lora: dict | None = None, **overrides):
-    args = grpo_plus.GRPOConfig(**tiny_run_kwargs(output_dir, **{**VLLM, **overrides}))
-    return grpo_plus.GRPOTrainer(
-        model=load_with_base(model_dir, base),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
-        reward_funcs=[odd_prompts_dead_reward],
-        args=args,
-        train_dataset=prompt_dataset(2),
-        peft_config=None if lora is None else LoraConfig(**lora),
-    )
+    return tiny_engine_trainer(grpo_plus, model_dir, output_dir, {**VLLM, **overrides}, base, lora)
 
 
 def move_trainable(model, generator: torch.Generator, scale: float = 0.02) -> None:
