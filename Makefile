@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast test-engines test-matrix lock lint format demo bench compare clean bench-memory \
-        bench-gpu test-gpu-parity gpu-wheels docs deepspeed-ops
+        bench-gpu test-gpu-parity gpu-wheels docs deepspeed-ops bench-memory-real
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -177,6 +177,13 @@ bench: $(STAMP)
 # Training-pass memory of stock TRL vs grpo_plus, counted on CPU from shapes alone (no GPU needed; ~20 min on 2 cores).
 bench-memory: $(STAMP)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) benchmarks/memory.py
+
+# Training-pass memory in real bytes: stock TRL against grpo_plus's defaults, one fresh process per configuration, peak
+# RSS on CPU (max_memory_allocated with --device cuda), the same gradient norm, fit's count beside it (docs/guide/memory.md).
+# About 30-40 min on 2 shared cores; --quick (a 2-layer hidden-128 model at L = 256) about a minute.
+BENCH_MEMORY_REAL_ARGS ?=
+bench-memory-real: $(STAMP)
+	PYTHONPATH=. HF_HUB_OFFLINE=1 $(PY) benchmarks/memory_real.py $(BENCH_MEMORY_REAL_ARGS)
 
 # On a GPU machine with only torch/transformers/peft/accelerate (no .venv, no network), the system python3 runs these
 # after the wheels from `make gpu-wheels` are installed there (README: GPU and memory). Without CUDA, bench-gpu says so

@@ -15,6 +15,11 @@ MLP per step (the checkpointed layer's recompute runs the slices, then each slic
 It applies where grad is enabled (the training forward): generation and the no-grad log-prob passes run the MLP whole,
 as TRL does. It stands aside while a dropout inside the MLP is active (LoRA dropout on its projections): masks drawn
 slice by slice are not the masks of one draw over all positions.
+
+On by default (`tiled_mlp_tokens="auto"`): a training forward of more than `AUTO_MIN_TOKENS` token positions (rows x
+sequence of one micro-batch) runs its MLPs in tiles of `AUTO_TILE_TOKENS`; a smaller one runs them whole. The threshold
+is measured (`make bench-memory-real`, docs/guide/memory.md): below it the saving is small and the extra MLP forward
+costs more than 5% of the pass; above it the step increment falls to ~0.6x stock TRL's at the same gradient.
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
+
+# The default of GRPOConfig.tiled_mlp_tokens, and what "auto" means (measured: docs/guide/memory.md).
+TILED_MLP_DEFAULT = "auto"
+AUTO_TILE_TOKENS = 4096
+AUTO_MIN_TOKENS = 16384
 
 
 def decoder_mlps(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -57,22 +67,56 @@ def note_once(reason: str) -> None:
         logger.warning("tiled_mlp_tokens: the MLP runs whole, because %s.", reason)
 
 
-class TiledMLP:
-    """The forward of one MLP, tiled over `tokens` positions at a time while grad is enabled (see the module)."""
+def note_auto_once(positions: int) -> None:
+    """Say once per process that the default turned the tiled MLP on, and why."""
+    if "auto" not in _noted:
+        _noted.add("auto")
+        logger.warning(
+            "tiled_mlp_tokens='auto': a training forward of %d token positions (> %d) runs each decoder MLP in tiles "
+            "of %d positions (same gradient up to float rounding; its MLP intermediates ~%.0fx smaller). "
+            "tiled_mlp_tokens=None turns it off, an integer sets the tile.",
+            positions, AUTO_MIN_TOKENS, AUTO_TILE_TOKENS, positions / AUTO_TILE_TOKENS,
+        )  # fmt: skip
 
-    def __init__(self, mlp: torch.nn.Module, tokens: int, on_fallback=note_once):
+
+def tile_size(setting: int | str | None) -> tuple[int, int] | None:
+    """(tile, the fewest positions a forward must have to be tiled) for a `tiled_mlp_tokens` setting, None for off:
+    an integer n tiles every forward of more than n positions in tiles of n; "auto" tiles forwards of more than
+    AUTO_MIN_TOKENS positions in tiles of AUTO_TILE_TOKENS."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        return AUTO_TILE_TOKENS, AUTO_MIN_TOKENS
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(
+            f"tiled_mlp_tokens={setting!r} is not allowed: it must be 'auto', a positive number of token positions "
+            "or None"
+        )
+    return setting, setting
+
+
+class TiledMLP:
+    """The forward of one MLP, tiled over `tokens` positions at a time while grad is enabled, for an input of more
+    than `min_positions` positions (`tokens` when not given; see the module)."""
+
+    def __init__(self, mlp: torch.nn.Module, tokens: int, on_fallback=note_once, min_positions: int | None = None,
+                 on_auto=None):  # fmt: skip
         self.mlp, self.tokens, self.on_fallback = mlp, tokens, on_fallback
+        self.min_positions = tokens if min_positions is None else min_positions
+        self.on_auto = on_auto  # called with the positions the first time a default ("auto") tiling tiles
         self.original = mlp.forward
         self.tiled_calls = 0  # forwards that ran tiled (tests count them)
 
     def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         positions = x.numel() // x.shape[-1] if x.dim() else 0
-        if args or kwargs or not torch.is_grad_enabled() or positions <= self.tokens:
+        if args or kwargs or not torch.is_grad_enabled() or positions <= max(self.tokens, self.min_positions):
             return self.original(x, *args, **kwargs)
         dropout = active_dropout(self.mlp)
         if dropout is not None:
             self.on_fallback(f"dropout is active inside the MLP ({dropout}): masks drawn slice by slice would differ")
             return self.original(x)
+        if self.on_auto is not None:
+            self.on_auto(positions)
         self.tiled_calls += 1
         flat = x.reshape(positions, x.shape[-1])
         run = functools.partial(checkpoint, self.original, use_reentrant=False, preserve_rng_state=False)
@@ -80,12 +124,18 @@ class TiledMLP:
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def tile_mlps(model: torch.nn.Module, tokens: int, on_fallback=note_once) -> list[TiledMLP]:
-    """Tile every decoder MLP of `model` (an instance attribute over its class's forward); returns the wrappers.
-    Calling it again on the same model re-tiles with the new size."""
-    if tokens < 1:
-        raise ValueError(f"tiled_mlp_tokens={tokens} is not allowed: it must be a positive number of token positions")
+def tile_mlps(model: torch.nn.Module, tokens: int | str, on_fallback=note_once) -> list[TiledMLP]:
+    """Tile every decoder MLP of `model` (an instance attribute over its class's forward) by a `tiled_mlp_tokens`
+    setting (`tile_size`); returns the wrappers. Calling it again on the same model re-tiles with the new setting."""
+    size = tile_size(tokens)
+    if size is None:
+        raise ValueError("tile_mlps needs a tiled_mlp_tokens setting that is on ('auto' or a positive integer)")
+    tile, min_positions = size
+    on_auto = note_auto_once if tokens == "auto" else None
     if not decoder_mlps(model):
+        if tokens == "auto":
+            return []  # the default stands aside quietly where there is nothing to tile
+
         on_fallback(
             f"{type(model).__name__} has no dense decoder MLP (a `mlp` of a class named *MLP beside `self_attn`)"
         )
@@ -93,10 +143,10 @@ def tile_mlps(model: torch.nn.Module, tokens: int, on_fallback=note_once) -> lis
     for _, mlp in decoder_mlps(model):
         current = mlp.__dict__.get("forward")
         if isinstance(current, TiledMLP):
-            current.tokens = tokens
+            current.tokens, current.min_positions, current.on_auto = tile, min_positions, on_auto
             wrappers.append(current)
             continue
-        wrapper = TiledMLP(mlp, tokens, on_fallback)
+        wrapper = TiledMLP(mlp, tile, on_fallback, min_positions, on_auto)
         mlp.forward = wrapper
         wrappers.append(wrapper)
     return wrappers

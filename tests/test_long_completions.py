@@ -113,6 +113,68 @@ def test_tiled_mlp_stands_aside_under_dropout_and_without_grad(caplog):
     assert all(w.tiled_calls == 1 for w in wrappers)
 
 
+def lora_qwen2(seed: int = 0):
+    """A 2-layer, hidden-64 Qwen2 (float32, random weights) with LoRA on every linear layer and gradient checkpointing."""
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(fit.known_config("tiny-qwen2"), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(**LORA))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    for name, param in model.named_parameters():  # LoRA's B starts at zero: give it values so every path carries grad
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    model.train()
+    return model
+
+
+def lora_grad_norm(model, ids: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
+    logits = model(input_ids=ids).logits
+    (logits.float().log_softmax(-1)[..., 0].mean()).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads]))), grads
+
+
+def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(caplog):
+    """The default, tiled_mlp_tokens='auto': a micro-batch forward of more than AUTO_MIN_TOKENS positions runs every
+    MLP in tiles (said once, with why), one of at most that many runs it whole; the LoRA gradient is the untiled
+    model's: norm equal to 6 significant digits, every entry within float32 rounding of the sliced products."""
+    from grpo_plus import tiled_mlp
+
+    assert grpo_plus.GRPOConfig(output_dir="unused", use_cpu=True).tiled_mlp_tokens == "auto"
+    rows, over = 8, tiled_mlp.AUTO_MIN_TOKENS // 8 + 8  # 8 rows x 2056 positions > 16384
+    ids = torch.randint(3, 500, (rows, over), generator=torch.Generator().manual_seed(0))
+    whole_norm, whole = lora_grad_norm(lora_qwen2(), ids)
+    model = lora_qwen2()
+    tiled_mlp._noted.discard("auto")
+    wrappers = tile_mlps(model, "auto")
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.tiled_mlp"):
+        tiled_norm, tiled = lora_grad_norm(model, ids)  # every layer's MLP, forward and recompute, tiled
+    assert all(w.tiled_calls > 0 for w in wrappers), "the default did not tile a long micro-batch"
+    assert caplog.text.count("tiled_mlp_tokens='auto'") == 1 and "turns it off" in caplog.text
+    assert f"{tiled_norm:.6g}" == f"{whole_norm:.6g}"
+    assert max((a - b).abs().max().item() for a, b in zip(tiled, whole, strict=True)) < 1e-6
+    calls = [w.tiled_calls for w in wrappers]
+    model.zero_grad()
+    lora_grad_norm(model, ids[:, : tiled_mlp.AUTO_MIN_TOKENS // rows])  # exactly the threshold: whole
+    assert [w.tiled_calls for w in wrappers] == calls
+
+
+def test_tiled_mlp_setting_is_checked_and_none_turns_it_off(tmp_path):
+    """'auto', a positive integer (also as the command line gives it) or None; anything else fails at construction;
+    None leaves every MLP whole."""
+    from helpers.models import tiny_run_kwargs
+
+    assert grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, tiled_mlp_tokens="4096"))  # the CLI's string
+    with pytest.raises(ConfigError, match="tiled_mlp_tokens"):
+        grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, tiled_mlp_tokens="big"))
+    with pytest.raises(ValueError, match="not allowed"):
+        tile_mlps(lora_qwen2(), -1)
+    with pytest.raises(ValueError, match="needs a tiled_mlp_tokens setting that is on"):
+        tile_mlps(lora_qwen2(), None)
+
+
 # ---- the count on a fake accelerator ----------------------------------------------------------------------------------
 
 
@@ -166,17 +228,25 @@ def test_a_tensor_made_on_the_wrong_device_fails_the_fake_pass(monkeypatch):
 
 @needs_cpu_logps
 @needs_fused_lm_head
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("side", fit.SIDES)
-def test_fake_count_equals_real_compute(side):
+def test_fake_count_equals_real_compute(side, attention):
     """At small shapes the same pass computed for real on the CPU (random weights) allocates what the fake count
-    counts, to the byte (eager attention: with sdpa the kernels differ, a CPU's own against the one CUDA would pick;
-    TRL's CPU fold in the LM head on both sides)."""
-    spec = tiny_spec(attn_implementation="eager", gradient_checkpointing=True)
+    counts, to the byte (TRL's CPU fold in the LM head on both sides; with sdpa, the count made with a CPU's attention
+    kernel, `CpuAttentionKernels`, with equal prompts: no mask). Negative control: the same sdpa pass counted with the
+    kernel CUDA picks (float32: the math path, every score materialized, or the memory-efficient one) is not the CPU's."""
+    spec = tiny_spec(attn_implementation=attention, gradient_checkpointing=True, padded_prompts=attention == "eager")
     real = fit.measure_pass(spec, side, layers=2, real=True, lm_head="cpu")
-    fake = fit.measure_pass(spec, side, layers=2, lm_head="cpu")
+    kernels: list = []
+    fake = fit.measure_pass(spec, side, layers=2, lm_head="cpu", kernels=kernels)
     assert (fake.saved, fake.after_forward, fake.forward_peak, fake.peak) == (
         real.saved, real.after_forward, real.forward_peak, real.peak,
     )  # fmt: skip
+    if attention == "sdpa":
+        assert kernels == ["flash_cpu"]
+        cuda_kernels: list = []
+        cuda_choice = fit.measure_pass(spec, side, layers=2, kernels=cuda_kernels)
+        assert "flash_cpu" not in cuda_kernels and cuda_choice.peak != real.peak
 
 
 @needs_cpu_logps

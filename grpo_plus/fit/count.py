@@ -20,6 +20,7 @@ import torch
 from ..trl_compat import cache_argument_name
 from .memory import (
     FAKE_ACCELERATOR,
+    CpuAttentionKernels,
     CudaAttentionKernels,
     MemoryCounter,
     PassMemory,
@@ -309,8 +310,10 @@ def quiet():
 @contextlib.contextmanager
 def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: str = "cuda",
              kernels: list | None = None):  # fmt: skip
-    """What a count of the training pass runs inside (grpo_plus.memory's patches)."""
-    attention = CudaAttentionKernels() if device == FAKE_ACCELERATOR else contextlib.nullcontext()
+    """What a count of the training pass runs inside (grpo_plus.memory's patches). `lm_head="cpu"` counts a CPU's LM-head
+    fold and attention kernel (what a CPU's real peak is checked against), "cuda" a GPU's."""
+    kernels_of = CpuAttentionKernels if lm_head == "cpu" else CudaAttentionKernels
+    attention = kernels_of() if device == FAKE_ACCELERATOR else contextlib.nullcontext()
     if kernels is not None and isinstance(attention, CudaAttentionKernels):
         attention.kernels = kernels
     with (

@@ -548,6 +548,26 @@ class CudaAttentionKernels:
         )  # fmt: skip
 
 
+class CpuAttentionKernels(CudaAttentionKernels):
+    """Scaled-dot-product attention on the stand-in accelerator through the kernel a CPU runs: torch's flash kernel for
+    CPUs (any float dtype, a mask taken as is), with grouped-query heads' keys and values repeated to the query's heads
+    first. What a count checked against a CPU's real peak (benchmarks/memory_real.py) must count: a CUDA card has no
+    fused float32 kernel for grouped-query heads (`CudaAttentionKernels` then takes the math path, which materializes
+    every score), a CPU does."""
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):  # fmt: skip
+        if not query.device.type == FAKE_ACCELERATOR or dropout_p:
+            return super()._attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        self._use("flash_cpu")
+        if key.shape[-3] != query.shape[-3]:
+            repeat = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
+        )[0]
+
+
 class SavedBytes:
     """`saved_tensors_hooks` adding up the distinct storages autograd saves that the counter saw allocated, as long as
     they live (a branch of the graph dropped before backward frees what it saved). Accelerator storages only."""
