@@ -304,7 +304,7 @@ class GRPOConfig(trl.GRPOConfig):
             "alive instead of the whole sequence's (e.g. 4096). Same gradient up to float rounding; one more MLP "
             "forward per step. Stands aside while a dropout inside the MLP (LoRA dropout) is active. 'auto' (the "
             f"default): tiles of {AUTO_TILE_TOKENS} for a micro-batch forward of more than {AUTO_MIN_TOKENS} token "
-            "positions (rows x sequence), where it was measured to save memory at <= 5% time; None: always whole."
+            "positions (rows x sequence), where it was measured to save memory at <= 5%% time; None: always whole."
         },
     )
     fit_check: str = field(
