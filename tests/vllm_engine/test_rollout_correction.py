@@ -80,3 +80,18 @@ def test_bypass_mode_trains_without_an_old_log_prob_pass(shared_engine, model_di
     control_forwards = ForwardLog(control.model)
     control.train()
     assert any(not call["grad"] for call in control_forwards.calls)
+
+
+def test_decoupled_mode_on_policy_runs_no_old_log_prob_pass(shared_engine, model_dir, tmp_path):
+    """One optimizer step per generation batch (gradient_accumulation_steps = steps_per_generation): the decoupled
+    correction's old log-probs are the training forward's, so besides the sync checks' probes no forward runs without
+    gradient; the weights correct the bfloat16 engine against the float32 trainer (k3 KL above 0 over the rows the
+    forward computed)."""
+    trainer = build(model_dir, tmp_path, rollout_correction="decoupled_token_is", gradient_accumulation_steps=2)
+    forwards = ForwardLog(trainer.model)
+    trainer.train()
+    probes = sum(receipt.trainer_positions for receipt in trainer.vllm_generation.sync_log.receipts)
+    assert forwards.positions - forwards.training_positions == probes
+    k3 = logged(trainer, "rollout_corr/trained_rows/k3_kl")
+    assert len(k3) == 2 and all(math.isfinite(value) and value > 0 for value in k3)
+    assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
