@@ -28,7 +28,7 @@ import torch
 import trl
 from helpers.engine import fresh_engine_logprobs, tiny_engine_trainer, use_trl_stream
 from helpers.models import save_tiny_model
-from helpers.probes import logged
+from helpers.probes import logged_sampling
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
@@ -169,7 +169,7 @@ def test_lora_and_qlora_train_four_steps_and_leave_the_base_bit_identical(shared
     assert moved > 1e-3, "training did not move the adapters: the check below proves nothing"
     assert_bit_identical(before, frozen_base(trainer.model))
     # the sampled tokens' log-probs, engine against trainer, at the bfloat16 engine's scale (measured: <= 1.3e-3)
-    assert max(logged(trainer, "sampling/sampling_logp_difference/mean")) < 3e-3
+    assert max(logged_sampling(trainer, "sampling/sampling_logp_difference/mean")) < 3e-3
     trainer.vllm_generation.sync_weights()  # the engine on the weights of the last step
     ids = probe_ids(model_dir)
     synced = engine_logps(trainer.vllm_generation.llm, ids)
