@@ -31,6 +31,7 @@ The JSON goes beside the docs' table (docs/guide/results/vllm.json). Target (iss
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -125,9 +126,11 @@ def main() -> None:
         side["no_grad_positions"] -= probes[name] / len(side["losses"])
     report["demo_vllm"] = result
     trl_side, ours = result["trl"], result["ours"]
-    # grpo_plus's over the rows its training forward computed where it left dead rows out (on-policy: no pass)
+    # grpo_plus's over the rows its training forward computed where it left dead rows out (on-policy: no pass); a
+    # step whose rows were all dead has none (None in the log)
     keys = ("sampling/sampling_logp_difference/mean", "sampling/trained_rows/sampling_logp_difference/mean")
-    mismatch = [entry[key] for entry in trainers["ours"].state.log_history for key in keys if key in entry]
+    logged = (entry.get(key) for entry in trainers["ours"].state.log_history for key in keys)
+    mismatch = [value for value in logged if value is not None and not math.isnan(value)]
     report["sampling_logp_difference_mean"] = mismatch
     print(
         "\n| demo config, colocated vLLM (median per step) | stock TRL + vLLM | grpo_plus + vLLM | ratio |\n"
