@@ -123,6 +123,7 @@ def run_steps(steps: int, warmup: int, settings: dict | None = None, prepare=Non
             train_pass=statistics.median(train_pass[steps_measured]),
             generation=statistics.median(side["prepare"][steps_measured]),
             positions=side["forwards"].training_positions / len(logs),
+            no_grad_positions=(side["forwards"].positions - side["forwards"].training_positions) / len(logs),
             losses=[entry["loss"] for entry in logs],
             completion_lengths=[entry["completions/mean_length"] for entry in logs],
             dead_groups=statistics.fmean(entry["frac_reward_zero_std"] for entry in logs),

@@ -16,17 +16,22 @@ otherwise); later steps part where the two runs' weights, 1e-7 apart, round to d
 grpo_plus runs with its defaults, the sync check after every sync included. Per optimizer step, after the warm-up
 steps:
   step            on_step_begin -> on_step_end: weight sync, vLLM generation, scoring, old log-probs, training pass
-  generation      `_prepare_inputs` when it generates: sync, vLLM, scoring and TRL's no-grad old log-prob pass
+  generation      `_prepare_inputs` when it generates: sync, vLLM, scoring and TRL's no-grad old log-prob pass (for its
+                  importance-sampling correction; grpo_plus, on-policy here, takes the old log-probs from the training
+                  forward and runs none)
   training pass   the rest of TRL's `step_time`: forward + backward of every micro-batch
   sync            each side's weight sync (stream, vLLM's loading and processing), from its sync log
   sync check      what grpo_plus's check adds to a sync: after the run, 8 syncs with it and 8 without, alternating
                   (its share of grpo_plus's step is printed)
-The JSON goes beside the docs' table (docs/guide/results/vllm.json). Target (issue 33): whole step <= 0.6x stock TRL +
-vLLM.
+  no-grad positions  token positions of each side's forwards without gradient per step, grpo_plus's sync-check probes
+                  left out: TRL's old-log-prob pass
+The JSON goes beside the docs' table (docs/guide/results/vllm.json). Target (issue 41): whole step <= 0.25x stock TRL
++ vLLM.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -91,6 +96,9 @@ def main() -> None:
         built = time.perf_counter()
         result = run_steps(args.steps, args.warmup, settings=settings, prepare=prepare)
         trainers = result.pop("trainers")
+        probes = {  # the sync checks' forwards during training (the cost measurement below adds its own)
+            name: sum(r.trainer_positions for r in trainers[name].vllm_generation.sync_log.receipts) for name in SIDES
+        }
         cost = check_cost(trainers["ours"])  # while the engine runs
         report["engine_start_seconds"] = engine.start_seconds
         report["total_train_seconds"] = time.perf_counter() - built
@@ -113,13 +121,16 @@ def main() -> None:
         dict(mean=r.mean_abs_difference, max=r.max_abs_difference, bound=r.bound, seconds=r.seconds)
         for r in logs["ours"].receipts
     ]
+    for name in SIDES:
+        side = result[name]
+        side["no_grad_positions"] -= probes[name] / len(side["losses"])
     report["demo_vllm"] = result
     trl_side, ours = result["trl"], result["ours"]
-    mismatch = [
-        entry["sampling/sampling_logp_difference/mean"]
-        for entry in trainers["ours"].state.log_history
-        if "sampling/sampling_logp_difference/mean" in entry
-    ]
+    # grpo_plus's over the rows its training forward computed where it left dead rows out (on-policy: no pass); a
+    # step whose rows were all dead has none (None in the log)
+    keys = ("sampling/sampling_logp_difference/mean", "sampling/trained_rows/sampling_logp_difference/mean")
+    logged = (entry.get(key) for entry in trainers["ours"].state.log_history for key in keys)
+    mismatch = [value for value in logged if value is not None and not math.isnan(value)]
     report["sampling_logp_difference_mean"] = mismatch
     print(
         "\n| demo config, colocated vLLM (median per step) | stock TRL + vLLM | grpo_plus + vLLM | ratio |\n"
@@ -127,6 +138,8 @@ def main() -> None:
         f"| whole step (s) | {trl_side['step']:.2f} | {ours['step']:.2f} | **{ours['step'] / trl_side['step']:.2f}** |\n"
         f"| generation + scoring + old log-probs (s) | {trl_side['generation']:.2f} | {ours['generation']:.2f} | "
         f"{ours['generation'] / trl_side['generation']:.2f} |\n"
+        f"| token positions without gradient (old log-probs) | {trl_side['no_grad_positions']:.0f} | "
+        f"{ours['no_grad_positions']:.0f} | |\n"
         f"| training pass (s) | {trl_side['train_pass']:.2f} | {ours['train_pass']:.2f} | "
         f"{ours['train_pass'] / trl_side['train_pass']:.2f} |\n"
         f"| token positions in the training forward | {trl_side['positions']:.0f} | {ours['positions']:.0f} | "

@@ -18,13 +18,19 @@ import pytest
 import torch
 import trl
 from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
-from helpers.probes import ForwardLog, logged, max_weight_diff, record_trained_batches, trl_sampling_metrics
+from helpers.probes import (
+    ForwardLog,
+    logged,
+    max_weight_diff,
+    record_policy_weights,
+    record_trained_batches,
+    trl_sampling_metrics,
+)
 from helpers.rewards import odd_prompts_dead_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
-import grpo_plus.trainer
-from grpo_plus import compute_policy_loss, rollout_correction
+from grpo_plus import rollout_correction
 
 # One optimizer step per generation batch, split into two micro-batches: on-policy as TRL decides it. The generation
 # batch holds a dead group ("1+1=") and a live one ("2+4="), so the zero-waste pass leaves rows out of the forward.
@@ -105,19 +111,6 @@ def train(package, model_dir, output_dir, **overrides):
 
 def no_grad_positions(forwards: ForwardLog) -> int:
     return forwards.positions - forwards.training_positions
-
-
-def record_policy_weights(monkeypatch) -> list[dict]:
-    """Every call of the trainer's `compute_policy_loss`: its log-probs, old log-probs and policy weights."""
-    calls = []
-
-    def recording(logps, old_logps, advantages, mask, **kwargs):
-        weights = kwargs.get("policy_weights")
-        calls.append(dict(logps=logps.detach().clone(), old=old_logps.clone(), weights=weights, mask=mask.clone()))
-        return compute_policy_loss(logps, old_logps, advantages, mask, **kwargs)
-
-    monkeypatch.setattr(grpo_plus.trainer, "compute_policy_loss", recording)
-    return calls
 
 
 def live_rows(batch: dict) -> torch.Tensor:

@@ -96,6 +96,43 @@ def logged(trainer, key: str) -> list:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
 
+def sampling_metric(entry: dict, name: str):
+    """TRL's `sampling/*` metric `name` in a log entry, or where grpo_plus logged it over the rows its training forward
+    computed (on-policy, zero-advantage rows left out: `sampling/trained_rows/*`); None where neither is."""
+    return entry.get(name, entry.get(name.replace("sampling/", "sampling/trained_rows/", 1)))
+
+
+def logged_sampling(trainer, name: str) -> list:
+    """`sampling_metric` of every log entry of the trainer that has it, in order."""
+    values = (sampling_metric(entry, name) for entry in trainer.state.log_history)
+    return [value for value in values if value is not None]
+
+
+def record_policy_weights(monkeypatch) -> list[dict]:
+    """Every call of grpo_plus's trainer's `compute_policy_loss`: its log-probs, old log-probs, mask and policy weights
+    (the sampler correction's ratio or weights, times any other weight)."""
+    import grpo_plus.trainer
+    from grpo_plus import compute_policy_loss
+
+    calls = []
+
+    def recording(logps, old_logps, advantages, mask, **kwargs):
+        weights = kwargs.get("policy_weights")
+        weights = None if weights is None else weights.detach().cpu().clone()
+        calls.append(
+            dict(
+                logps=logps.detach().cpu().clone(),
+                old=old_logps.cpu().clone(),
+                mask=mask.cpu().clone(),
+                weights=weights,
+            )
+        )
+        return compute_policy_loss(logps, old_logps, advantages, mask, **kwargs)
+
+    monkeypatch.setattr(grpo_plus.trainer, "compute_policy_loss", recording)
+    return calls
+
+
 def trl_sampling_metrics(batches: list[dict], mode: str, rows=None) -> dict[str, float]:
     """TRL's `sampling/*` metrics of one generation batch (its micro-batches as stock TRL trained them, one process),
     written from TRL's description: |old - sampler| log-prob over the completion tokens the sampler scored (mean, max),

@@ -29,6 +29,7 @@ import torch
 import trl
 from helpers.engine import StepRecorder, engine_settings
 from helpers.models import prompt_dataset, save_tiny_model, tiny_run_kwargs
+from helpers.probes import logged_sampling, record_policy_weights, record_trained_batches
 from helpers.rewards import odd_prompts_dead_reward
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,6 +84,7 @@ def build(package, model_dir, output_dir, lora: bool, **overrides):
 def run(package, model_dir, output_dir, lora: bool, **overrides):
     trainer = build(package, model_dir, output_dir, lora, **overrides)
     record = StepRecorder(trainer)
+    record.trained = record_trained_batches(trainer)
     trainer.train()
     return trainer, record
 
@@ -114,24 +116,31 @@ def losses_and_ratios(trainer) -> list[dict[str, float]]:
 
 @pytest.mark.parametrize("zero_waste", [True, False], ids=["zero-waste", "no-zero-waste"])
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_every_step_matches_stock_trl(shared_engine, stock_runs, model_dir, tmp_path, lora, zero_waste):
+def test_every_step_matches_stock_trl(shared_engine, stock_runs, model_dir, tmp_path, monkeypatch, lora, zero_waste):
+    """On-policy (one generation batch per optimizer step) with the zero-waste pass on, grpo_plus computes no old
+    log-probs at generation: its importance-sampling ratio is the training forward's, checked in the loss."""
     theirs, their_record = stock_runs(lora)
+    in_loss = record_policy_weights(monkeypatch)
     ours, our_record = run(grpo_plus, model_dir, tmp_path, lora, zero_waste_pass=zero_waste)
     assert len(our_record.generated) == len(their_record.generated) == STEPS
     gaps = {"logps": 0.0, "ratio": 0.0, "weights": 0.0, "metrics": 0.0}
     for step, (a, b) in enumerate(zip(their_record.generated, our_record.generated, strict=True), start=1):
         assert torch.equal(a["completion_ids"], b["completion_ids"]), f"step {step}: vLLM sampled other completions"
         mask = a["completion_mask"].bool()
-        # on-policy with the zero-waste pass, the old log-probs and TRL's ratio come from the training forward (issue
-        # 41): the generation batch has neither; the weights and the logged ratios below still compare them
-        assert ("old_per_token_logps" in b) == (not zero_waste), f"step {step}: the old-log-prob pass"
+        assert ("old_per_token_logps" in b) == (not zero_waste)  # on-policy, the saving on: no old-log-prob pass
         for key in ("old_per_token_logps", "sampling_per_token_logps"):
-            if key not in b:
-                continue
-            gaps["logps"] = max(gaps["logps"], (a[key][mask] - b[key][mask]).abs().max().item())
-            assert (a[key][mask] - b[key][mask]).abs().max() <= LOGPS_ATOL, f"step {step}: {key}"
-        if "importance_sampling_ratio" in b:
+            if key in b:
+                gaps["logps"] = max(gaps["logps"], (a[key][mask] - b[key][mask]).abs().max().item())
+                assert (a[key][mask] - b[key][mask]).abs().max() <= LOGPS_ATOL, f"step {step}: {key}"
+        if not zero_waste:
             ratio = (a["importance_sampling_ratio"] - b["importance_sampling_ratio"]).abs().max().item()
+            gaps["ratio"] = max(gaps["ratio"], ratio)
+            assert ratio <= RATIO_ATOL, f"step {step}: importance-sampling ratio"
+    if zero_waste:  # the ratio in the loss, on the rows the forward computed (the others have advantage 0)
+        assert len(in_loss) == len(their_record.trained) == STEPS
+        for step, ((_, a), call) in enumerate(zip(their_record.trained, in_loss, strict=True), start=1):
+            live = (a["advantages"] != 0) & a["completion_mask"].bool().any(-1)
+            ratio = (a["importance_sampling_ratio"][live] - call["weights"][live]).abs().max().item()
             gaps["ratio"] = max(gaps["ratio"], ratio)
             assert ratio <= RATIO_ATOL, f"step {step}: importance-sampling ratio"
     for step, (a, b) in enumerate(zip(their_record.weights, our_record.weights, strict=True), start=1):
@@ -146,21 +155,14 @@ def test_every_step_matches_stock_trl(shared_engine, stock_runs, model_dir, tmp_
         for key, value in a.items():
             if math.isnan(value) or (key == "entropy" and b.get(key) is None):  # rows skipped: zero-waste.md
                 continue
-            if key not in b:  # computed over the trained rows where dead rows are skipped (rollout-correction.md)
-                key = key.replace("sampling/", "sampling/trained_rows/")
-                if key not in b:
-                    continue
+            if key.startswith("sampling/") and key not in b:  # over the rows computed, on-policy: bounded below
+                assert key.replace("sampling/", "sampling/trained_rows/") in b, f"step {step}: {key}"
+                continue
             gaps["metrics"] = max(gaps["metrics"], abs(b[key] - value) / max(abs(value), METRICS_ATOL / METRICS_RTOL))
             assert b[key] == pytest.approx(value, rel=METRICS_RTOL, abs=METRICS_ATOL), f"step {step}: {key}"
     print("largest gaps:", gaps)
     for trainer in (theirs, ours):  # the engine is the trainer at every step, LM head included
-        differences = [
-            entry.get(
-                "sampling/sampling_logp_difference/mean",
-                entry.get("sampling/trained_rows/sampling_logp_difference/mean"),
-            )
-            for entry in losses_and_ratios(trainer)
-        ]
+        differences = logged_sampling(trainer, "sampling/sampling_logp_difference/mean")
         assert len(differences) == STEPS and max(differences) <= ENGINE_TRAINER_BOUND, differences
     receipts = ours.vllm_generation.sync_log.receipts
     assert len(receipts) == STEPS and all(r.precision == "float32 on both sides" for r in receipts)
