@@ -83,6 +83,8 @@ def tile_size(setting: int | str | None) -> tuple[int, int] | None:
     """(tile, the fewest positions a forward must have to be tiled) for a `tiled_mlp_tokens` setting, None for off:
     an integer n tiles every forward of more than n positions in tiles of n; "auto" tiles forwards of more than
     AUTO_MIN_TOKENS positions in tiles of AUTO_TILE_TOKENS."""
+    if isinstance(setting, str) and setting.strip().isdigit():  # as a command line or YAML string gives it
+        setting = int(setting)
     if setting is None:
         return None
     if setting == "auto":
