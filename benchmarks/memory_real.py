@@ -100,12 +100,13 @@ def run_child(job: dict) -> dict:
     import transformers
     import trl.trainer.utils
 
+    from grpo_plus.fit import for_side
     from grpo_plus.fit.count import build_policy, counting_trainer, synthetic_micro_batch
 
     transformers.logging.set_verbosity_error()
     trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = LM_HEAD_CHUNK
     device = job["device"]
-    spec = fit_spec(job["model"], job["length"], job["changes"])
+    spec = for_side(fit_spec(job["model"], job["length"], job["changes"]), job["side"])  # TRL: none of grpo_plus's
     trainer = counting_trainer(job["side"], spec)
     model = build_policy(spec, None).to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -204,6 +205,31 @@ def tables(rows: list[dict], labels: list[str]) -> str:
     return f"{memory}\n\n{timing}\n\n{counter}"
 
 
+def markdown_path(output: Path) -> Path:
+    """Where the tables go: outputs/bench-memory-real/ (docs/guide/results/ holds the JSON only; mkdocs builds every
+    page under docs/)."""
+    folder = ROOT / "outputs" / "bench-memory-real"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / output.with_suffix(".md").name
+
+
+def recount(path: Path) -> None:
+    """fit's count beside every real peak of a results file, made again with this checkout's counter."""
+    report = json.loads(path.read_text())
+    labels = [label for label in VARIANTS if any(label in row for row in report["results"])]
+    for row in report["results"]:
+        for label in labels:
+            if label in row:
+                side, changes = VARIANTS[label]
+                job = dict(side=side, changes=changes, length=row["length"], model=report["model"])
+                row[label]["counted"] = counted(job)
+                print(f"  L={row['length']:5d} {label:34s}: real {mib(row[label]['increment'])} MiB, counted "
+                      f"{mib(row[label]['counted'])} MiB ({row[label]['counted'] / row[label]['increment']:.3f}x)")  # fmt: skip
+    path.write_text(json.dumps(report, indent=1))
+    markdown_path(path).write_text(tables(report["results"], labels) + "\n")
+    print("\n" + tables(report["results"], labels))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -214,9 +240,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-count", action="store_true", help="skip grpo_plus.fit's count beside each real peak")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--recount", metavar="JSON", help="recompute fit's count beside the real peaks of a results file"
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_child(json.loads(args.child))))
+        return
+    if args.recount:
+        recount(Path(args.recount))
         return
     model = QUICK_MODEL if args.quick else MODEL
     lengths = [256] if args.quick else args.lengths
@@ -243,7 +275,7 @@ def main() -> None:
               "lm_head_chunk": LM_HEAD_CHUNK, "threads": args.threads, "malloc": PINNED_MALLOC, "results": rows,
               "wall_minutes": (time.perf_counter() - started) / 60}  # fmt: skip
     output.write_text(json.dumps(report, indent=1))
-    output.with_suffix(".md").write_text(markdown + "\n")
+    markdown_path(output).write_text(markdown + "\n")
     print("\n" + markdown)
     print(f"\nwall time {report['wall_minutes']:.1f} min; results in {output}")
 

@@ -50,6 +50,12 @@ SHADOW_LIMIT = 2**22
 # that a decoder's training pass runs: the ones that make big tensors. The stand-in accelerator casts their floating
 # inputs to the autocast dtype; every other operator runs as is (CUDA's fp32 list only touches small tensors here:
 # norms already compute in fp32, losses are [rows, tokens]).
+# Pointwise backward operators that CPUs and CUDA run as one fused kernel (one output the size of the input), which a
+# fake run decomposes into every temporary (silu_backward: sigmoid, 1 - sigmoid, three products, ~5 tensors the size of
+# the MLP's intermediate, the largest of a long-sequence backward). The count makes their one output instead.
+_FUSED_BACKWARD_OPS = {
+    torch.ops.aten.silu_backward.default, torch.ops.aten.gelu_backward.default, torch.ops.aten.threshold_backward.default,
+}  # fmt: skip
 _LOWER_PRECISION_OPS = ("mm", "matmul", "linear", "addmm", "addmv", "addbmm", "baddbmm", "bmm", "mv", "einsum")
 
 
@@ -158,7 +164,21 @@ def _register_stand_in() -> None:
         for overload in packet.overloads():
             lower.impl(f"{name}.{overload}" if overload != "default" else name, lower_precision(getattr(packet, overload)),
                        "AutocastPrivateUse1")  # fmt: skip
-    _registered_libraries.extend([fallthrough, lower])
+    # The fused backward operators past autograd as themselves: for a backend without a kernel of its own, autograd
+    # runs their composite decomposition before the counter (at the Python key) would see them.
+    fused = torch.library.Library("aten", "IMPL")
+    autograd_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradPrivateUse1)
+
+    def as_itself(op):
+        def kernel(*args, **kwargs):
+            with torch._C._ExcludeDispatchKeyGuard(autograd_keys):
+                return op(*args, **kwargs)
+
+        return kernel
+
+    for op in _FUSED_BACKWARD_OPS:
+        fused.impl(op.name().split("::")[1], as_itself(op), "AutogradPrivateUse1")
+    _registered_libraries.extend([fallthrough, lower, fused])
 
 
 def fake_accelerator() -> str:
@@ -280,7 +300,10 @@ class MemoryCounter(TorchDispatchMode):
                 outputs = func(shadow, *args[1:], **kwargs)
                 self._record(outputs, tensors, func)
                 return outputs
-        if any_fake or self.all_fake or _aims_at_accelerator(kwargs) or self._too_large_for_real(func, args, kwargs):
+        if func in _FUSED_BACKWARD_OPS and any_fake:
+            with self.fake_mode:
+                outputs = torch.empty_like(args[0])  # the fused kernel's one output (grad_input, grad_output's shape)
+        elif any_fake or self.all_fake or _aims_at_accelerator(kwargs) or self._too_large_for_real(func, args, kwargs):
             outputs = self._run_fake(func, args, kwargs, tensors)
         else:
             outputs = func(*args, **kwargs)
