@@ -79,6 +79,7 @@ class HeldOutEval(TrainerCallback):
                 "accuracy": result["accuracy"],
                 "format_rate": result["format_rate"],
                 "eval_seconds": time.perf_counter() - start,
+                "load_average": os.getloadavg()[0],  # the machine's 1-minute load (shared machine)
             }
         )
         print(
