@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast test-engines test-matrix lock lint format demo bench compare clean bench-memory \
-        bench-gpu test-gpu-parity gpu-wheels docs deepspeed-ops bench-memory-real
+        bench-gpu test-gpu-parity gpu-wheels docs deepspeed-ops bench-memory-real bench-learning
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -221,6 +221,12 @@ gpu-wheels: $(STAMP)
 	@total=$$(cat $(GPU_WHEELS)/*.whl $(GPU_WHEELS)/trl-1.15/*.whl | wc -c); \
 	echo "gpu-wheels: $$((total / 1048576)) MiB in $(GPU_WHEELS)/ (limit $(GPU_WHEEL_MIB) MiB)"; \
 	test $$total -le $$(($(GPU_WHEEL_MIB) * 1048576)) || { echo "gpu-wheels: over $(GPU_WHEEL_MIB) MiB"; exit 1; }
+
+# Learning per minute on a real task: stock TRL and grpo_plus train reasoning-gym chain_sum from the same seed for
+# the same steps, in lock-step; held-out accuracy against each one's own training minutes (docs/guide/tasks.md;
+# writes docs/guide/results/learning_per_minute.json and .png; ~15 min on 2 cores).
+bench-learning: $(STAMP)
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) benchmarks/learning_per_minute.py
 
 compare: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/grpo-plus compare
