@@ -95,3 +95,36 @@ def test_decoupled_mode_on_policy_runs_no_old_log_prob_pass(shared_engine, model
     k3 = logged(trainer, "rollout_corr/trained_rows/k3_kl")
     assert len(k3) == 2 and all(math.isfinite(value) and value > 0 for value in k3)
     assert all(math.isfinite(loss) for loss in logged(trainer, "loss"))
+
+
+def first_step_metrics(trainer) -> dict:
+    """verl's mismatch metrics from the first log entry that has them (step 1), under either name."""
+    for entry in trainer.state.log_history:
+        metrics = {
+            key.split("/")[-1]: value for key, value in entry.items() if key.startswith("rollout_corr/") and value
+        }
+        if metrics:
+            return metrics
+    raise AssertionError("no rollout_corr/* metric logged")
+
+
+def test_metrics_flag_a_perturbed_sampler_at_step_one(shared_engine, model_dir, tmp_path):
+    """verl's metrics-only preset on the real engine, one step each: the engine sampling at the trainer's temperature
+    (a bfloat16 engine against a float32 trainer: precision noise) and then at another one (generation_kwargs
+    overrides the engine's temperature while the trainer still divides its logits by `temperature`: a mistake a user
+    can make). The first step's metrics tell them apart: the K3 KL, the log-perplexity gap and the weights' chi-square
+    jump by orders of magnitude (rollout-correction.md, "Metrics to watch"). On this tiny near-uniform model the
+    perplexity ratio stays near 1 either way: it is not the metric that flags a temperature."""
+    clean = build(model_dir, tmp_path / "clean", rollout_correction="disabled", max_steps=1)
+    clean.train()
+    perturbed = build(
+        model_dir, tmp_path / "perturbed", rollout_correction="disabled", max_steps=1,
+        generation_kwargs={"temperature": 0.5},
+    )  # fmt: skip
+    perturbed.train()
+    noise, flagged = first_step_metrics(clean), first_step_metrics(perturbed)
+    print({key: (noise[key], flagged[key]) for key in ("k3_kl", "log_ppl_abs_diff", "chi2_token")})
+    # measured: k3_kl 8.6e-7 against 0.031, log_ppl_abs_diff 3.3e-4 against 0.063, chi2_token -9e-5 against 0.14
+    assert 0 < noise["k3_kl"] < 1e-5 and flagged["k3_kl"] > 1000 * noise["k3_kl"]
+    assert flagged["log_ppl_abs_diff"] > 100 * noise["log_ppl_abs_diff"]
+    assert abs(noise["chi2_token"]) < 1e-3 < 0.05 < flagged["chi2_token"]  # the weights' variance: noise has none
