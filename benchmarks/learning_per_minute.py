@@ -192,10 +192,11 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel(f"greedy accuracy, {settings['eval_size']} held-out questions")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", loc="lower right")
+        ax.legend(fontsize="small", loc="upper left")  # the bottom holds the equal-wall-clock note
     fig.suptitle(
-        f"reasoning-gym {settings['task']} ({settings['task_config']}), {report['model']} + LoRA, "
-        f"{settings['precision']}, {report['threads']} thread(s) of a shared 2-core CPU"
+        f"reasoning-gym {settings['task']} ({settings['task_config']}), {report['model']} + LoRA,\n"
+        f"{settings['precision']}, {report['threads']} thread(s) of a shared 2-core CPU",
+        fontsize="medium",
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, format="png")
