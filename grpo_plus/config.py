@@ -42,7 +42,7 @@ from .trl_compat import (
     ignore_renames_trl_still_uses,
 )
 
-FIT_CHECK_MODES = ("warn", "error", "off")
+FIT_CHECK_MODES = ("warn", "error", "auto", "off")
 
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
 
@@ -312,8 +312,10 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Before step 1, on a CUDA device: count the worst step's peak memory (every completion at "
             "max_completion_length) and compare it with the device's free memory. 'warn' logs a warning naming "
-            "settings that would fit, 'error' raises instead of training, 'off' skips the count.",
-            "choices": ["warn", "error", "off"],
+            "settings that would fit, 'error' raises instead of training, 'auto' turns on what makes it fit among "
+            "tiled_mlp_tokens=4096 and activation_offloading (same gradient up to float rounding), says so, and "
+            "raises with the numbers when neither nor both do, 'off' skips the count.",
+            "choices": ["warn", "error", "auto", "off"],
         },
     )
     vllm_quantization: str = field(

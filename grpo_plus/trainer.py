@@ -146,14 +146,18 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _long_completions_setup(self) -> None:
         policy = self.accelerator.unwrap_model(self.model)
-        if self.plus.tiled_mlp_tokens:
-            tile_mlps(policy, self.plus.tiled_mlp_tokens)
         device = self.accelerator.device
-        self._offload_step = training_step_context(self.model, device, self.plus.activation_offloading)
-        if self.plus.fit_check != "off" and device.type == "cuda":
-            check_before_training(
+        settings = {
+            "tiled_mlp_tokens": self.plus.tiled_mlp_tokens,
+            "activation_offloading": self.plus.activation_offloading,
+        }
+        if self.plus.fit_check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
+            settings |= check_before_training(
                 self.args, policy, self.train_dataset, self.processing_class, device, self.plus.fit_check
             )
+        if settings["tiled_mlp_tokens"]:
+            tile_mlps(policy, settings["tiled_mlp_tokens"])
+        self._offload_step = training_step_context(self.model, device, settings["activation_offloading"])
 
     def training_step(self, *args, **kwargs):
         with self._offload_step:  # as TRL's SFTTrainer wraps its training step (activation_offloading)

@@ -379,6 +379,75 @@ def test_the_trainer_checks_the_fit_on_a_cuda_device_with_the_runs_own_spec(tmp_
     assert fit.FitSpec.from_json(spec.to_json()).to_json() == spec.to_json()  # what the child process reads
 
 
+def wide_mlp_spec() -> fit.FitSpec:
+    """A step whose MLP intermediates bind: a wide MLP, 8 rows of 1,012 positions (tiles of 4096: two per forward)."""
+    config = fit.known_config("tiny-qwen2")
+    config.intermediate_size = 8192
+    return tiny_spec(model_config=config.to_dict(), completion_tokens=1000, gradient_checkpointing=True,
+                     tiled_mlp_tokens=None)  # fmt: skip
+
+
+@needs_cpu_logps
+@needs_fused_lm_head
+def test_fit_check_auto_chooses_the_options_that_make_the_step_fit():
+    """fit_check='auto''s choice: nothing where the step fits as configured, the tiled MLP alone where it is enough
+    (activation offloading saves nothing here: two layers' checkpoints), None where nothing fits."""
+    spec = wide_mlp_spec()
+    plain = fit.estimate(spec, "grpo_plus").total
+    tiled = fit.estimate(spec.replace(tiled_mlp_tokens=4096), "grpo_plus").total
+    assert tiled < 0.6 * plain  # measured: 844 against 1,593 MiB
+    assert fit.automatic_options(spec, plain) == ({}, fit.estimate(spec, "grpo_plus"))
+    options, result = fit.automatic_options(spec, plain - 1)
+    assert options == {"tiled_mlp_tokens": 4096} and result.total == tiled
+    assert fit.automatic_options(spec, tiled - 1) is None
+
+
+@pytest.mark.engine  # slow: the child's counts and the refusal's search (a minute on this 2-core machine)
+@needs_cpu_logps
+@needs_fused_lm_head
+def test_fit_check_auto_turns_on_what_makes_the_step_fit_and_refuses_with_the_numbers(caplog):
+    """The trainer's check in its child process with fit_check='auto' (as on a CUDA device): a budget the plain step
+    exceeds and the tiled one fits gets tiled_mlp_tokens=4096 turned on, named in the log with the new count, and
+    nothing else; a budget nothing fits is refused with the numbers."""
+    spec = wide_mlp_spec()
+    plain = fit.estimate(spec, "grpo_plus").total
+    tiled = fit.estimate(spec.replace(tiled_mlp_tokens=4096), "grpo_plus").total
+    margin = 1 + fit.check.FRAGMENTATION
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.fit.check"):
+        result = fit.check.check_fit(spec, int((tiled + plain) / 2 * margin), "cuda:0", "auto")
+    assert (result.spec.tiled_mlp_tokens, result.spec.activation_offloading) == (4096, False)
+    assert result.total == tiled
+    assert (
+        "Turned on tiled_mlp_tokens=4096: now" in caplog.text and f"{tiled * margin / fit.GIB:.2f} GiB" in caplog.text
+    )
+    with pytest.raises(fit.check.FitCheckError, match=r"needs [\d.]+ GiB on cuda:0 .*; [\d.]+ GiB are there"):
+        fit.check.check_fit(spec, int(tiled / 2), "cuda:0", "auto")
+
+
+def test_the_trainer_turns_on_what_fit_check_auto_chose(tmp_path, monkeypatch):
+    """On a CUDA device (stood in for) the trainer applies the check's choice before step 1: its decoder MLPs tiled
+    and its training step offloaded, where its own settings had neither (the check stood in for by its answer)."""
+    import accelerate
+    from helpers.models import make_model, make_tokenizer
+
+    tokenizer = make_tokenizer()
+    args = grpo_plus.GRPOConfig(**tiny_run_kwargs(tmp_path, tiled_mlp_tokens=None, fit_check="auto"))
+    trainer = grpo_plus.GRPOTrainer(model=make_model(tokenizer), processing_class=tokenizer,
+                                    reward_funcs=[length_reward], args=args, train_dataset=prompt_dataset(8))  # fmt: skip
+    assert decoder_mlps(trainer.model) and not any(
+        isinstance(mlp.forward, TiledMLP) for _, mlp in decoder_mlps(trainer.model)
+    )
+    chosen = dict(tiled_mlp_tokens=4096, activation_offloading=True)
+    monkeypatch.setattr(fit.check, "device_budget", lambda device: (10 * fit.GIB, 0))
+    monkeypatch.setattr(fit.check, "check_fit", lambda spec, budget, device, mode: fit.StepEstimate(
+        "grpo_plus", spec.replace(**chosen), 0, fit.PassMemory(0, 0, 0, 0, 0), 0))  # fmt: skip
+    offloaded = []
+    monkeypatch.setattr(grpo_plus.trainer, "training_step_context", lambda model, device, on: offloaded.append(on))
+    monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("cuda")))
+    trainer._long_completions_setup()
+    assert all(isinstance(mlp.forward, TiledMLP) for _, mlp in decoder_mlps(trainer.model)) and offloaded == [True]
+
+
 @pytest.mark.parametrize(("field", "value", "fragment"), [
     ("fit_check", "maybe", "fit_check='maybe' is not allowed"),
     ("tiled_mlp_tokens", 0, "tiled_mlp_tokens=0 is not allowed"),

@@ -14,7 +14,7 @@ import torch
 
 from .count import StepEstimate, estimate, quiet, remembered_counts
 from .memory import GIB, PassMemory
-from .search import suggestions
+from .search import AUTOMATIC_FIELDS, automatic_options, suggestions
 from .spec import FitSpec, image_count_blocker
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
     started = time.perf_counter()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "grpo_plus.fit", "--budget", str(budget)]
+    command = [sys.executable, "-m", "grpo_plus.fit", "--budget", str(budget)] + (["--auto"] if mode == "auto" else [])
     try:
         result = subprocess.run(command, input=spec.to_json(), capture_output=True, text=True, timeout=timeout,
                                 env=env, check=False)  # fmt: skip
@@ -102,10 +102,25 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
         logger.info("grpo_plus fit check (%.0f s, %.0f s of CPU): %s.", seconds, cpu,
                     fits_message(estimate_, budget, device))  # fmt: skip
         return estimate_
+    automatic = report.get("automatic")
+    if mode == "auto" and automatic:
+        turned_on = _estimate_from_report(spec.replace(**automatic["options"]), automatic)
+        turned_on.seconds = estimate_.seconds
+        names = ", ".join(f"{name}={value!r}" for name, value in automatic["options"].items())
+        logger.warning("grpo_plus fit check (fit_check='auto'): %s. Turned on %s: now %.2f GiB (same gradient up to "
+                       "float rounding; set them yourself, or fit_check='warn', to choose).",
+                       fits_message(estimate_, budget, device), names,
+                       turned_on.total * (1 + FRAGMENTATION) / GIB)  # fmt: skip
+        return turned_on
     fixes = report.get("suggestions") or []
     advice = (f"Settings that would fit: {'; or '.join(fixes)}." if fixes else
               "No setting grpo_plus offers makes it fit: a smaller model, fewer tokens or a larger GPU.")  # fmt: skip
     message = f"grpo_plus fit check: {fits_message(estimate_, budget, device)}. {advice}"
+    if mode == "auto":
+        raise FitCheckError(
+            f"{message} (fit_check='auto' turns on only tiled_mlp_tokens and activation_offloading, which keep the "
+            "gradient, and neither nor both make it fit; 'warn' trains anyway.)"
+        )
     if mode == "error":
         raise FitCheckError(message + " (fit_check='warn' trains anyway; 'off' skips the check.)")
     logger.warning("%s Training goes on; it may run out of memory when completions reach the full length.", message)
@@ -160,15 +175,15 @@ def prompt_images(dataset, processing_class, sample: int = 256) -> dict:
     return {"images_per_prompt": max(len(row) for row in per_row), "image_size": (grid[1] * patch, grid[2] * patch)}
 
 
-def check_before_training(args, model, dataset, processing_class, device: torch.device,
-                          mode: str) -> StepEstimate | None:  # fmt: skip
+def check_before_training(args, model, dataset, processing_class, device: torch.device, mode: str) -> dict:
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory (a
-    vision-language model with its vision tower and its prompts' pictures)."""
+    vision-language model with its vision tower and its prompts' pictures). Returns the memory settings the trainer
+    must turn on (fit_check='auto' where the step would not fit otherwise; else none)."""
     blocker = image_count_blocker(model.config.to_dict())
     if blocker is not None:
         logger.warning("grpo_plus fit check: %s cannot be counted (%s), so training goes on unchecked "
                        "(fit_check='off' skips this line).", type(model).__name__, blocker)  # fmt: skip
-        return None
+        return {}
     lengths = prompt_lengths(dataset, processing_class)
     spec = FitSpec.from_args(args, model, max(lengths, default=128))
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
@@ -177,7 +192,14 @@ def check_before_training(args, model, dataset, processing_class, device: torch.
     budget, _ = device_budget(device)
     if spec.vllm_memory_fraction:  # the engine, started with the trainer, holds tensors of this process: not ours
         budget -= int(spec.vllm_memory_fraction * torch.cuda.mem_get_info(device)[1])
-    return check_fit(spec, budget, str(device), mode)
+    result = check_fit(spec, budget, str(device), mode)
+    if result is None:
+        return {}
+    return {
+        name: getattr(result.spec, name)
+        for name in AUTOMATIC_FIELDS
+        if getattr(result.spec, name) != getattr(spec, name)
+    }
 
 
 def _estimate_from_report(spec: FitSpec, report: dict) -> StepEstimate:
@@ -190,13 +212,21 @@ def child_main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=int, required=True)
+    parser.add_argument("--auto", action="store_true", help="also the options fit_check='auto' would turn on")
     args = parser.parse_args(argv)
     spec = FitSpec.from_json(sys.stdin.read())
+    budget = int(args.budget / (1 + FRAGMENTATION))
+    automatic, fixes = None, []
     with quiet(), remembered_counts():
         result = estimate(spec, "grpo_plus")
-        fixes = suggestions(spec, "grpo_plus", int(args.budget / (1 + FRAGMENTATION))) if (
-            result.total * (1 + FRAGMENTATION) > args.budget
-        ) else []  # fmt: skip
-    print(json.dumps({"static": result.static, "training": dataclasses.asdict(result.training),
-                      "generation": result.generation, "suggestions": fixes}))  # fmt: skip
+        found = automatic_options(spec, budget) if args.auto else None
+        if found is not None and found[0]:
+            automatic = dict(_report_of(found[1]), options=found[0])
+        elif result.total > budget and found is None:
+            fixes = suggestions(spec, "grpo_plus", budget)
+    print(json.dumps(dict(_report_of(result), suggestions=fixes, automatic=automatic)))
     return 0
+
+
+def _report_of(result: StepEstimate) -> dict:
+    return {"static": result.static, "training": dataclasses.asdict(result.training), "generation": result.generation}

@@ -154,6 +154,33 @@ def suggestions(spec: FitSpec, side: str, budget: int) -> list[str]:
     return []
 
 
+# What fit_check="auto" may turn on by itself: grpo_plus's own memory options, which keep TRL's gradient (up to float
+# rounding: the tiled MLP's slices) and change nothing the user trains; cheapest in time first (the tiled MLP: one more
+# MLP forward, <= 5% of a step where measured; activation offloading: host transfers), then both.
+AUTOMATIC_OPTIONS = (
+    {"tiled_mlp_tokens": TILED_MLP_TOKENS},
+    {"activation_offloading": True},
+    {"tiled_mlp_tokens": TILED_MLP_TOKENS, "activation_offloading": True},
+)
+AUTOMATIC_FIELDS = ("tiled_mlp_tokens", "activation_offloading")
+
+
+def automatic_options(spec: FitSpec, budget: int) -> tuple[dict, StepEstimate] | None:
+    """What fit_check="auto" turns on: nothing when grpo_plus's worst step fits `budget` as configured, else the first
+    of AUTOMATIC_OPTIONS (less what `spec` already has on) with which it fits; with that step. None when none does."""
+    result = estimate(spec, "grpo_plus")
+    if result.total <= budget:
+        return {}, result
+    for options in AUTOMATIC_OPTIONS:
+        changes = {name: value for name, value in options.items() if getattr(spec, name) != value}
+        if not changes:
+            continue
+        result = estimate(spec.replace(**changes), "grpo_plus")
+        if result.total <= budget:
+            return changes, result
+    return None
+
+
 def _halvings(rows: int) -> list[int]:
     out = []
     while rows > 1:
