@@ -18,6 +18,7 @@ full-size steps).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "accelerate_configs"
+UNDER_FSDP = Path(__file__).resolve().parent / "scripts" / "under_fsdp_on_cpu.py"
 WATCHDOG = 120  # seconds of training a rank may take before it counts as hung (a run trains in ~2 s here)
 HANG_TIMEOUT = 300  # the whole launch, model loading included (~15 s here): a backstop behind the watchdog
 
@@ -38,13 +40,19 @@ HANG_TIMEOUT = 300  # the whole launch, model loading included (~15 s here): a b
 PROMPTS = "1+1=|2+13=|3+2=|24+1=|5+1=|4+31=|7+7=|22+2="
 
 
-def launch(args: list[str], launcher: list[str], timeout: float = HANG_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run train_tiny.py under `launcher`; past `timeout` kill the launcher and every process under it and fail: a
-    hang (mismatched collectives) fails the test, not the CI job. The ranks are killed by pid: torchrun starts each
-    in a session of its own, so killing the launcher's process group would leave them running (and holding the
-    output pipes open)."""
-    command = [*launcher, TRAIN_TINY, *map(str, args)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def launch(args: list[str], launcher: list[str]) -> subprocess.CompletedProcess:
+    """Run train_tiny.py with `args` under `launcher` (see launch_command)."""
+    return launch_command([*launcher, TRAIN_TINY, *args])
+
+
+def launch_command(
+    command: list, env: dict | None = None, timeout: float = HANG_TIMEOUT
+) -> subprocess.CompletedProcess:
+    """Run `command`; past `timeout` kill the launcher and every process under it and fail: a hang (mismatched
+    collectives) fails the test, not the CI job. The ranks are killed by pid: torchrun starts each in a session of
+    its own, so killing the launcher's process group would leave them running (and holding the output pipes open)."""
+    command = [str(part) for part in command]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -160,3 +168,33 @@ def test_fsdp2_rank_skipping_a_forward_is_caught(tiny_model_dir, tmp_path):
     result = launch([*args, "--watchdog", "20"], accelerate_launch(2, config_file=CONFIGS / "fsdp.yaml"))
     assert result.returncode != 0 and "FINISHED" not in result.stdout, "a rank skipped a forward and the run finished"
     assert "Timeout (0:00:20)!" in result.stderr and "foreach_all_gather" in result.stderr, result.stderr[-3000:]
+
+
+def test_recipe_trains_evaluates_and_saves_under_fsdp2(tiny_model_dir, tmp_path):
+    """recipes/grpo_lora.py with the shipped FSDP2 config: held-out evaluation before (a whole model on every rank)
+    and after training (the sharded model: every rank generates, FSDP2 gathering each layer in step), and the saved
+    adapter whole (not a rank's shard), trained."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    out, root = tmp_path / "run", Path(__file__).resolve().parents[1]
+    recipe_flags = [
+        "--model_name_or_path", str(tiny_model_dir), "--output_dir", str(out), "--use_cpu", "true",
+        "--bf16", "false", "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "8", "--learning_rate", "0.05", "--report_to", "none", "--lora_r", "4",
+        "--lora_alpha", "8", "--lora_target_modules", "all-linear", "--task_eval_size", "8",
+        "--eval_max_new_tokens", "4", "--save_strategy", "no", "--disable_tqdm", "true",
+        "--reward_funcs", "helpers.rewards:length_reward", "--gradient_checkpointing", "false",
+    ]  # fmt: skip
+    command = [*accelerate_launch(2, config_file=CONFIGS / "fsdp.yaml"), UNDER_FSDP, root / "recipes" / "grpo_lora.py"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "tests"), os.environ.get("PYTHONPATH", "")])}
+    result = launch_command([*command, *recipe_flags], env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert result.stdout.count("DISTRIBUTED_TYPE=FSDP") == 2, "the recipe did not run under FSDP"
+    assert result.stdout.count("Held-out results") == 2, "every rank evaluates before and after"
+    adapter = load_file(out / "adapter_model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    expected = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")).state_dict()
+    expected = {name.replace(".default", ""): w.shape for name, w in expected.items() if "lora_" in name}
+    assert {name: w.shape for name, w in adapter.items()} == expected, "the adapter saved is not the whole one"
+    assert max(w.abs().max().item() for name, w in adapter.items() if "lora_B" in name) > 0, "the adapter is untrained"

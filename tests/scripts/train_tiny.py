@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers.fsdp_on_cpu import force_fsdp_on_cpu  # noqa: E402
 from helpers.models import prompt_dataset  # noqa: E402
 from helpers.probes import GroupRecorder, record_draws, record_trained_batches, use_row_seeded_sampling  # noqa: E402
 from helpers.rewards import (  # noqa: E402
@@ -105,31 +106,6 @@ def count_forwards(model) -> dict:
 
     model.generate = counted_generate
     return counts
-
-
-def force_fsdp_on_cpu() -> None:
-    """Make accelerate run FSDP on CPU processes (gloo): TEST HARNESS ONLY, nothing in grpo_plus does this.
-
-    accelerate runs FSDP on GPUs only: `accelerate launch --cpu --use_fsdp` is refused, without `use_cpu` every CPU
-    process trains alone, and with it (`Accelerator(cpu=True, fsdp_plugin=...)`, the Trainer's `use_cpu`) accelerate
-    drops the plugin and runs plain DDP (its state keeps `MULTI_CPU`). PyTorch's FSDP2 (`fully_shard`) itself runs
-    over gloo, so the tests set accelerate's state to FSDP right after accelerate built it as multi-CPU: both
-    `AcceleratorState` and `PartialState` (the former alone is reverted by the next `AcceleratorState()`, which
-    copies `PartialState`'s fields), with the plugin the config asked for. From there accelerate's own FSDP2 path
-    (`fsdp2_prepare_model`: `fully_shard` per decoder layer and on the root, DTensor parameters) runs unchanged.
-    """
-    from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
-
-    init = AcceleratorState.__init__
-
-    def init_keeping_fsdp(self, *args, fsdp_plugin=None, **kwargs):
-        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.fsdp_plugin = fsdp_plugin
-            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-
-    AcceleratorState.__init__ = init_keeping_fsdp
 
 
 def skip_dead_anchor() -> None:
