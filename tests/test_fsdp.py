@@ -5,13 +5,14 @@ each process alone (no `use_cpu`) or silently drops the FSDP plugin and runs DDP
 (`fully_shard`, DTensor parameters) itself runs over gloo, so these tests launch `recipes/accelerate_configs/fsdp.yaml`
 with `--use_cpu true` and set accelerate's state to FSDP in the test harness (train_tiny.py `--force_fsdp_on_cpu`,
 test code only: nothing in grpo_plus changes what accelerate does for a user). From there accelerate's own FSDP2 path
-runs unchanged (weights loaded on rank 0 and broadcast, `fully_shard` per decoder layer and on the root).
+runs unchanged (`fully_shard` per decoder layer and on the root, DTensor parameters).
 
 FSDP2 all-gathers each layer's weights in every forward and reduce-scatters its gradients in backward, collectively:
 a rank that makes fewer model calls than another leaves the collectives mismatched (a hang or an abort). The data
 here give one rank only dead rows (the zero-waste pass skips them all) and the other live rows, of other lengths:
-every rank must still make the same calls. Each launch runs under a timeout that kills the whole process group, so a
-hang fails the test instead of the CI job. Weights are compared in float32 with SGD (Adam turns float noise into
+every rank must still make the same calls. Each rank runs under a watchdog (`--watchdog`: every thread's stack
+printed and the rank ended if training has not finished in time) and each launch under a timeout that kills the
+launcher and every rank, so a hang fails the test instead of the CI job. Weights are compared in float32 with SGD (Adam turns float noise into
 full-size steps).
 """
 
