@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,6 +50,30 @@ def check_launch(distributed_type: str, num_processes: int) -> None:
             if asked == "FSDP"
             else "DeepSpeed needs use_cpu: false in the accelerate config (on CPU: DS_ACCELERATOR=cpu).",
         )
+
+
+def fsdp2_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` that PyTorch's FSDP2 (`fully_shard`) sharded (none elsewhere, FSDP1 included)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover  (public from torch 2.6; grpo_plus needs 2.8)
+        return []
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+@contextmanager
+def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """`model` with every FSDP2-sharded parameter whole on this rank while inside (`FSDPModule.unshard`, resharded on
+    exit), for code that reads the weights outside a forward (the out-of-place LoRA stream). Collective: every rank
+    must enter, and FSDP2 all-gathers module by module in the same order on each. Elsewhere `model` as is."""
+    modules = fsdp2_modules(model)
+    for module in modules:
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.reshard()
 
 
 @contextmanager

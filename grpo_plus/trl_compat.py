@@ -814,7 +814,8 @@ def colocated_model_runner(llm):
 
 def colocate_distribution(generation):
     """TRL's `DistributedBackend` of a `VLLMGeneration`: `gather_params(params)` (ZeRO-3's gather, a no-op elsewhere),
-    `is_fsdp`, the same object TRL's own weight stream uses."""
+    `is_fsdp`, `fsdp_version` (1 or 2 under FSDP, else None; TRL 1.14-1.16), the same object TRL's own weight stream
+    uses."""
     return generation._dist
 
 

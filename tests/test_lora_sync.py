@@ -216,3 +216,48 @@ def test_a_4bit_base_on_a_gpu_engine_is_served_by_its_memory(tmp_path, monkeypat
         "fp8" if fp8_runs else None
     )
     assert engine_quantization("auto", "bitsandbytes", str(tmp_path / "qwen2.5-0.5b"), 0.3) is None
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A 1-process gloo group (FSDP2 needs one), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("copy_sources", [True, False], ids=["copies", "negative-control-no-copies"])
+def test_an_fsdp2_model_streams_whole_weights_that_outlive_the_reshard(one_rank_group, copy_sources):
+    """Under FSDP2 the stream unshards the model (`fsdp2_unsharded`) and sends what an unsharded copy sends, bit for
+    bit. vLLM may hold a streamed tensor until its layer is complete, after the stream, when FSDP2 has resharded and
+    freed the whole weights: the weights sent unmerged must be copies (without, some point at freed storage, and
+    vLLM's reload fails)."""
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from grpo_plus.distributed import fsdp2_unsharded
+
+    model = peft_model("float32")
+    expected = {name: tensor.clone() for name, tensor in stream(copy.deepcopy(model), torch.float32)()}
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sent = dict(
+        stream(model, torch.float32, gather=lambda params: fsdp2_unsharded(model), copy_sources=copy_sources)()
+    )
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "the model was left unsharded"
+    freed = [name for name, tensor in sent.items() if tensor.untyped_storage().size() == 0]
+    if not copy_sources:
+        assert freed, "nothing was freed: the copies guard nothing"
+        return
+    assert freed == [] and list(sent) == list(expected)
+    for name in sent:
+        torch.testing.assert_close(sent[name], expected[name], rtol=0, atol=0)

@@ -268,6 +268,8 @@ def test_accelerate_configs_are_valid(config):
     assert settings.num_machines == 1 and not settings.use_cpu
     if settings.distributed_type == "DEEPSPEED":
         assert settings.deepspeed_config["zero_stage"] == int(config.stem[-1])
+    if settings.distributed_type == "FSDP":  # FSDP2, fully sharded: what tests/test_fsdp.py runs (forced onto CPU)
+        assert settings.fsdp_config["fsdp_version"] == 2 and settings.fsdp_config["fsdp_reshard_after_forward"]
 
 
 # ---- every mistake one `error:` line, exit status 2, before anything trains (issue 18) ------------------------------

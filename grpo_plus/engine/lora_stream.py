@@ -199,7 +199,9 @@ class LoraWeightStream:
     it cannot send that way.
 
     `packed_modules` is the engine model's `packed_modules_mapping` (None: every sync streams every weight);
-    `gather` a context manager factory that makes the given parameters whole (ZeRO-3: TRL's `gather_params`);
+    `gather` a context manager factory that makes the given parameters whole (ZeRO-3: TRL's `gather_params`; FSDP2:
+    `fsdp2_unsharded`); `copy_sources` sends copies of the parameters sent unchanged (FSDP2 frees the whole weights'
+    storage when it reshards, while vLLM may hold a streamed tensor until its layer is complete, after the stream);
     `rename` maps a module path to the engine's name (TRL's `_fix_param_name_to_vllm`)."""
 
     def __init__(
@@ -210,6 +212,7 @@ class LoraWeightStream:
         engine_ties_embeddings: bool,
         packed_modules: Mapping[str, Sequence[str]] | None,
         gather: Callable[[list[torch.nn.Parameter]], AbstractContextManager] | None = None,
+        copy_sources: bool = False,
         rename: Callable[[str], str] = lambda name: name,
     ):
         reason = sync_blocker(model, engine_ties_embeddings)
@@ -219,6 +222,7 @@ class LoraWeightStream:
         self.engine_dtype = engine_dtype
         self.packed_modules = packed_modules
         self.gather = gather or (lambda params: nullcontext())
+        self.copy_sources = copy_sources
         self.rename = rename
         self.next_is_full = True  # the engine holds the checkpoint from disk until a first full stream completes
 
@@ -272,11 +276,16 @@ class LoraWeightStream:
 
     def _served(self, unit: _Unit, name: str, source: torch.Tensor) -> torch.Tensor:
         """What the engine loads for a parameter: a LoRA layer's weight merged; a 4-bit weight dequantized, in the
-        engine's dtype; anything else as the trainer holds it (as TRL streams it), detached."""
+        engine's dtype; anything else as the trainer holds it (as TRL streams it), detached; with `copy_sources`,
+        never the parameter's own storage."""
         from peft.utils.integrations import get_bnb_param_type
 
         if unit.kind == "lora" and name == "weight":
-            return merged_weight(unit.module, self.engine_dtype)
-        if get_bnb_param_type(source) == "4bit":
-            return dequantized(source).to(self.engine_dtype)
-        return source.detach()
+            served = merged_weight(unit.module, self.engine_dtype)  # the base itself while no adapter is applied
+        elif get_bnb_param_type(source) == "4bit":
+            served = dequantized(source).to(self.engine_dtype)
+        else:
+            served = source.detach()
+        if self.copy_sources and served.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+            served = served.clone()
+        return served

@@ -5,7 +5,8 @@ before the engine generates from it (`receipt`).
 The stream: for a full model TRL's own (`VLLMGeneration._iter_named_params`: ZeRO-3 / FSDP gathering, the names vLLM
 expects). For a LoRA model TRL merges the adapters into the base in place for the stream and unmerges after, which
 moves a bfloat16 or 4-bit base a little at every sync; grpo_plus streams `lora_stream.LoraWeightStream` instead, each
-LoRA layer merged in a new tensor (ZeRO-3 gathered as TRL gathers; under FSDP TRL's stream stays, with a warning).
+LoRA layer merged in a new tensor (ZeRO-3 gathered as TRL gathers, FSDP2 unsharded; under FSDP1 TRL's stream stays,
+with a warning).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import fsdp2_unsharded
 from ..trl_compat import colocate_distribution, colocate_weight_stream_name, colocated_model_runner
 from .lora_stream import LoraWeightStream
 from .receipt import StreamRecord, SyncChecker, SyncReceipt
@@ -115,21 +117,26 @@ def reload_on_sync(
 
 
 def lora_stream(generation: Any) -> LoraWeightStream | None:
-    """The out-of-place stream for `generation`'s model when it is a PEFT model (None for a full model, and under FSDP,
-    where TRL's stream stays)."""
+    """The out-of-place stream for `generation`'s model when it is a PEFT model (None for a full model, and under
+    FSDP1, where TRL's stream stays). Under ZeRO-3 the stream gathers every parameter as TRL gathers them; under FSDP2
+    it unshards every sharded module for the stream (`fsdp2_unsharded`: the whole model on each rank, as ZeRO-3's
+    gather; each rank syncs its own engine, so every rank streams)."""
     from accelerate.utils import is_peft_model
 
     model = generation.model
     if not is_peft_model(model):
         return None
     distribution = colocate_distribution(generation)
-    if distribution.is_fsdp:
-        logger.warning(
-            "LoRA with FSDP and colocated vLLM: weights are synced by TRL's stream, which merges the adapters into the "
-            "base and unmerges them at each sync (a bfloat16 or 4-bit base moves a little each time); grpo_plus's "
-            "out-of-place sync runs with DeepSpeed (ZeRO-3 included), DDP and one process."
-        )
-        return None
+    gather = distribution.gather_params
+    if distribution.is_fsdp:  # the model is sharded later, when the trainer prepares it
+        if distribution.fsdp_version != 2:
+            logger.warning(
+                "LoRA with FSDP1 and colocated vLLM: weights are synced by TRL's stream, which merges the adapters "
+                "into the base and unmerges them at each sync (a bfloat16 or 4-bit base moves a little each time); "
+                "grpo_plus's out-of-place sync runs with FSDP2 (fsdp_version: 2), DeepSpeed, DDP and one process."
+            )
+            return None
+        gather = lambda params: fsdp2_unsharded(model)  # noqa: E731
     runner = colocated_model_runner(generation.llm)
     config = runner.model_config
     return LoraWeightStream(
@@ -137,6 +144,7 @@ def lora_stream(generation: Any) -> LoraWeightStream | None:
         config.dtype,
         engine_ties_embeddings=bool(getattr(config.hf_text_config, "tie_word_embeddings", False)),
         packed_modules=getattr(runner.get_model(), "packed_modules_mapping", None),
-        gather=distribution.gather_params,
+        gather=gather,
+        copy_sources=distribution.is_fsdp,
         rename=generation._fix_param_name_to_vllm,
     )

@@ -6,6 +6,7 @@ python tests/scripts/train_tiny.py --config run.yaml
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers.fsdp_on_cpu import force_fsdp_on_cpu  # noqa: E402
 from helpers.models import prompt_dataset  # noqa: E402
 from helpers.probes import GroupRecorder, record_draws, record_trained_batches, use_row_seeded_sampling  # noqa: E402
 from helpers.rewards import (  # noqa: E402
@@ -62,6 +64,25 @@ class TinyArgs:
     record_batches: str | None = field(
         default=None, metadata={"help": "Write every micro-batch trained on, with its step, here (torch, per rank)."}
     )
+    force_fsdp_on_cpu: bool = field(
+        default=False,
+        metadata={
+            "help": "Test harness only: run accelerate's FSDP on CPU processes over gloo (see force_fsdp_on_cpu)."
+        },
+    )
+    watchdog: float = field(
+        default=0.0,
+        metadata={
+            "help": "If training (and gathering the weights) has not ended this many seconds after it started, "
+            "print every thread's stack and exit 1: a rank stuck in a collective fails instead of hanging."
+        },
+    )
+    skip_dead_anchor: bool = field(
+        default=False,
+        metadata={
+            "help": "Negative control: a micro-batch with no live row makes no model call (see skip_dead_anchor)."
+        },
+    )
     vllm_logps: str | None = field(
         default=None,
         metadata={"help": "After training, sync the colocated vLLM engine and write the sampled tokens of the first "
@@ -85,6 +106,22 @@ def count_forwards(model) -> dict:
 
     model.generate = counted_generate
     return counts
+
+
+def skip_dead_anchor() -> None:
+    """Break grpo_plus on purpose (negative control): a micro-batch whose rows are all dead makes no model call (its
+    loss is a zero with a graph of its own) instead of the one-position anchor call. A rank holding only dead rows
+    then skips forwards the others make: under FSDP2 / ZeRO-3 the collectives stop matching."""
+    import grpo_plus.zero_waste
+
+    forward_rows = grpo_plus.zero_waste.forward_rows
+
+    def forward_rows_skipping(forward, input_ids, attention_mask, width, live, fill, bridge):
+        if live is not None and not bool(live.any()):
+            return fill + torch.zeros((), requires_grad=True), torch.zeros_like(fill), None
+        return forward_rows(forward, input_ids, attention_mask, width, live, fill, bridge)
+
+    grpo_plus.zero_waste.forward_rows = forward_rows_skipping
 
 
 def gathered_weights(trainer) -> dict:
@@ -165,6 +202,10 @@ def write_vllm_logps(trainer, tokenizer, path: str) -> None:
 def main() -> None:
     parser = TrlParser((GRPOConfig, TinyArgs))
     training_args, tiny_args = parser.parse_args_and_config()
+    if tiny_args.force_fsdp_on_cpu:
+        force_fsdp_on_cpu()
+    if tiny_args.skip_dead_anchor:
+        skip_dead_anchor()
     tokenizer = AutoTokenizer.from_pretrained(tiny_args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_args.model_dir, dtype=torch.float32)
     trainer_cls = GRPOTrainer
@@ -191,6 +232,8 @@ def main() -> None:
     trained = record_trained_batches(trainer) if tiny_args.record_batches else None
     if tiny_args.record_draws:
         record_selective_draws(trainer, f"{tiny_args.record_draws}.rank{trainer.accelerator.process_index}")
+    if tiny_args.watchdog:
+        faulthandler.dump_traceback_later(tiny_args.watchdog, exit=True)
     trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)
     if recorder is not None:
         groups = [
@@ -205,6 +248,7 @@ def main() -> None:
     if tiny_args.vllm_logps:
         write_vllm_logps(trainer, tokenizer, f"{tiny_args.vllm_logps}.rank{trainer.accelerator.process_index}")
     weights = gathered_weights(trainer) if tiny_args.dump_weights else None
+    faulthandler.cancel_dump_traceback_later()
     if trainer.accelerator.is_main_process:
         if tiny_args.dump_weights:
             save_file(weights, tiny_args.dump_weights)
