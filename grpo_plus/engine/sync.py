@@ -117,19 +117,10 @@ def reload_on_sync(
 def lora_stream(generation: Any) -> LoraWeightStream | None:
     """The out-of-place stream for `generation`'s model when it is a PEFT model (None for a full model, and under FSDP,
     where TRL's stream stays)."""
-    from accelerate.utils import is_peft_model
-
+    if not lora_stream_wanted(generation):
+        return None
     model = generation.model
-    if not is_peft_model(model):
-        return None
     distribution = colocate_distribution(generation)
-    if distribution.is_fsdp:
-        logger.warning(
-            "LoRA with FSDP and colocated vLLM: weights are synced by TRL's stream, which merges the adapters into the "
-            "base and unmerges them at each sync (a bfloat16 or 4-bit base moves a little each time); grpo_plus's "
-            "out-of-place sync runs with DeepSpeed (ZeRO-3 included), DDP and one process."
-        )
-        return None
     runner = colocated_model_runner(generation.llm)
     config = runner.model_config
     return LoraWeightStream(
@@ -140,3 +131,20 @@ def lora_stream(generation: Any) -> LoraWeightStream | None:
         gather=distribution.gather_params,
         rename=generation._fix_param_name_to_vllm,
     )
+
+
+def lora_stream_wanted(generation: Any) -> bool:
+    """Whether `generation`'s model is a PEFT model the out-of-place stream sends (not under FSDP, where TRL's stream
+    stays, with a warning)."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(generation.model):
+        return False
+    if colocate_distribution(generation).is_fsdp:
+        logger.warning(
+            "LoRA with FSDP and vLLM: weights are synced by TRL's stream, which merges the adapters into the base and "
+            "unmerges them at each sync (a bfloat16 or 4-bit base moves a little each time); grpo_plus's out-of-place "
+            "sync runs with DeepSpeed (ZeRO-3 included), DDP and one process."
+        )
+        return False
+    return True
