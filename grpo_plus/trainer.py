@@ -27,8 +27,8 @@ from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch, whole_model_for_generation
 from .engine.precision import engine_precision, sleep_mode_blocker
 from .engine.receipt import SyncReceipt, log_receipts
-from .engine.sync import reload_on_sync
 from .engine.server import server_client, server_sync
+from .engine.sync import reload_on_sync
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .fit import check_before_training
 from .generation import generate_patched, generation_blocker

@@ -93,7 +93,9 @@ class _GlooEngineMethods:
 
     def receive_weights(self, update_info) -> None:
         """Each announced tensor, broadcast by the trainer (rank 0), loaded into the model."""
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True):
+        for name, dtype_name, shape in zip(
+            update_info.names, update_info.dtype_names, update_info.shapes, strict=True
+        ):
             weight = torch.empty(shape, dtype=getattr(torch, dtype_name))
             self.model_update_group.broadcast(weight, root=0).wait()
             self.model.load_weights([(name, weight)])

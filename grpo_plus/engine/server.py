@@ -127,9 +127,28 @@ def vllm_cli_main() -> None:
             raise
 
     importlib.metadata.version = vllm_version
+    _answer_pip_list()
     from vllm.entrypoints.cli.main import main
 
     main()
+
+
+def _answer_pip_list() -> None:
+    """`/server_info` (which TRL's client reads before every weight-transfer set-up) lists the installed packages
+    with `pip list`, or `uv pip list` in a uv-made environment without pip; where `uv` is not on PATH its output is
+    None and vLLM 0.31 answers 500 (`'NoneType' object has no attribute 'splitlines'`). Here the package list is
+    left empty instead, in this process only."""
+    import vllm.collect_env as collect_env
+
+    listing = collect_env.get_pip_packages
+
+    def pip_packages(*args, **kwargs):
+        try:
+            return listing(*args, **kwargs)
+        except (AttributeError, RuntimeError):
+            return "pip3", ""
+
+    collect_env.get_pip_packages = pip_packages
 
 
 # ---- the trainer's side ---------------------------------------------------------------------------------------------
