@@ -127,10 +127,22 @@ class _GlooEngineMethods:
 
 
 def open_trainer_group(host: str, port: int, world_size: int):
-    """The trainer's end (rank 0) of the gloo group the server's workers join at `/init_weight_transfer_engine`."""
+    """The trainer's end (rank 0) of the gloo group the server's workers join at `/init_weight_transfer_engine`.
+
+    Rank 0 holds the group's store, made here on a socket bound to `port`: torch's rendezvous would not make it in a
+    process launched by torchrun / `accelerate launch`, whose environment (TORCHELASTIC_USE_AGENT_STORE) makes it
+    connect to the launcher's store instead, and wait there forever."""
+    import socket
+
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
-    return stateless_init_torch_distributed_process_group(host, port, 0, world_size, backend=BACKEND)
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind(("", port))
+    listen.listen()
+    return stateless_init_torch_distributed_process_group(
+        host, port, 0, world_size, backend=BACKEND, listen_socket=listen
+    )
 
 
 def send_weights(group, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], int]:

@@ -128,7 +128,7 @@ def model_logps(model, ids: list[int]) -> torch.Tensor:
 
 def server_config(url: str, output_dir, **overrides) -> dict:
     """A seconds-long float32 run in server mode against `url` (its own weight-transfer port)."""
-    settings = dict(optim="sgd", learning_rate=1e-3, **overrides)
+    settings = {"optim": "sgd", "learning_rate": 1e-3, **overrides}
     return tiny_run_kwargs(
         output_dir, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_group_port=free_port(),
         generation_kwargs={"seed": 0}, **settings,
