@@ -252,9 +252,24 @@ def frozen_base(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
 
 
-def merged_reference(model) -> torch.nn.Module:
-    """PEFT's own merge (`merge_and_unload`) of the trainer's weights in float32 (the bfloat16 base upcast exactly)."""
-    return copy.deepcopy(model).float().merge_and_unload()
+def merged_reference(model_dir, trainer_model) -> torch.nn.Module:
+    """PEFT's own merge (`merge_and_unload`) of the trainer's weights in a fresh float32 model: the trainer's bfloat16
+    base weights upcast (exact), its adapters loaded into a LoRA model of the same config (a copy of the trainer's
+    model would keep whatever the trainer wrapped around its modules)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+
+    reference = float32_model(model_dir)
+    base = trainer_model.get_base_model()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            held = base.get_submodule(module_name)
+            held = held.get_base_layer() if hasattr(held, "get_base_layer") else held
+            param.copy_(getattr(held, leaf).float())
+    reference = get_peft_model(reference, copy.deepcopy(next(iter(trainer_model.peft_config.values()))))
+    set_peft_model_state_dict(reference, get_peft_model_state_dict(trainer_model))
+    return reference.merge_and_unload()
 
 
 def test_lora_on_a_bfloat16_base_four_syncs_leave_the_base_and_serve_peft_merge(server, model_dir, tmp_path):
@@ -271,8 +286,11 @@ def test_lora_on_a_bfloat16_base_four_syncs_leave_the_base_and_serve_peft_merge(
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
     run.vllm_generation.sync_weights()
     ids = probe_ids(model_dir)
-    reference = model_logps(merged_reference(run.model), ids)
-    assert (server_logps(server, model_dir, ids) - reference).abs().max().item() <= FLOAT32_FLOOR
+    reference = model_logps(merged_reference(model_dir, run.model), ids)
+    served = server_logps(server, model_dir, ids)
+    print("LoRA: |server - PEFT merge|", (served - reference).abs().max().item(),
+          "|server - untrained|", (served - model_logps(float32_model(model_dir), ids)).abs().max().item())  # fmt: skip
+    assert (served - reference).abs().max().item() <= FLOAT32_FLOOR
 
 
 def test_a_lora_stream_failing_midway_leaves_nothing_merged(server, model_dir, tmp_path):
