@@ -27,6 +27,7 @@ from .config import PlusSettings, validate_grpo_settings
 from .distributed import check_launch, whole_model_for_generation
 from .engine.precision import engine_precision, sleep_mode_blocker
 from .engine.receipt import SyncReceipt, log_receipts
+from .engine.server import server_client, server_sync
 from .engine.sync import reload_on_sync
 from .faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .fit import check_before_training
@@ -84,7 +85,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         settings = PlusSettings.from_args(args).rewards if args is not None else RewardRunnerSettings()
         self._reward_runner = RewardRunner(settings, reward_funcs)
         try:
-            with engine_precision(args):  # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes")
+            # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes"); a server reached over the
+            # transport it reports (grpo_plus.engine.server: gloo off CUDA)
+            with engine_precision(args), server_client(args):
                 super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
         except BaseException:
             self._reward_runner.close()
@@ -166,6 +169,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _sync_weights_checked(self) -> None:
         """Every sync into the colocated engine through vLLM's reload, checked as `vllm_sync_check` says (grpo_plus.engine:
         the probe's forward runs on the whole model, under the trainer's autocast, after the stream)."""
+        if self.vllm_generation.mode == "server":  # the server loads the weights: the LoRA stream, coverage checks
+            server_sync(self.vllm_generation, sync_check=self.plus.vllm.sync_check)
+            return
         reload_on_sync(
             self.vllm_generation,
             sync_check=self.plus.vllm.sync_check,

@@ -824,6 +824,11 @@ def colocate_distribution(generation):
 VLLM_ENGINE_MODULE, VLLM_ENGINE_FACTORY = "trl.generation.vllm_generation", "LLM"
 
 
+# TRL's server mode connects with `VLLMClient(...)` looked up in this module's namespace (VLLMGeneration._init_vllm),
+# then calls its `init_communicator(device)`, which refuses any device but CUDA.
+VLLM_CLIENT_MODULE, VLLM_CLIENT_FACTORY = "trl.generation.vllm_generation", "VLLMClient"
+
+
 def vllm_engine_factory():
     """(module, attribute name) where TRL looks up the class it builds the colocated vLLM engine with."""
     import importlib

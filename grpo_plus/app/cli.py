@@ -1,4 +1,5 @@
-"""`grpo-plus` command line: compare configurations, list what is registered, check a config fits, push an adapter."""
+"""`grpo-plus` command line: compare configurations, list what is registered, check a config fits, push an adapter,
+serve a model to trainers in vLLM server mode."""
 
 from __future__ import annotations
 
@@ -205,6 +206,12 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _vllm_serve(args: argparse.Namespace) -> int:
+    from ..engine.server import serve
+
+    return serve(args.serve_args)
+
+
 def _bool(text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
@@ -283,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--revision", default=None, help="branch to commit to (created if missing)")
     push.add_argument("--commit-message", default=DEFAULT_COMMIT_MESSAGE)
     push.set_defaults(run=_push, parser=push)
+
+    serve = commands.add_parser(
+        "vllm-serve",
+        add_help=False,
+        help="serve a model to trainers with vllm_mode='server': TRL's `trl vllm-serve` (the same flags; --help lists "
+        "them), on every vLLM build (weights over NCCL on CUDA, over gloo elsewhere)",
+    )
+    serve.add_argument("serve_args", nargs=argparse.REMAINDER)
+    serve.set_defaults(run=_vllm_serve, parser=serve)
     return parser
 
 
@@ -298,6 +314,9 @@ def reject_unknown_flags(parser: argparse.ArgumentParser, unknown: list[str]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["vllm-serve"]:  # every later argument is TRL's `trl vllm-serve` flags, --help included
+        return _vllm_serve(argparse.Namespace(serve_args=argv[1:]))
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
         reject_unknown_flags(args.parser, unknown)

@@ -1,10 +1,12 @@
-"""The colocated vLLM engine's side of training: how the trainer's weights reach it and the proof that they did.
+"""The vLLM engine's side of training (colocated or a server): how the trainer's weights reach it and the proof
+that they did.
 
 Modules, along the seams: `reload` (vLLM's layerwise reload around a weight stream, what it mends and what it
 reports), `lora_stream` (a LoRA model's weights merged out of place, the base never written), `sync` (TRL's
 `VLLMGeneration` wired to both, one log per sync), `receipt` (the check after each sync, before the engine generates:
 `GRPOConfig.vllm_sync_check`), `precision` (what the engine serves the weights in: `vllm_dtype`, `vllm_quantization`),
-`settings` (those GRPOConfig fields, validated).
+`settings` (those GRPOConfig fields, validated); in server mode `server` (`grpo-plus vllm-serve`, the trainer's
+client, the LoRA stream and coverage checks there) and `gloo_transport` (the weight transfer off CUDA).
 """
 
 from .lora_stream import LoraSyncError, LoraWeightStream

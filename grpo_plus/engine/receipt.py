@@ -155,6 +155,35 @@ def changing_tensor_names(model: torch.nn.Module, rename: Callable[[str], str], 
     return names
 
 
+def check_stream(sync: int, model: torch.nn.Module, rename: Callable[[str], str], streamed: StreamRecord) -> None:
+    """SyncCheckError if sync number `sync` left out a tensor of `model` that can change (all, for a full stream)."""
+    expected = changing_tensor_names(model, rename, streamed.full)
+    missing = sorted(expected - set(streamed.names))
+    if missing:
+        raise SyncCheckError(
+            f"weight sync {sync}: the stream left out {len(missing)} of the trainer's tensors that can change "
+            f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the engine would keep serving their "
+            "previous values."
+        )
+
+
+def check_loaded(sync: int, streamed: StreamRecord, report: ReloadReport) -> None:
+    """SyncCheckError if the engine took other than every element streamed, or a full sync left layers unloaded."""
+    if report.loaded_elements != streamed.elements:
+        raise SyncCheckError(
+            f"weight sync {sync}: the engine took {report.loaded_elements:,} of the {streamed.elements:,} "
+            f"elements streamed in {len(streamed.names)} tensors (into {len(report.loaded_layers)} layers): the "
+            "transport or vLLM's loader dropped the rest, and the engine keeps their previous values."
+        )
+    if streamed.full and report.unloaded_layers:
+        layers = report.unloaded_layers
+        raise SyncCheckError(
+            f"weight sync {sync}: a full sync left {len(layers)} engine layers without new weights "
+            f"({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}): they keep the weights of the previous "
+            "sync."
+        )
+
+
 class SyncChecker:
     """Checks syncs into one colocated engine for one trainer model (`mode`: one of SYNC_CHECK_MODES).
 
@@ -248,29 +277,10 @@ class SyncChecker:
         return receipt
 
     def _check_stream(self, streamed: StreamRecord) -> None:
-        expected = changing_tensor_names(self.model, self.rename, streamed.full)
-        missing = sorted(expected - set(streamed.names))
-        if missing:
-            raise SyncCheckError(
-                f"weight sync {self.syncs}: the stream left out {len(missing)} of the trainer's tensors that can change "
-                f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): the engine would keep serving their "
-                "previous values."
-            )
+        check_stream(self.syncs, self.model, self.rename, streamed)
 
     def _check_loaded(self, streamed: StreamRecord, report: ReloadReport) -> None:
-        if report.loaded_elements != streamed.elements:
-            raise SyncCheckError(
-                f"weight sync {self.syncs}: the engine took {report.loaded_elements:,} of the {streamed.elements:,} "
-                f"elements streamed in {len(streamed.names)} tensors (into {len(report.loaded_layers)} layers): the "
-                "transport or vLLM's loader dropped the rest, and the engine keeps their previous values."
-            )
-        if streamed.full and report.unloaded_layers:
-            layers = report.unloaded_layers
-            raise SyncCheckError(
-                f"weight sync {self.syncs}: a full sync left {len(layers)} engine layers without new weights "
-                f"({', '.join(layers[:4])}{', ...' if len(layers) > 4 else ''}): they keep the weights of the previous "
-                "sync."
-            )
+        check_loaded(self.syncs, streamed, report)
 
     # ---- the probe ---------------------------------------------------------------------------------------------------
 

@@ -56,13 +56,20 @@ def layerwise_reload(llm: Any, report: ReloadReport | None = None) -> Iterator[t
 
     Each layer is processed (repacked, quantized) as soon as all its weights are loaded, the rest on exit
     (`finalize_layerwise_reload`), as `GPUModelRunner.reload_weights` does for an iterator of weights."""
+    runner = colocated_model_runner(llm)
+    with model_reload(runner.get_model(), runner.model_config, report) as model:
+        yield model
+
+
+@contextmanager
+def model_reload(model: torch.nn.Module, model_config: Any, report: ReloadReport | None = None):
+    """`layerwise_reload` on a vLLM model and its model config, wherever they live (the colocated engine's runner, or
+    a server worker's weight-transfer engine: `grpo_plus.engine.gloo_transport`)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
 
-    runner = colocated_model_runner(llm)
-    model = runner.get_model()
     initialize_layerwise_reload(model)
     sizes = _loadable_sizes(model)
     try:
@@ -71,7 +78,7 @@ def layerwise_reload(llm: Any, report: ReloadReport | None = None) -> Iterator[t
         tied = tied_layers_left_unprocessed(model)
         received = _what_was_received(model, sizes)
     finally:
-        finalize_layerwise_reload(model, runner.model_config)
+        finalize_layerwise_reload(model, model_config)
     for name, layer in tied:
         reprocess_tied_layer(name, layer)
     if report is not None:

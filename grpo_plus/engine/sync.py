@@ -121,21 +121,12 @@ def lora_stream(generation: Any) -> LoraWeightStream | None:
     FSDP1, where TRL's stream stays). Under ZeRO-3 the stream gathers every parameter as TRL gathers them; under FSDP2
     it unshards every sharded module for the stream (`fsdp2_unsharded`: the whole model on each rank, as ZeRO-3's
     gather; each rank syncs its own engine, so every rank streams)."""
-    from accelerate.utils import is_peft_model
-
-    model = generation.model
-    if not is_peft_model(model):
+    if not lora_stream_wanted(generation):
         return None
+    model = generation.model
     distribution = colocate_distribution(generation)
     gather = distribution.gather_params
-    if distribution.is_fsdp:  # the model is sharded later, when the trainer prepares it
-        if distribution.fsdp_version != 2:
-            logger.warning(
-                "LoRA with FSDP1 and colocated vLLM: weights are synced by TRL's stream, which merges the adapters "
-                "into the base and unmerges them at each sync (a bfloat16 or 4-bit base moves a little each time); "
-                "grpo_plus's out-of-place sync runs with FSDP2 (fsdp_version: 2), DeepSpeed, DDP and one process."
-            )
-            return None
+    if distribution.is_fsdp:  # FSDP2 (lora_stream_wanted leaves FSDP1 to TRL); sharded later, when prepared
         gather = lambda params: fsdp2_unsharded(model)  # noqa: E731
     runner = colocated_model_runner(generation.llm)
     config = runner.model_config
@@ -148,3 +139,21 @@ def lora_stream(generation: Any) -> LoraWeightStream | None:
         copy_sources=distribution.is_fsdp,
         rename=generation._fix_param_name_to_vllm,
     )
+
+
+def lora_stream_wanted(generation: Any) -> bool:
+    """Whether `generation`'s model is a PEFT model the out-of-place stream sends (not under FSDP1, where TRL's stream
+    stays, with a warning)."""
+    from accelerate.utils import is_peft_model
+
+    if not is_peft_model(generation.model):
+        return False
+    distribution = colocate_distribution(generation)
+    if distribution.is_fsdp and distribution.fsdp_version != 2:
+        logger.warning(
+            "LoRA with FSDP1 and vLLM: weights are synced by TRL's stream, which merges the adapters into the base "
+            "and unmerges them at each sync (a bfloat16 or 4-bit base moves a little each time); grpo_plus's "
+            "out-of-place sync runs with FSDP2 (fsdp_version: 2), DeepSpeed, DDP and one process."
+        )
+        return False
+    return True

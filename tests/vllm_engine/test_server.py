@@ -1,0 +1,329 @@
+"""vLLM server mode on the real engine: `grpo-plus vllm-serve` (vLLM's CPU build, the gloo weight transfer) and
+trainers with `vllm_mode="server"` against it (grpo_plus.engine.server, grpo_plus.engine.gloo_transport).
+
+One server for the module, started as a user starts it (`grpo-plus vllm-serve --model <embedded model> --dtype
+float32 ...` in a subprocess, on a free port), serving the embedded model (SmolLM2-135M-Instruct, float32). Every
+trainer's first sync loads its own weights into it; sampling is seeded per request (`generation_kwargs={"seed": 0}`),
+so two trainers holding the same weights draw the same completions.
+
+- a 1-process grpo_plus trainer trains against it, and after a sync the server's log-probs of a fixed probe are the
+  trained model's at the float32 floor (that of the untouched checkpoint: server vs transformers), not before;
+  every sync is checked for coverage and elements (`vllm_sync_check="every"`: the server reports what its reload
+  took); a stream that leaves a tensor out fails the check;
+- stock TRL in server mode (through grpo_plus's gloo client: TRL 1.16's client refuses any device but CUDA, so the
+  harness gives stock TRL `grpo_plus.engine.server.server_client`) trains the same completions to the same losses and
+  weights as grpo_plus (zero-waste pass on);
+- a 2-process trainer (accelerate launch, gloo) against the same server trains to the 1-process run's weights;
+- LoRA on a bfloat16 base: four syncs leave the frozen base bit-identical, the server serves PEFT's merge (float32
+  reference), and a stream that fails midway leaves nothing merged (TRL's in-place stream leaves its merge in).
+
+The log-prob probe of `vllm_sync_check` needs the engine in the trainer's process: it does not run in server mode.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import trl
+from helpers.engine import StepRecorder
+from helpers.models import prompt_dataset, tiny_run_kwargs
+from helpers.probes import TRAIN_TINY, accelerate_launch, max_weight_diff, run_python, train_tiny_flags
+from helpers.rewards import odd_prompts_dead_reward
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import grpo_plus
+from grpo_plus.engine import SyncCheckError
+from grpo_plus.engine.server import server_client
+
+REPO = Path(__file__).resolve().parents[2]
+PROBE = "3+4=7 12+5=17 9+9=18 40+2=42 6+1=7 33+3=36 1+1=2"
+SEEDED = '{"seed": 0}'  # one seed per request: the same weights draw the same completions
+START_TIMEOUT = 600
+# |server - transformers| of the probe's log-probs, float32 on both sides, measured on the untouched checkpoint:
+# 3.0e-5 at most (different kernels); after a sync the same, before it the training's change (~1e-2).
+FLOAT32_FLOOR = 1e-4
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def checkout_env() -> dict[str, str]:
+    """The environment with this checkout's grpo_plus first on the path (for the subprocesses)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    from grpo_plus.app.embedded import resolve_model
+
+    return resolve_model("embedded")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`grpo-plus vllm-serve` in a subprocess (the console script's entry point, this checkout's grpo_plus), torn
+    down at the end of the module; yields its base URL."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    command = [
+        sys.executable, "-c", "import sys; from grpo_plus.app.cli import main; sys.exit(main())",
+        "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max_model_len", "512", "--enforce_eager",
+    ]  # fmt: skip
+    env = checkout_env()
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()[-4000:]}"
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(2)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def probe_ids(model_dir) -> list[int]:
+    return AutoTokenizer.from_pretrained(model_dir)(PROBE)["input_ids"]
+
+
+def server_logps(url: str, model_dir: str, ids: list[int]) -> torch.Tensor:
+    """The server's log-probs of `ids[1:]`, each given the tokens before it (OpenAI completions, prompt_logprobs)."""
+    payload = {"model": model_dir, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 0.0}
+    choice = requests.post(f"{url}/v1/completions", json=payload, timeout=120).json()["choices"][0]
+    return torch.tensor([choice["prompt_logprobs"][i][str(t)]["logprob"] for i, t in enumerate(ids) if i > 0])
+
+
+def model_logps(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def server_config(url: str, output_dir, **overrides) -> dict:
+    """A seconds-long float32 run in server mode against `url` (its own weight-transfer port)."""
+    settings = {"optim": "sgd", "learning_rate": 1e-3, **overrides}
+    return tiny_run_kwargs(
+        output_dir, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_group_port=free_port(),
+        generation_kwargs={"seed": 0}, **settings,
+    )  # fmt: skip
+
+
+def trainer(package, model, model_dir, config: dict, peft_config=None):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = package.GRPOConfig(**config)
+    with server_client(args) if package is trl else _nothing():  # stock TRL's client refuses a CPU: see docstring
+        return package.GRPOTrainer(
+            model=model, processing_class=tokenizer, reward_funcs=[odd_prompts_dead_reward], args=args,
+            train_dataset=prompt_dataset(2), peft_config=peft_config,
+        )  # fmt: skip
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def float32_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def test_server_serves_the_trained_model_after_each_checked_sync(server, model_dir, tmp_path):
+    """Two steps (two syncs, each checked for coverage and elements); after a last sync the server's log-probs equal
+    the trained model's at the float32 floor; before it (serving the previous step's weights) they do not."""
+    ids = probe_ids(model_dir)
+    untouched = float32_model(model_dir)
+    run = trainer(
+        grpo_plus, float32_model(model_dir), model_dir, server_config(server, tmp_path, vllm_sync_check="every")
+    )
+    run.train()
+    log = run.vllm_generation.sync_log
+    assert len(log.streams) == len(log.reloads) == 2
+    assert all(r.loaded_elements == s.elements > 0 for r, s in zip(log.reloads, log.streams, strict=True))
+    assert log.reloads[0].tied_layers, "the tied LM head was not processed again on the server"
+    trained = model_logps(run.model, ids)
+    stale = (server_logps(server, model_dir, ids) - trained).abs().max().item()
+    assert stale > 30 * FLOAT32_FLOOR, f"the last step did not move the model ({stale}): the check proves nothing"
+    run.vllm_generation.sync_weights()
+    served = server_logps(server, model_dir, ids)
+    assert (served - trained).abs().max().item() <= FLOAT32_FLOOR
+    assert (served - model_logps(untouched, ids)).abs().max().item() > 30 * FLOAT32_FLOOR
+
+
+def test_a_stream_leaving_a_tensor_out_fails_the_sync_check(server, model_dir, tmp_path):
+    """Negative control of the coverage check: a stream without one norm weight (the server loads it, keeping the
+    old norm) raises SyncCheckError naming it."""
+    run = trainer(
+        grpo_plus, float32_model(model_dir), model_dir, server_config(server, tmp_path, vllm_sync_check="every")
+    )
+    generation = run.vllm_generation
+    stream = generation._iter_named_params
+    generation._iter_named_params = lambda: ((n, t) for n, t in stream() if n != "model.norm.weight")
+    with pytest.raises(SyncCheckError, match="model.norm.weight"):
+        generation.sync_weights()
+
+
+def test_stock_trl_in_server_mode_trains_the_same_completions_to_the_same_weights(server, model_dir, tmp_path):
+    """grpo_plus (zero-waste pass on) and stock TRL, both in server mode against the one server: the same completions
+    (seeded sampling, the same synced weights), the same losses and weights after two steps."""
+    runs = {}
+    for package in (trl, grpo_plus):
+        run = trainer(package, float32_model(model_dir), model_dir, server_config(server, tmp_path / package.__name__))
+        recorder = StepRecorder(run)
+        run.train()
+        losses = [h["loss"] for h in run.state.log_history if "loss" in h]
+        runs[package.__name__] = (recorder, losses)
+    (stock, stock_losses), (plus, plus_losses) = runs["trl"], runs["grpo_plus"]
+    for ours, theirs in zip(plus.generated, stock.generated, strict=True):
+        assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
+    assert any(loss != 0 for loss in stock_losses)
+    # float32, different batching of the forward (the zero-waste pass computes the trained rows only): measured
+    # 4.5e-6 on a loss of 0.0896 (relative 5e-5)
+    print("loss gap", max(abs(a - b) for a, b in zip(plus_losses, stock_losses, strict=True)))
+    assert plus_losses == pytest.approx(stock_losses, abs=1e-5)
+    moved = max_weight_diff(stock.weights[-1], dict(float32_model(model_dir).named_parameters()))
+    assert moved > 5e-5  # measured 1.2e-4
+    print("weight gap", max_weight_diff(plus.weights[-1], stock.weights[-1]), "moved", moved)
+    assert max_weight_diff(plus.weights[-1], stock.weights[-1]) <= 1e-6
+
+
+def test_two_processes_against_one_server_match_one_process(server, model_dir, tmp_path):
+    """train_tiny.py against the server on 2 gloo processes (accelerate launch) and on 1: the same weights."""
+    weights = {}
+    for processes in (1, 2):
+        out = tmp_path / f"p{processes}"
+        flags = train_tiny_flags(
+            model_dir, out, per_device_train_batch_size=4 // processes, optim="sgd", learning_rate=1e-3,
+            use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_group_port=free_port(),
+        )  # fmt: skip
+        flags += ["--num_prompts", "2", "--generation_kwargs", SEEDED, "--dump_weights", f"{out}.safetensors"]
+        result = run_python(
+            TRAIN_TINY, *flags, launcher=accelerate_launch(processes) if processes > 1 else None, env=checkout_env(),
+            timeout=600,
+        )  # fmt: skip
+        assert result.stdout.count("FINISHED") == processes, result.stdout[-2000:]
+        weights[processes] = load_file(f"{out}.safetensors")
+    initial = {k: v for k, v in float32_model(model_dir).state_dict().items() if k in weights[1]}
+    assert max_weight_diff(weights[1], initial) > 1e-4, "training did not move the weights: the comparison is vacuous"
+    assert max_weight_diff(weights[2], weights[1]) <= 1e-6
+
+
+LORA = dict(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
+
+
+def lora_trainer(server, model_dir, tmp_path, **overrides):
+    from peft import LoraConfig
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    config = server_config(server, tmp_path, learning_rate=0.5, **overrides)
+    return trainer(grpo_plus, base, model_dir, config, LoraConfig(**LORA))
+
+
+def frozen_base(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
+
+
+def merged_reference(model_dir, trainer_model) -> torch.nn.Module:
+    """PEFT's own merge (`merge_and_unload`) of the trainer's weights in a fresh float32 model: the trainer's bfloat16
+    base weights upcast (exact), its adapters loaded into a LoRA model of the same config (a copy of the trainer's
+    model would keep whatever the trainer wrapped around its modules)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+
+    reference = float32_model(model_dir)
+    base = trainer_model.get_base_model()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            held = base.get_submodule(module_name)
+            held = held.get_base_layer() if hasattr(held, "get_base_layer") else held
+            param.copy_(getattr(held, leaf).float())
+    reference = get_peft_model(reference, copy.deepcopy(next(iter(trainer_model.peft_config.values()))))
+    set_peft_model_state_dict(reference, get_peft_model_state_dict(trainer_model))
+    return reference.merge_and_unload()
+
+
+def test_lora_on_a_bfloat16_base_four_syncs_leave_the_base_and_serve_peft_merge(server, model_dir, tmp_path):
+    """Four optimizer steps (four syncs) with grpo_plus's out-of-place stream: the frozen bfloat16 base bit-identical,
+    the adapters moved, and after a last sync the server's log-probs are those of PEFT's merge (float32)."""
+    run = lora_trainer(server, model_dir, tmp_path, max_steps=4, vllm_sync_check="every")
+    before = frozen_base(run.model)
+    adapters = {k: v.detach().clone() for k, v in run.model.named_parameters() if v.requires_grad}
+    run.train()
+    assert len(run.vllm_generation.sync_log.streams) == 4
+    moved = max((adapters[k] - v).abs().max().item() for k, v in run.model.named_parameters() if k in adapters)
+    assert moved > 1e-3, "training did not move the adapters"
+    after = frozen_base(run.model)
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+    run.vllm_generation.sync_weights()
+    ids = probe_ids(model_dir)
+    reference = model_logps(merged_reference(model_dir, run.model), ids)
+    served = server_logps(server, model_dir, ids)
+    print("LoRA: |server - PEFT merge|", (served - reference).abs().max().item(),
+          "|server - untrained|", (served - model_logps(float32_model(model_dir), ids)).abs().max().item())  # fmt: skip
+    assert (served - reference).abs().max().item() <= FLOAT32_FLOOR
+
+
+def test_a_lora_stream_failing_midway_leaves_nothing_merged(server, model_dir, tmp_path):
+    """A stream that fails after 20 tensors (in the first sync's announcing pass, before the server is asked for
+    anything): grpo_plus's leaves every LoRA layer unmerged and the base bit-identical; TRL's in-place stream (its
+    `merge_adapter` before the walk, `unmerge_adapter` after it, no `finally`) leaves the adapters merged."""
+    from peft.tuners.lora import LoraLayer
+
+    def fail_after(rename, count=20):
+        calls = iter(range(10**9))
+
+        def failing(name, *args, **kwargs):
+            if next(calls) == count:
+                raise RuntimeError("injected stream failure")
+            return rename(name, *args, **kwargs)
+
+        return failing
+
+    run = lora_trainer(server, model_dir, tmp_path / "ours")
+    before = frozen_base(run.model)
+    stream = run.vllm_generation._iter_named_params
+    stream.rename = fail_after(stream.rename)
+    with pytest.raises(RuntimeError, match="injected"):
+        run.vllm_generation.sync_weights()
+    layers = [m for m in run.model.modules() if isinstance(m, LoraLayer)]
+    assert layers and not any(layer.merged for layer in layers)
+    after = frozen_base(run.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    stock = lora_trainer(server, model_dir, tmp_path / "trl")
+    generation = stock.vllm_generation
+    del generation.__dict__["_iter_named_params"]  # TRL's own (in-place) stream
+    generation._fix_param_name_to_vllm = fail_after(generation._fix_param_name_to_vllm)
+    with pytest.raises(RuntimeError, match="injected"):
+        generation.sync_weights()
+    assert any(m.merged for m in stock.model.modules() if isinstance(m, LoraLayer)), "TRL's stream unmerged after all"
