@@ -155,9 +155,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             "activation_offloading": self.plus.activation_offloading,
         }
         if self.plus.fit_check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
-            settings |= check_before_training(
+            counted = check_before_training(
                 self.args, policy, self.train_dataset, self.processing_class, device, self.plus.fit_check
             )
+            settings |= counted.turned_on if counted is not None else {}
         if settings["tiled_mlp_tokens"]:
             tile_mlps(policy, settings["tiled_mlp_tokens"])
         self._offload_step = training_step_context(self.model, device, settings["activation_offloading"])

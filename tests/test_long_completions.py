@@ -416,6 +416,7 @@ def test_fit_check_auto_turns_on_what_makes_the_step_fit_and_refuses_with_the_nu
     with caplog.at_level(logging.WARNING, logger="grpo_plus.fit.check"):
         result = fit.check.check_fit(spec, int((tiled + plain) / 2 * margin), "cuda:0", "auto")
     assert (result.spec.tiled_mlp_tokens, result.spec.activation_offloading) == (4096, False)
+    assert result.turned_on == {"tiled_mlp_tokens": 4096}
     assert result.total == tiled
     assert (
         "Turned on tiled_mlp_tokens=4096: now" in caplog.text and f"{tiled * margin / fit.GIB:.2f} GiB" in caplog.text
@@ -440,7 +441,7 @@ def test_the_trainer_turns_on_what_fit_check_auto_chose(tmp_path, monkeypatch):
     chosen = dict(tiled_mlp_tokens=4096, activation_offloading=True)
     monkeypatch.setattr(fit.check, "device_budget", lambda device: (10 * fit.GIB, 0))
     monkeypatch.setattr(fit.check, "check_fit", lambda spec, budget, device, mode: fit.StepEstimate(
-        "grpo_plus", spec.replace(**chosen), 0, fit.PassMemory(0, 0, 0, 0, 0), 0))  # fmt: skip
+        "grpo_plus", spec.replace(**chosen), 0, fit.PassMemory(0, 0, 0, 0, 0), 0, turned_on=chosen))  # fmt: skip
     offloaded = []
     monkeypatch.setattr(grpo_plus.trainer, "training_step_context", lambda model, device, on: offloaded.append(on))
     monkeypatch.setattr(accelerate.Accelerator, "device", property(lambda self: torch.device("cuda")))

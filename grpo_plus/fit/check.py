@@ -14,7 +14,7 @@ import torch
 
 from .count import StepEstimate, estimate, quiet, remembered_counts
 from .memory import GIB, PassMemory
-from .search import AUTOMATIC_FIELDS, automatic_options, suggestions
+from .search import automatic_options, suggestions
 from .spec import FitSpec, image_count_blocker
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
     automatic = report.get("automatic")
     if mode == "auto" and automatic:
         turned_on = _estimate_from_report(spec.replace(**automatic["options"]), automatic)
-        turned_on.seconds = estimate_.seconds
+        turned_on.seconds, turned_on.turned_on = estimate_.seconds, dict(automatic["options"])
         names = ", ".join(f"{name}={value!r}" for name, value in automatic["options"].items())
         logger.warning("grpo_plus fit check (fit_check='auto'): %s. Turned on %s: now %.2f GiB (same gradient up to "
                        "float rounding; set them yourself, or fit_check='warn', to choose).",
@@ -175,15 +175,16 @@ def prompt_images(dataset, processing_class, sample: int = 256) -> dict:
     return {"images_per_prompt": max(len(row) for row in per_row), "image_size": (grid[1] * patch, grid[2] * patch)}
 
 
-def check_before_training(args, model, dataset, processing_class, device: torch.device, mode: str) -> dict:
+def check_before_training(args, model, dataset, processing_class, device: torch.device,
+                          mode: str) -> StepEstimate | None:  # fmt: skip
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory (a
-    vision-language model with its vision tower and its prompts' pictures). Returns the memory settings the trainer
-    must turn on (fit_check='auto' where the step would not fit otherwise; else none)."""
+    vision-language model with its vision tower and its prompts' pictures); with fit_check='auto', its `turned_on`
+    names the memory settings the trainer must turn on."""
     blocker = image_count_blocker(model.config.to_dict())
     if blocker is not None:
         logger.warning("grpo_plus fit check: %s cannot be counted (%s), so training goes on unchecked "
                        "(fit_check='off' skips this line).", type(model).__name__, blocker)  # fmt: skip
-        return {}
+        return None
     lengths = prompt_lengths(dataset, processing_class)
     spec = FitSpec.from_args(args, model, max(lengths, default=128))
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
@@ -192,14 +193,7 @@ def check_before_training(args, model, dataset, processing_class, device: torch.
     budget, _ = device_budget(device)
     if spec.vllm_memory_fraction:  # the engine, started with the trainer, holds tensors of this process: not ours
         budget -= int(spec.vllm_memory_fraction * torch.cuda.mem_get_info(device)[1])
-    result = check_fit(spec, budget, str(device), mode)
-    if result is None:
-        return {}
-    return {
-        name: getattr(result.spec, name)
-        for name in AUTOMATIC_FIELDS
-        if getattr(result.spec, name) != getattr(spec, name)
-    }
+    return check_fit(spec, budget, str(device), mode)
 
 
 def _estimate_from_report(spec: FitSpec, report: dict) -> StepEstimate:

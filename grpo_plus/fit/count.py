@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -631,6 +631,7 @@ class StepEstimate:
     training: PassMemory
     generation: dict
     seconds: tuple[float, float] | None = None  # (wall, CPU) of the trainer's check, when it ran one
+    turned_on: dict = field(default_factory=dict)  # the memory settings fit_check='auto' turned on to get here
 
     @property
     def static_total(self) -> int:

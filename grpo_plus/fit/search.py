@@ -162,7 +162,6 @@ AUTOMATIC_OPTIONS = (
     {"activation_offloading": True},
     {"tiled_mlp_tokens": TILED_MLP_TOKENS, "activation_offloading": True},
 )
-AUTOMATIC_FIELDS = ("tiled_mlp_tokens", "activation_offloading")
 
 
 def automatic_options(spec: FitSpec, budget: int) -> tuple[dict, StepEstimate] | None:
