@@ -196,14 +196,19 @@ def test_a_stream_leaving_a_tensor_out_fails_the_sync_check(server, model_dir, t
 # GSPO's sequence-level ratio and a KL term to a reference model; TRL's token_truncate correction). Measured: losses
 # 4.5e-6 and 6.3e-7 apart, weights 3e-8 and 6e-8. On one process and on-policy, bnpo's and GSPO's gradients equal
 # dapo's token-level ones (ratio 1, the same normalizer): the KL term and the correction are what differ there.
-OBJECTIVES = {
-    "defaults": {},
-    "bnpo-gspo-kl-token_truncate": dict(
-        loss_type="bnpo",
-        importance_sampling_level="sequence",
-        beta=0.04,
-        vllm_importance_sampling_mode="token_truncate",
-    ),  # fmt: skip
+BNPO_GSPO_KL = dict(loss_type="bnpo", importance_sampling_level="sequence", beta=0.04,
+                    vllm_importance_sampling_mode="token_truncate")  # fmt: skip
+OBJECTIVES = {  # name: (grpo_plus's settings, stock TRL's settings)
+    "defaults": ({}, {}),
+    "bnpo-gspo-kl-token_truncate": (dict(BNPO_GSPO_KL), dict(BNPO_GSPO_KL)),
+    # verl's decoupled token IS (grpo_plus's rollout correction, on-policy from the training forward) against TRL's
+    # token_truncate at the same cap: min(pi_old / pi_rollout, 2) on every token. With a float32 server the ratios
+    # are ~1 (the cap never binds): this checks the correction runs in server mode with TRL's numbers, measured
+    # losses 6.3e-7 and weights 3e-8 apart; the cap itself against verl's formula: tests/test_rollout_correction.py
+    "verl-decoupled_token_is": (
+        dict(rollout_correction="decoupled_token_is"),
+        dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0),
+    ),
 }
 
 
@@ -216,12 +221,15 @@ def test_stock_trl_in_server_mode_trains_the_same_completions_to_the_same_weight
     other objectives and corrections both have."""
     runs = {}
     for package in (trl, grpo_plus):
-        config = server_config(server, tmp_path / package.__name__, **OBJECTIVES[objective])
+        ours, theirs = OBJECTIVES[objective]
+        config = server_config(server, tmp_path / package.__name__, **(theirs if package is trl else ours))
         run = trainer(package, float32_model(model_dir), model_dir, config)
         recorder = StepRecorder(run)
         run.train()
         losses = [h["loss"] for h in run.state.log_history if "loss" in h]
         runs[package.__name__] = (recorder, losses)
+        corrected_by_verl = any(key.startswith("rollout_corr/") for h in run.state.log_history for key in h)
+        assert corrected_by_verl == (package is grpo_plus and "rollout_correction" in ours)  # not TRL's then
     (stock, stock_losses), (plus, plus_losses) = runs["trl"], runs["grpo_plus"]
     for ours, theirs in zip(plus.generated, stock.generated, strict=True):
         assert torch.equal(ours["completion_ids"], theirs["completion_ids"])
