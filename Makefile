@@ -36,9 +36,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Multi-process tests on real engines: DeepSpeed ZeRO-2/3 (tests/test_deepspeed.py) and FSDP2 (tests/test_fsdp.py,
-# accelerate's state forced to FSDP in the test harness) on CPU processes over gloo, kept
-# apart so `make test` stays under 15 minutes on a 2-core machine. DeepSpeed compiles its CPU communication op on
+# Multi-process tests on real engines: DDP, DeepSpeed ZeRO-2/3 (tests/test_deepspeed.py) and FSDP2 (tests/test_fsdp.py,
+# accelerate's state forced to FSDP in the test harness) on CPU processes over gloo, and runs killed and resumed in
+# processes (marker `engine`), kept apart so `make test` stays under 15 minutes on a 2-core machine. DeepSpeed compiles its CPU communication op on
 # first use; it is built here, once per environment, into the venv (not ~/.cache, which outlives the clone). Every
 # process that loads the op takes torch's build lock first: one killed at that moment (a timeout, Ctrl-C) leaves the
 # lock behind and every later process waits on it forever, so no engine run starts while a stale lock is there.

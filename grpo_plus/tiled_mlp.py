@@ -122,8 +122,14 @@ class TiledMLP:
         self.tiled_calls += 1
         flat = x.reshape(positions, x.shape[-1])
         run = functools.partial(checkpoint, self.original, use_reentrant=False, preserve_rng_state=False)
-        out = torch.cat([run(part) for part in flat.split(self.tokens)])
+        out = torch.cat(run_tiles(run, flat.split(self.tokens)))
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def run_tiles(run, parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """Each slice through `run` (its checkpointed MLP), in order. A module-level function so that a memory count can
+    run only the tiles that its peak can tell apart (`grpo_plus.fit.memory.distinct_mlp_tiles`)."""
+    return [run(part) for part in parts]
 
 
 def tile_mlps(model: torch.nn.Module, tokens: int | str, on_fallback=note_once) -> list[TiledMLP]:

@@ -81,6 +81,7 @@ def test_normalizers_match_a_batch_built_from_the_kept_groups(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.engine  # DDP processes: make test-engines
 def test_ddp_keeps_groups_whole(tiny_model_dir, tmp_path):
     flags = train_tiny_flags(
         tiny_model_dir,

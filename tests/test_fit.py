@@ -153,6 +153,7 @@ def without_shortcuts(monkeypatch) -> None:
     from grpo_plus.fit import memory
 
     monkeypatch.setattr(memory, "_distinct_steps", lambda *args: range(*args))
+    monkeypatch.setattr(memory, "_kept_mlp_tiles", lambda count: set(range(count)))
     monkeypatch.setattr(memory, "_to_host", lambda kwargs: False)
     monkeypatch.setattr(memory, "_output_bound", lambda func, args: None)
 
@@ -172,6 +173,105 @@ def test_the_shortcuts_count_what_the_full_count_counts(side, options, monkeypat
     device = ("saved", "after_forward", "forward_peak", "peak", "after_backward", "items_faked")
     assert {name: getattr(fast, name) for name in device} == {name: getattr(full, name) for name in device}
     assert fast.peak > 0
+
+
+DEVICE_COUNTS = ("saved", "after_forward", "forward_peak", "peak", "after_backward", "host_peak", "items_faked")
+
+
+def wide_mlp(**changes) -> fit.FitSpec:
+    """A pass whose MLP tiles bind: a 16,384-wide MLP, 4 rows of 9,012 positions (36,048 per forward)."""
+    config = fit.known_config("tiny-qwen2", max_position_embeddings=32768)
+    config.intermediate_size = 16384
+    return fit.for_side(tiny(model_config=config.to_dict(), rows=4, padded_prompts=False, **changes), "grpo_plus")
+
+
+@needs_cpu_logps
+@needs_fused_lm_head
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(tiled_mlp_tokens=3000),  # 13 tiles, the last of 48 positions
+        dict(tiled_mlp_tokens=4506, weights_dtype="float32"),  # 8 tiles, every one full
+        dict(tiled_mlp_tokens=3000, gradient_checkpointing=False),  # the tiles' own checkpoints alone
+        dict(tiled_mlp_tokens=3000, activation_offloading=True, gradient_checkpointing=False),  # inputs offloaded
+    ],
+    ids=["partial-last", "all-full-fp32", "no-checkpointing", "offloaded"],
+)
+def test_a_tiled_mlp_counted_on_four_tiles_counts_what_every_tile_counts(changes, monkeypatch):
+    """grpo_plus's tiled MLP counted on its first two and last two tiles (the others stand-ins that allocate what their
+    checkpoint leaves): every count of the pass, device and host, is the full count's, byte for byte."""
+    from grpo_plus.fit import memory
+
+    spec = wide_mlp(**changes)
+    fast = fit.measure_pass(spec, "grpo_plus", layers=2)
+    monkeypatch.setattr(memory, "_kept_mlp_tiles", lambda count: set(range(count)))
+    full = fit.measure_pass(spec, "grpo_plus", layers=2)
+    assert {name: getattr(fast, name) for name in DEVICE_COUNTS} == {
+        name: getattr(full, name) for name in DEVICE_COUNTS
+    }
+
+
+@needs_cpu_logps
+@needs_fused_lm_head
+def test_skipped_tiles_that_leave_less_count_less(monkeypatch):
+    """Negative controls of the test above: stand-ins whose output takes no bytes undercount the pass's forward, and
+    running the first two and the last tile only (not the one before the last) misses the forward's peak where the
+    last tile is partial (48 positions)."""
+    from grpo_plus.fit import memory
+
+    spec = wide_mlp(tiled_mlp_tokens=3000)
+    full = fit.measure_pass(spec, "grpo_plus", layers=2)
+
+    class Hollow(memory._SkippedTile):
+        @staticmethod
+        def forward(ctx, part, out_features, out_dtype):
+            ctx.save_for_backward(part)
+            return part.new_empty((), dtype=out_dtype).expand(*part.shape[:-1], out_features)  # the shape, no bytes
+
+    monkeypatch.setattr(memory, "_SkippedTile", Hollow)
+    assert fit.measure_pass(spec, "grpo_plus", layers=2).forward_peak < full.forward_peak
+    monkeypatch.undo()
+    monkeypatch.setattr(memory, "_kept_mlp_tiles", lambda count: {0, 1, count - 1})
+    assert fit.measure_pass(spec, "grpo_plus", layers=2).forward_peak < full.forward_peak
+
+
+@needs_cpu_logps
+def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch):
+    """`grpo-plus fit`'s report with TRL's side counted in a child process (the default) is the serial report, answer
+    for answer (both sides' parts, the fixes of an over-budget config, the longest completions); a child that fails
+    raises with its exit code instead of a report with a side missing."""
+    import sys
+
+    config = fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP)  # one length
+    spec = tiny(model_config=config.to_dict(), rows=64, num_generations=8, generation_rows=64, prompt_tokens=16,
+                completion_tokens=128, gradient_checkpointing=False, weights_dtype="float32")  # fmt: skip
+    budget = int(0.308 * fit.GIB)  # TRL's worst step 0.311 GiB, grpo_plus's 0.305
+    serial = fit.fit_report(spec, budget, groups=False, parallel=False)
+    child = fit.fit_report(spec, budget, groups=False)
+    assert any(serial.fixes.values())  # over the budget on a side: its fixes are counted too
+    for side in fit.SIDES:
+        assert child.at_settings[side].parts() == serial.at_settings[side].parts()
+    assert (child.fixes, child.longest, child.largest_group) == (serial.fixes, serial.longest, serial.largest_group)
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 1\\)"):
+        fit.fit_report(spec, budget, groups=False)
+
+
+def test_index_bound_is_at_least_what_indexing_makes():
+    """The shortcut that runs an advanced index on real CPU values without a fake probe first bounds its output from
+    the shapes: never below the elements it makes, for integer, boolean and mixed indices (exact where no mask)."""
+    from grpo_plus.fit.memory import _index_bound
+
+    generator = torch.Generator().manual_seed(0)
+    source = torch.zeros(5, 6, 7)
+    mask = torch.rand(5, 6, generator=generator) > 0.5
+    rows, columns = torch.tensor([0, 4, 2]), torch.tensor([[1], [3]])
+    for indices in ([rows], [None, rows], [mask], [rows, columns], [None, None, rows], [None, columns, rows]):
+        made = source[tuple(slice(None) if index is None else index for index in indices)].numel()
+        bound = _index_bound(source, indices)
+        assert bound >= made
+        if not any(index is not None and index.dtype == torch.bool for index in indices):
+            assert bound == made
 
 
 @pytest.mark.parametrize("seed", range(8))

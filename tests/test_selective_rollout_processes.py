@@ -13,7 +13,7 @@ from helpers.rewards import dead_rows
 from grpo_plus.checkpoints import last_complete_checkpoint
 from grpo_plus.training_state import SHARED_FILE
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]  # DDP processes and a killed run: make test-engines
 
 
 def draw_lines(path: Path) -> list[dict]:

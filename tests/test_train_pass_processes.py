@@ -8,7 +8,7 @@ import pytest
 from helpers.probes import TRAIN_TINY, accelerate_launch, max_weight_diff, run_python, train_tiny_flags
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]  # DDP processes: make test-engines
 
 
 def test_ddp_with_an_all_dead_micro_batch_matches_one_process(tiny_model_dir, tmp_path):

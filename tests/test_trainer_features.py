@@ -27,6 +27,7 @@ from grpo_plus.checkpoints import is_complete_checkpoint, last_complete_checkpoi
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.engine  # DDP processes: make test-engines
 def test_ddp_two_processes_match_one_process(tiny_model_dir, tmp_path):
     """DAPO on 2 gloo processes x 4 sequences ends where 1 process x 8 sequences ends.
 
@@ -108,6 +109,7 @@ def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, 
     assert generated.shape[1] > ids["input_ids"].shape[1]
 
 
+@pytest.mark.engine  # a run killed and resumed in processes: make test-engines
 def test_kill_after_checkpoint_then_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     args = train_tiny_flags(

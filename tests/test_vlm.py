@@ -486,6 +486,29 @@ def test_the_fit_count_of_a_vlm_equals_real_compute(side):
     assert fake.peak > 1000 * window_index
 
 
+@pytest.mark.parametrize("side", ["trl", "grpo_plus"])
+def test_m_rope_positions_counted_on_values_count_what_the_fake_operators_count(side, monkeypatch):
+    """Qwen-VL's `get_rope_index` (a Python loop over rows) run on the ids' values in a fake count: the pass's counts
+    are those of running it operator by operator on fake tensors, byte for byte, and it did run on values (its (3, rows,
+    length) positions put on the device as counted tensors)."""
+    from grpo_plus import fit
+    from grpo_plus.fit import memory
+
+    spec = vlm_fit_spec()
+    fields = ("saved", "after_forward", "forward_peak", "peak", "after_backward", "host_peak", "items_faked")
+    placed, counted_on_device = [], memory._counted_on_device
+    monkeypatch.setattr(
+        memory, "_counted_on_device", lambda *args: placed.append(args[1].shape) or counted_on_device(*args)
+    )
+    on_values = fit.measure_pass(spec, side, layers=2)
+    assert any(len(shape) == 3 and shape[0] == 3 for shape in placed), placed
+    placed.clear()
+    monkeypatch.setattr(fit.count, "_rope_index_on_values", lambda model, counter: None)
+    operators = fit.measure_pass(spec, side, layers=2)
+    assert not any(len(shape) == 3 and shape[0] == 3 for shape in placed)
+    assert {name: getattr(on_values, name) for name in fields} == {name: getattr(operators, name) for name in fields}
+
+
 class TowerLog:
     """Vision patches the counted models' vision towers encode (every model `build_policy` makes)."""
 

@@ -1,4 +1,5 @@
-"""`python -m grpo_plus.fit --budget BYTES` < spec.json: the trainer's fit check, counted in a child process."""
+"""`python -m grpo_plus.fit --budget BYTES` < spec.json: the trainer's fit check, counted in a child process (and one
+side of `grpo-plus fit`'s report with `--side-report SIDE`)."""
 
 import sys
 

@@ -14,8 +14,8 @@ import torch
 
 from .count import StepEstimate, estimate, quiet, remembered_counts
 from .memory import GIB, PassMemory
-from .search import automatic_options, suggestions
-from .spec import FitSpec, image_count_blocker
+from .search import _side_report, automatic_options, suggestions
+from .spec import SIDES, FitSpec, image_count_blocker
 
 logger = logging.getLogger(__name__)
 
@@ -201,14 +201,25 @@ def _estimate_from_report(spec: FitSpec, report: dict) -> StepEstimate:
 
 
 def child_main(argv: list[str]) -> int:
-    """`python -m grpo_plus.fit --budget BYTES` < spec.json: the trainer's count, one JSON line on stdout."""
+    """`python -m grpo_plus.fit --budget BYTES` < spec.json: the trainer's count, one JSON line on stdout; with
+    `--side-report SIDE`, that side's part of `grpo-plus fit`'s report instead (`search._both_sides`)."""
     import argparse
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=int, required=True)
     parser.add_argument("--auto", action="store_true", help="also the options fit_check='auto' would turn on")
+    parser.add_argument("--side-report", choices=SIDES, help="one side's part of `grpo-plus fit`'s report (pickled)")
+    parser.add_argument("--no-groups", action="store_true", help="with --side-report: no largest-G search")
     args = parser.parse_args(argv)
     spec = FitSpec.from_json(sys.stdin.read())
+    if args.side_report:  # the child of grpo_plus.fit.search._both_sides: same library, so a pickle is read back
+        import base64
+        import pickle
+
+        with quiet():
+            part = _side_report(spec, args.side_report, args.budget, not args.no_groups)
+        print(base64.b64encode(pickle.dumps(part)).decode())
+        return 0
     budget = int(args.budget / (1 + FRAGMENTATION))
     automatic, fixes = None, []
     with quiet(), remembered_counts():

@@ -26,11 +26,13 @@ from .memory import (
     PassMemory,
     SavedBytes,
     accelerator_autocast,
+    distinct_mlp_tiles,
     fake_accelerator,
     fake_inputs,
     fake_parameters,
     fused_lm_head_counting,
     new_fake_mode,
+    on_values,
     readable_values,
     storage_addresses,
     tensors_from_data,
@@ -322,6 +324,7 @@ def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: 
         torch.autograd.set_multithreading_enabled(False),
         tensors_from_data(counter),
         fused_lm_head_counting(counter, lm_head),
+        distinct_mlp_tiles(counter.fake_mode is not None),
         accelerator_autocast(trainer, device, mixed),
         storage_addresses(),
         readable_values(),
@@ -376,6 +379,7 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     counter = MemoryCounter(fake_mode)
     if at_peak is not None:
         counter.describe = {}
+    _rope_index_on_values(model, counter)
     saved = SavedBytes(counter)
     with around(), counting(counter, trainer, device, spec.mixed_precision, lm_head, kernels):
         offload = contextlib.nullcontext()
@@ -397,6 +401,17 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
     if plain:
         _PASSES[key] = counted
     return counted
+
+
+def _rope_index_on_values(model, counter: MemoryCounter) -> None:
+    """A fake count of a model with M-RoPE (Qwen-VL) computes its `get_rope_index` on the ids' values
+    (`grpo_plus.fit.memory.on_values`): both trainers call it on this model instance (TRL through the model's forward,
+    grpo_plus's shared-prompt pass directly)."""
+    from ..multimodal import base_model
+
+    inner = getattr(base_model(model), "model", None)
+    if counter.fake_mode is not None and hasattr(inner, "get_rope_index"):
+        inner.get_rope_index = on_values(counter, type(inner).get_rope_index.__get__(inner))
 
 
 # Counts made within `remembered_counts()`, by what they depend on: a report asks for the same count more than once (a

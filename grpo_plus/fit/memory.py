@@ -28,6 +28,7 @@ are alive, where a prompt ends, `.item()`) takes the branch it takes on real dat
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -468,8 +469,15 @@ def _output_bound(func, args) -> int | None:
     """At most how many elements `func` makes from `args` (real CPU tensors), known from their shapes alone; None when
     only running it (fake) would tell."""
     tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-    if not tensors:
-        return None  # a factory: its size comes from its arguments
+    if not tensors:  # a factory: its size comes from its arguments
+        if func.overloadpacket in _SIZED_FACTORIES:
+            return math.prod(args[0])
+        if func.overloadpacket is torch.ops.aten.arange and all(isinstance(a, int | float) for a in args):
+            start, end, step = (0, *args, 1)[-3:] if len(args) < 3 else args
+            return max(math.ceil((end - start) / step), 0) if step else None
+        return None
+    if func is torch.ops.aten._local_scalar_dense.default:
+        return 0  # a Python number
     if func.is_view:
         return 0
     if torch.Tag.pointwise in func.tags:
@@ -477,7 +485,31 @@ def _output_bound(func, args) -> int | None:
         return int(torch.Size(shape).numel())
     if func in _NO_LARGER:
         return sum(t.numel() for t in tensors) * max(max((t.dim() for t in tensors), default=1), 1)
+    if func is torch.ops.aten.index.Tensor:
+        return _index_bound(*args[:2])
     return None
+
+
+# Factories whose first argument is the output's shape.
+_SIZED_FACTORIES = {torch.ops.aten.full, torch.ops.aten.ones, torch.ops.aten.zeros, torch.ops.aten.empty}
+
+
+def _index_bound(source: torch.Tensor, indices: list) -> int:
+    """At most how many elements `source[indices]` (advanced indexing) makes: the integer indices broadcast
+    together, times each boolean mask's size (its true elements, at most), times the dimensions not indexed."""
+    dim, rest, masks, shapes = 0, 1, 1, []
+    for index in indices:
+        if index is None:  # a whole dimension
+            rest *= source.shape[dim]
+            dim += 1
+        elif index.dtype in (torch.bool, torch.uint8):
+            masks *= index.numel()
+            dim += index.dim()
+        else:
+            shapes.append(index.shape)
+            dim += 1
+    rest *= math.prod(source.shape[dim:])
+    return int(torch.Size(torch.broadcast_shapes(*shapes)).numel()) * masks * rest
 
 
 def _aims_at_accelerator(kwargs) -> bool:
@@ -661,6 +693,65 @@ def distinct_tiles(module, enabled: bool = True) -> Iterator[None]:
         del module.range
 
 
+def _kept_mlp_tiles(count: int) -> set[int]:
+    """The tiles of a tiled MLP that a fake count runs (`distinct_mlp_tiles`): the first two and the last two."""
+    return {0, 1, count - 2, count - 1}
+
+
+class _SkippedTile(torch.autograd.Function):
+    """A full MLP tile a fake count does not run, leaving what the run tile's checkpoint leaves: its slice saved for
+    backward (the checkpoint saves its inputs, where activation offloading sees them), its output allocated (the
+    tiles' outputs stay alive until they are concatenated), and in backward the gradient of its slice allocated (the
+    slices' gradients stay alive until the split's backward concatenates them)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, out_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(part)
+        return part.new_empty((*part.shape[:-1], out_features), dtype=out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (part,) = ctx.saved_tensors
+        return torch.empty_like(part), None, None
+
+
+def _distinct_mlp_tiles(run, parts) -> list[torch.Tensor]:
+    """grpo_plus.tiled_mlp.run_tiles with only the tiles `_kept_mlp_tiles` names run, the others `_SkippedTile`s shaped
+    like the second (every tile but the last is full)."""
+    kept = _kept_mlp_tiles(len(parts))
+    outputs = []
+    for index, part in enumerate(parts):
+        if index in kept:
+            outputs.append(run(part))
+        else:
+            like = outputs[1]  # a full tile run before any skipped one (the skipped ones start at the third)
+            outputs.append(_SkippedTile.apply(part, like.shape[-1], like.dtype))
+    return outputs
+
+
+@contextlib.contextmanager
+def distinct_mlp_tiles(enabled: bool = True) -> Iterator[None]:
+    """Within the block, grpo_plus's tiled MLP (`grpo_plus.tiled_mlp`) runs four of its tiles: the first two and the last
+    two; the others (full tiles, each the same operators on the same shapes as the second) allocate what their
+    checkpoint leaves, their output in forward and their slice's gradient in backward (`_SkippedTile`). What a run
+    tile allocates and frees inside itself is the same for every full tile and is met on top of everything earlier tiles
+    left, in forward (tiles run first to last) and in backward (autograd runs them last to first): the peak is met at
+    the last two tiles in forward (the last may be partial, so also the one before it) and at the first two in
+    backward. At 270K positions (G = 426 on the 1.5B recipe) that is 4 tiles of 66. Only for fake counts: real
+    compute needs every tile's values."""
+    if not enabled:
+        yield
+        return
+    from .. import tiled_mlp
+
+    original = tiled_mlp.run_tiles
+    tiled_mlp.run_tiles = _distinct_mlp_tiles
+    try:
+        yield
+    finally:
+        tiled_mlp.run_tiles = original
+
+
 @contextlib.contextmanager
 def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Iterator[None]:
     """TRL's chunked log-prob function (TRL >= 1.15) with its [4096 x chunk] tile buffers fake, and, `lm_head="cuda"`,
@@ -719,6 +810,44 @@ def storage_addresses() -> Iterator[None]:
         torch.UntypedStorage.data_ptr, torch.Tensor.record_stream = original, original_record_stream
 
 
+def _counted_on_device(counter: MemoryCounter, real: torch.Tensor, device) -> torch.Tensor:
+    """A fake tensor on `device` with `real`'s values as its shadow, counted as an allocation there."""
+    with counter.fake_mode:
+        fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
+    fake._shadow = real
+    counter._record(fake, [], torch.tensor)
+    return fake
+
+
+def on_values(counter: MemoryCounter, function):
+    """`function` that, called on fake tensors that all have their values (shadows), runs on those values as plain CPU
+    code and returns its tensors as fake ones on the fake tensors' device, counted there; else as it is.
+
+    For index arithmetic that loops in Python over rows and reads values one by one (Qwen-VL's `get_rope_index`: a
+    `tolist` and a dozen small operators per row, 24 of the 36 s of a count at G = 128 on the VLM recipe): on values it
+    is plain torch. What the count then does not see are its small per-row temporaries (index lists of one row, freed
+    before the forward that follows); its outputs it does see."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def run(*args, **kwargs):
+        tensors = [value for value in tree_leaves((args, kwargs)) if isinstance(value, torch.Tensor)]
+        fakes = [value for value in tensors if is_fake(value)]
+        if counter.fake_mode is None or not fakes or any(counter._shadow_of(value) is None for value in tensors):
+            return function(*args, **kwargs)
+        device = fakes[0].device
+        real_args, real_kwargs = tree_map(
+            lambda value: counter._shadow_of(value) if isinstance(value, torch.Tensor) else value, (args, kwargs)
+        )
+        with _disable_current_modes():
+            outputs = function(*real_args, **real_kwargs)
+        return tree_map(
+            lambda value: _counted_on_device(counter, value, device) if isinstance(value, torch.Tensor) else value,
+            outputs,
+        )
+
+    return run
+
+
 @contextlib.contextmanager
 def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
     """`torch.tensor(data, device=accelerator)` and `accelerator_tensor.new_tensor(data)` build their tensor outside
@@ -728,11 +857,7 @@ def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
     original, original_new_tensor = torch.tensor, torch.Tensor.new_tensor
 
     def on_device(real: torch.Tensor, device) -> torch.Tensor:
-        with counter.fake_mode:
-            fake = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device=device)
-        fake._shadow = real
-        counter._record(fake, [], torch.tensor)
-        return fake
+        return _counted_on_device(counter, real, device)
 
     def values(data):
         """Fake scalars in `data` (a list of 0-dim tensors, e.g. Qwen-VL's M-RoPE offsets) as their values."""

@@ -210,17 +210,62 @@ class FitReport:
         return None if window is None else (window - self.spec.prompt_length) // LENGTH_STEP * LENGTH_STEP
 
 
-def fit_report(spec: FitSpec, budget: int, groups: bool = True) -> FitReport:
-    """Count everything `grpo-plus fit` prints (module docstring); `groups=False` skips the largest-G searches."""
+def fit_report(spec: FitSpec, budget: int, groups: bool = True, parallel: bool = True) -> FitReport:
+    """Count everything `grpo-plus fit` prints (module docstring); `groups=False` skips the largest-G searches.
+    `parallel`: TRL's side is counted in a forked process while this one counts grpo_plus's (`_side_report`)."""
     started = time.perf_counter()
-    with remembered_counts():
-        at_settings = {side: estimate(spec, side) for side in SIDES}
-        fixes = {side: suggestions(for_side(spec, side), side, budget) if at_settings[side].total > budget else []
-                 for side in SIDES}  # fmt: skip
-        longest = {side: longest_completion(with_memory_options(spec, side), side, budget) for side in SIDES}
-        largest = {side: largest_group(with_memory_options(spec, side), side, budget) if groups else None
-                   for side in SIDES}  # fmt: skip
+    by_side = _both_sides(spec, budget, groups, parallel)
+    at_settings, fixes, longest, largest = ({side: by_side[side][part] for side in SIDES} for part in range(4))
     return FitReport(spec, budget, at_settings, fixes, longest, largest, time.perf_counter() - started)
+
+
+def _side_report(spec: FitSpec, side: str, budget: int, groups: bool) -> tuple:
+    """One side's part of the report: (the worst step at the config's settings, the fixes when it is over `budget`,
+    the longest completion and the largest G with every memory option)."""
+    with remembered_counts():
+        at_settings = estimate(spec, side)
+        fixes = suggestions(for_side(spec, side), side, budget) if at_settings.total > budget else []
+        longest = longest_completion(with_memory_options(spec, side), side, budget)
+        largest = largest_group(with_memory_options(spec, side), side, budget) if groups else None
+    return at_settings, fixes, longest, largest
+
+
+def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dict[str, tuple]:
+    """`_side_report` of each side. The sides share no count and each is up to a minute of single-threaded Python on
+    a large config's searches, so with `parallel` (and more than one CPU) TRL's side is counted in a child process
+    (`python -m grpo_plus.fit --side-report trl`) while this one counts grpo_plus's: the report takes the slower
+    side's time (plus the child's imports), not the sum. A fresh process, not a fork: autograd refuses to run in a
+    child forked after a backward (any count is one)."""
+    import base64
+    import os
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    if not parallel or (os.cpu_count() or 1) < 2:
+        return {side: _side_report(spec, side, budget, groups) for side in SIDES}
+    command = [sys.executable, "-m", "grpo_plus.fit", "--side-report", "trl", "--budget", str(budget)]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a child's warnings never fill a buffer and stall it
+        child = subprocess.Popen(command + ([] if groups else ["--no-groups"]), stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=stderr, env=env)  # fmt: skip
+        try:
+            child.stdin.write(spec.to_json().encode())
+            child.stdin.close()
+            ours = _side_report(spec, "grpo_plus", budget, groups)
+            output = child.stdout.read()
+            child.wait()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        if child.returncode != 0 or not output.strip():
+            stderr.seek(0)
+            tail = stderr.read().decode(errors="replace").strip().splitlines()[-20:]
+            raise RuntimeError(f"counting TRL's side in a child process failed (exit {child.returncode}):\n"
+                               + "\n".join(tail))  # fmt: skip
+    return {"trl": pickle.loads(base64.b64decode(output.strip().splitlines()[-1])), "grpo_plus": ours}
 
 
 def format_report(report: FitReport, source: str = "") -> str:
