@@ -236,10 +236,11 @@ def test_skipped_tiles_that_leave_less_count_less(monkeypatch):
 
 
 @needs_cpu_logps
-def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch):
+def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch, tmp_path):
     """`grpo-plus fit`'s report with TRL's side counted in a child process (the default) is the serial report, answer
-    for answer (both sides' parts, the fixes of an over-budget config, the longest completions); a child that fails
-    raises with its exit code instead of a report with a side missing."""
+    for answer (both sides' parts, the fixes of an over-budget config, the longest completions); a child that fails,
+    after reading its spec or before, raises with its exit code and its last words instead of a report with a side
+    missing."""
     import sys
 
     config = fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP)  # one length
@@ -252,7 +253,13 @@ def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(mo
     for side in fit.SIDES:
         assert child.at_settings[side].parts() == serial.at_settings[side].parts()
     assert (child.fixes, child.longest, child.largest_group) == (serial.fixes, serial.longest, serial.largest_group)
-    monkeypatch.setattr(sys, "executable", "/bin/false")
+    reads_then_fails = tmp_path / "python"  # reads its spec, then fails without an answer
+    reads_then_fails.write_text("#!/bin/sh\ncat > /dev/null\necho 'no count here' >&2\nexit 3\n")
+    reads_then_fails.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(reads_then_fails))
+    with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 3\\):\nno count here"):
+        fit.fit_report(spec, budget, groups=False)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # ends at once: maybe before its spec is written
     with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 1\\)"):
         fit.fit_report(spec, budget, groups=False)
 

@@ -246,14 +246,17 @@ def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dic
     if not parallel or (os.cpu_count() or 1) < 2:
         return {side: _side_report(spec, side, budget, groups) for side in SIDES}
     command = [sys.executable, "-m", "grpo_plus.fit", "--side-report", "trl", "--budget", str(budget)]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    # The child imports this very grpo_plus (its folder first on the path), whatever put it on the parent's path.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a child's warnings never fill a buffer and stall it
         child = subprocess.Popen(command + ([] if groups else ["--no-groups"]), stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=stderr, env=env)  # fmt: skip
         try:
-            child.stdin.write(spec.to_json().encode())
-            child.stdin.close()
-            ours = _side_report(spec, "grpo_plus", budget, groups)
+            ours = None
+            if _feed(child.stdin, spec.to_json().encode()):
+                ours = _side_report(spec, "grpo_plus", budget, groups)
             output = child.stdout.read()
             child.wait()
         finally:
@@ -266,6 +269,21 @@ def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dic
             raise RuntimeError(f"counting TRL's side in a child process failed (exit {child.returncode}):\n"
                                + "\n".join(tail))  # fmt: skip
     return {"trl": pickle.loads(base64.b64decode(output.strip().splitlines()[-1])), "grpo_plus": ours}
+
+
+def _feed(stdin, data: bytes) -> bool:
+    """Write `data` to a child's stdin and close it; False when the child ended before it read it (its exit code then
+    says why)."""
+    try:
+        stdin.write(data)
+        stdin.close()
+        return True
+    except BrokenPipeError:
+        try:
+            stdin.close()
+        except BrokenPipeError:  # the unflushed rest has nowhere to go
+            pass
+        return False
 
 
 def format_report(report: FitReport, source: str = "") -> str:
