@@ -236,6 +236,7 @@ def test_skipped_tiles_that_leave_less_count_less(monkeypatch):
 
 
 @needs_cpu_logps
+@needs_fused_lm_head  # with every memory option: TRL 1.14's activation offloading needs CUDA streams
 def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch, tmp_path):
     """`grpo-plus fit`'s report with TRL's side counted in a child process (the default) is the serial report, answer
     for answer (both sides' parts, the fixes of an over-budget config, the longest completions); a child that fails,
