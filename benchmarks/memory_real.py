@@ -183,9 +183,10 @@ def mib(value: float) -> str:
 
 
 def tables(rows: list[dict], labels: list[str]) -> str:
-    trl = "TRL"
+    """Ratios against stock TRL's row, or against the first variant run when `--variants` leaves TRL out."""
+    trl = "TRL" if "TRL" in labels else labels[0]
     others = [label for label in labels if label != trl]
-    header = ["L", "TRL step increment (MiB)", *(f"{label}" for label in others), "gradient norm (all sides)"]
+    header = ["L", f"{trl} step increment (MiB)", *(f"{label}" for label in others), "gradient norm (all sides)"]
     cells = []
     for row in rows:
         base = row[trl]
@@ -194,7 +195,7 @@ def tables(rows: list[dict], labels: list[str]) -> str:
                       *(f"{row[label]['increment'] / base['increment']:.3f}x" for label in others),
                       " / ".join(norms)])  # fmt: skip
     memory = markdown_table(header, cells)
-    header = ["L", "TRL pass (s)", *(f"{label}" for label in others)]
+    header = ["L", f"{trl} pass (s)", *(f"{label}" for label in others)]
     cells = [[row["length"], f"{row[trl]['seconds']:.1f}",
               *(f"{row[label]['seconds'] / row[trl]['seconds']:.3f}x" for label in others)] for row in rows]  # fmt: skip
     timing = markdown_table(header, cells)
