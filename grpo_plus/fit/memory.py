@@ -856,9 +856,6 @@ def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
     `torch.tensor([], device=...)`; grpo_plus's adaptive KL coefficient appends a count with `new_tensor`)."""
     original, original_new_tensor = torch.tensor, torch.Tensor.new_tensor
 
-    def on_device(real: torch.Tensor, device) -> torch.Tensor:
-        return _counted_on_device(counter, real, device)
-
     def values(data):
         """Fake scalars in `data` (a list of 0-dim tensors, e.g. Qwen-VL's M-RoPE offsets) as their values."""
         return tree_map(lambda value: counter._item(value) if is_fake(value) else value, data)
@@ -866,14 +863,14 @@ def tensors_from_data(counter: MemoryCounter) -> Iterator[None]:
     def tensor(data, *args, device=None, **kwargs):
         if device is None or torch.device(device).type == "cpu" or counter.fake_mode is None:
             return original(data, *args, device=device, **kwargs)
-        return on_device(original(values(data), *args, **kwargs), device)
+        return _counted_on_device(counter, original(values(data), *args, **kwargs), device)
 
     def new_tensor(self, data, *args, dtype=None, device=None, **kwargs):
         device = self.device if device is None else torch.device(device)
         if device.type == "cpu" or counter.fake_mode is None or not is_fake(self):
             return original_new_tensor(self, data, *args, dtype=dtype, device=device, **kwargs)
         real = original(data, dtype=self.dtype if dtype is None else dtype, **kwargs)
-        return on_device(real, device)
+        return _counted_on_device(counter, real, device)
 
     torch.tensor, torch.Tensor.new_tensor = tensor, new_tensor
     try:

@@ -212,7 +212,7 @@ class FitReport:
 
 def fit_report(spec: FitSpec, budget: int, groups: bool = True, parallel: bool = True) -> FitReport:
     """Count everything `grpo-plus fit` prints (module docstring); `groups=False` skips the largest-G searches.
-    `parallel`: TRL's side is counted in a forked process while this one counts grpo_plus's (`_side_report`)."""
+    `parallel`: TRL's side is counted in a child process while this one counts grpo_plus's (`_both_sides`)."""
     started = time.perf_counter()
     by_side = _both_sides(spec, budget, groups, parallel)
     at_settings, fixes, longest, largest = ({side: by_side[side][part] for side in SIDES} for part in range(4))
