@@ -113,12 +113,13 @@ def test_tiled_mlp_stands_aside_under_dropout_and_without_grad(caplog):
     assert all(w.tiled_calls == 1 for w in wrappers)
 
 
-def lora_qwen2(seed: int = 0):
-    """A 2-layer, hidden-64 Qwen2 (float32, random weights) with LoRA on every linear layer and gradient checkpointing."""
+def lora_model(config, seed: int = 0, **build):
+    """A model built from `config` (float32, random weights) with LoRA on every linear layer and gradient
+    checkpointing."""
     from peft import get_peft_model
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(fit.known_config("tiny-qwen2"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **build)
     model = get_peft_model(model, LoraConfig(**LORA))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
@@ -127,6 +128,29 @@ def lora_qwen2(seed: int = 0):
             torch.nn.init.normal_(param, std=0.02)
     model.train()
     return model
+
+
+def lora_qwen2(seed: int = 0):
+    """A 2-layer, hidden-64 Qwen2 (float32, random weights) with LoRA on every linear layer and gradient checkpointing."""
+    return lora_model(fit.known_config("tiny-qwen2"), seed)
+
+
+def lora_gemma2(seed: int = 0):
+    """A 2-layer, hidden-64 Gemma 2: its decoder layer normalizes the MLP's output (post_feedforward_layernorm)."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32)  # fmt: skip
+    return lora_model(config, seed, attn_implementation="eager")
+
+
+def count_down_proj_calls(model) -> list[int]:
+    """A counter of the MLP down projections' forwards (one per tile per pass through an MLP)."""
+    calls = [0]
+    for name, module in model.named_modules():
+        if name.endswith("mlp.down_proj"):
+            module.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
 
 
 def lora_grad_norm(model, ids: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
@@ -143,7 +167,7 @@ def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(
     from grpo_plus import tiled_mlp
 
     assert grpo_plus.GRPOConfig(output_dir="unused", use_cpu=True).tiled_mlp_tokens == "auto"
-    rows, over = 8, tiled_mlp.AUTO_MIN_TOKENS // 8 + 8  # 8 rows x 2056 positions > 16384
+    rows, over = 8, tiled_mlp.AUTO_MIN_TOKENS // 8 + 8  # 8 rows, 8 positions per row over the threshold
     ids = torch.randint(3, 500, (rows, over), generator=torch.Generator().manual_seed(0))
     whole_norm, whole = lora_grad_norm(lora_qwen2(), ids)
     model = lora_qwen2()
@@ -159,6 +183,71 @@ def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(
     model.zero_grad()
     lora_grad_norm(model, ids[:, : tiled_mlp.AUTO_MIN_TOKENS // rows])  # exactly the threshold: whole
     assert [w.tiled_calls for w in wrappers] == calls
+
+
+def tiled_against_whole(build, ids: torch.Tensor, tokens: int):
+    """(largest |tiled - whole| LoRA gradient entry, the wrappers, the down projections' forwards in the tiled pass)."""
+    _, whole = lora_grad_norm(build(), ids)
+    model = build()
+    wrappers = tile_mlps(model, tokens)
+    calls = count_down_proj_calls(model)
+    _, tiled = lora_grad_norm(model, ids)
+    return max((a - b).abs().max().item() for a, b in zip(tiled, whole, strict=True)), wrappers, calls[0]
+
+
+def test_tiled_mlp_under_checkpointing_runs_each_mlp_twice_per_step_as_whole_does(monkeypatch):
+    """Under gradient checkpointing an untiled MLP runs twice per step (forward, the layer's recompute); tiled, the
+    layer's recompute only saves the MLP's input and leaves its output unwritten (a Qwen2 layer only adds it to the
+    residual), and the backward recomputes each tile: 2 x 5 tiles, not 3 x 5, per layer, with the untiled gradient.
+    Negative control: with the recompute running the tiles (as nested checkpoints did) the count is 3 x 5."""
+    from grpo_plus import tiled_mlp
+
+    ids = torch.randint(3, 500, (8, 300), generator=torch.Generator().manual_seed(0))  # 2,400 positions: 5 tiles
+    gap, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
+    assert [(w.output_only_added, w.tiled_calls, w.skipped_recomputes) for w in wrappers] == [(True, 2, 1)] * 2
+    assert calls == 2 * 5 * len(wrappers)
+    assert gap < 1e-7  # measured 2.0e-8
+    monkeypatch.setattr(tiled_mlp, "output_only_added", lambda output, layer_input: False)
+    _, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
+    assert calls == 3 * 5 * len(wrappers) and not any(w.skipped_recomputes for w in wrappers)
+
+
+def test_tiled_mlp_recomputes_the_output_a_layer_normalizes(monkeypatch):
+    """Gemma 2 normalizes the MLP's output before the residual addition (the norm saves it): the first tiled forward's
+    graph shows it, so the layer's recompute runs the tiles and the gradient is the untiled one. Negative control:
+    leaving that output unwritten feeds the norm's backward uninitialized memory."""
+    from grpo_plus import tiled_mlp
+
+    ids = torch.randint(3, 500, (4, 100), generator=torch.Generator().manual_seed(0))
+    gap, wrappers, calls = tiled_against_whole(lora_gemma2, ids, 64)
+    assert [(w.output_only_added, w.skipped_recomputes) for w in wrappers] == [(False, 0)] * 2
+    assert calls == 3 * 7 * len(wrappers)  # 400 positions: 7 tiles
+    assert gap < 5e-8  # measured 9.3e-9
+    monkeypatch.setattr(tiled_mlp, "output_only_added", lambda output, layer_input: True)
+    gap, wrappers, _ = tiled_against_whole(lora_gemma2, ids, 64)
+    assert all(w.skipped_recomputes for w in wrappers)
+    assert not gap < 1e-3  # NaN or far off
+
+
+def test_tiled_mlp_with_engine_gathered_weights_runs_nested_checkpoints(monkeypatch):
+    """Weights a distributed engine gathers inside the module (DeepSpeed ZeRO-3 marks them with `ds_id`) get their
+    gradient through that engine's hooks: their tiles run under torch's nested checkpoints, with the untiled gradient
+    and the nested checkpoints' cost (forward 5 tiles, the layer's recompute 4: torch stops it early before the last
+    tile's work, backward 5)."""
+    from grpo_plus import tiled_mlp
+
+    def ds_marked(seed: int = 0):
+        model = lora_qwen2(seed)
+        for _, mlp in decoder_mlps(model):
+            for param in mlp.parameters():
+                param.ds_id = 0
+        return model
+
+    ids = torch.randint(3, 500, (8, 300), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(tiled_mlp._TiledMLPFunction, "apply", None)  # the autograd function is not reached
+    gap, wrappers, calls = tiled_against_whole(ds_marked, ids, 512)
+    assert calls == (5 + 4 + 5) * len(wrappers) and all(w.tiled_calls == 2 for w in wrappers)
+    assert gap < 1e-7
 
 
 def test_tiled_mlp_setting_is_checked_and_none_turns_it_off(tmp_path):

@@ -698,58 +698,25 @@ def _kept_mlp_tiles(count: int) -> set[int]:
     return {0, 1, count - 2, count - 1}
 
 
-class _SkippedTile(torch.autograd.Function):
-    """A full MLP tile a fake count does not run, leaving what the run tile's checkpoint leaves: its slice saved for
-    backward (the checkpoint saves its inputs, where activation offloading sees them), its output allocated (the
-    tiles' outputs stay alive until they are concatenated), and in backward the gradient of its slice allocated (the
-    slices' gradients stay alive until the split's backward concatenates them)."""
-
-    @staticmethod
-    def forward(ctx, part: torch.Tensor, out_features: int, out_dtype: torch.dtype) -> torch.Tensor:
-        ctx.save_for_backward(part)
-        return part.new_empty((*part.shape[:-1], out_features), dtype=out_dtype)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (part,) = ctx.saved_tensors
-        return torch.empty_like(part), None, None
-
-
-def _distinct_mlp_tiles(run, parts) -> list[torch.Tensor]:
-    """grpo_plus.tiled_mlp.run_tiles with only the tiles `_kept_mlp_tiles` names run, the others `_SkippedTile`s shaped
-    like the second (every tile but the last is full)."""
-    kept = _kept_mlp_tiles(len(parts))
-    outputs = []
-    for index, part in enumerate(parts):
-        if index in kept:
-            outputs.append(run(part))
-        else:
-            like = outputs[1]  # a full tile run before any skipped one (the skipped ones start at the third)
-            outputs.append(_SkippedTile.apply(part, like.shape[-1], like.dtype))
-    return outputs
-
-
 @contextlib.contextmanager
 def distinct_mlp_tiles(enabled: bool = True) -> Iterator[None]:
-    """Within the block, grpo_plus's tiled MLP (`grpo_plus.tiled_mlp`) runs four of its tiles: the first two and the last
-    two; the others (full tiles, each the same operators on the same shapes as the second) allocate what their
-    checkpoint leaves, their output in forward and their slice's gradient in backward (`_SkippedTile`). What a run
-    tile allocates and frees inside itself is the same for every full tile and is met on top of everything earlier tiles
-    left, in forward (tiles run first to last) and in backward (autograd runs them last to first): the peak is met at
-    the last two tiles in forward (the last may be partial, so also the one before it) and at the first two in
-    backward. At 270K positions (G = 426 on the 1.5B recipe) that is 4 tiles of 66. Only for fake counts: real
-    compute needs every tile's values."""
+    """Within the block, grpo_plus's tiled MLP (`grpo_plus.tiled_mlp`) computes four of its tiles, forward and backward:
+    the first two and the last two. A tile writes its output (forward) and its input's gradient (backward) into a
+    buffer allocated once and adds its weights' gradient into the first tile's: what a full tile allocates it frees
+    before the next, the same bytes for every full tile, so the peak is met at the first two tiles (the first allocates
+    the buffers) or the last two (the last may be partial). At 270K positions (G = 426 on the 1.5B recipe) that is 4
+    tiles of 66. Only for fake counts: real compute needs every tile's values."""
     if not enabled:
         yield
         return
     from .. import tiled_mlp
 
-    original = tiled_mlp.run_tiles
-    tiled_mlp.run_tiles = _distinct_mlp_tiles
+    original = tiled_mlp.tile_indices
+    tiled_mlp.tile_indices = lambda count: sorted(_kept_mlp_tiles(count) & set(range(count)))
     try:
         yield
     finally:
-        tiled_mlp.run_tiles = original
+        tiled_mlp.tile_indices = original
 
 
 @contextlib.contextmanager
