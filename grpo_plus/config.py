@@ -301,10 +301,12 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Tiled MLP: in the training forward, run each decoder layer's MLP over at most this many token "
             "positions at a time and recompute it slice by slice in backward, so one slice's MLP intermediates are "
-            "alive instead of the whole sequence's (e.g. 4096). Same gradient up to float rounding; one more MLP "
-            "forward per step. Stands aside while a dropout inside the MLP (LoRA dropout) is active. 'auto' (the "
-            f"default): tiles of {AUTO_TILE_TOKENS} for a micro-batch forward of more than {AUTO_MIN_TOKENS} token "
-            "positions (rows x sequence), where it was measured to save memory at <= 5%% time; None: always whole."
+            "alive instead of the whole sequence's (e.g. 4096). Same gradient up to float rounding; under gradient "
+            "checkpointing no more MLP forwards than whole where the layer only adds the MLP's output to the residual "
+            "(Llama, Qwen, Mistral), one more per step where it normalizes it (Gemma 2, 3) or without checkpointing. "
+            "Stands aside while a dropout inside the MLP (LoRA dropout) is active. 'auto' (the default): tiles of "
+            f"{AUTO_TILE_TOKENS} for a micro-batch forward of more than {AUTO_MIN_TOKENS} token positions (rows x "
+            "sequence); None: always whole."
         },
     )
     fit_check: str = field(

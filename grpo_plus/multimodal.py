@@ -115,11 +115,29 @@ class RowImages:
         for key, value in self.inputs.items():
             if key in self.spans:
                 (a, b), (c, d) = self.spans[key][row], self.spans[key][other]
-                if b - a != d - c or not torch.equal(value[a:b], value[c:d]):
+                if b - a != d - c or not _equal(value[a:b], value[c:d]):
                     return False
             elif key in COUNT_KEYS and value[row] != value[other]:
                 return False
         return True
+
+
+def _equal(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """torch.equal, answered without reading the values when both are the same view of the same memory (a batch whose
+    rows share one picture tensor; a memory count's broadcast pixels: there each comparison would run through the
+    counter's dispatch, 17 ms a row pair on a 448 x 448 picture)."""
+    from torch._subclasses.fake_tensor import FakeTensor  # a fake tensor's data pointer means nothing
+
+    comparable = not isinstance(first, FakeTensor) and not isinstance(second, FakeTensor)
+    if comparable and (first.data_ptr(), first.stride(), first.shape, first.dtype, first.device) == (
+        second.data_ptr(),
+        second.stride(),
+        second.shape,
+        second.dtype,
+        second.device,
+    ):
+        return True
+    return torch.equal(first, second)
 
 
 def _as_list(rows) -> list[int]:

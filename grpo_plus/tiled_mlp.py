@@ -142,6 +142,7 @@ class TiledMLP:
             self.skipped_recomputes += skip
             out = _TiledMLPFunction.apply(self.original, self.tokens, self.output_like if skip else None, flat,
                                           *trainable)  # fmt: skip
+            out = _RecomputeFirst.apply(out, flat)
             self.output_like = (out.shape[-1], out.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -219,7 +220,26 @@ class _TiledMLPFunction(torch.autograd.Function):
         return (None, None, None, grad_x, *grad_params)
 
 
-_PASS_THROUGH = frozenset({"AddBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+class _RecomputeFirst(torch.autograd.Function):
+    """y = out, whose backward (the node before `_TiledMLPFunction`'s) unpacks a one-element slice of the MLP's input
+    first: under gradient checkpointing that runs the layer's recompute in this small node, so that what the recompute
+    brings back for itself (activation offloading returns the layer's input to the device and holds it until the node
+    that asked for it is done) is let go before the tiles' backward, not held through it."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x[:1, :1])  # one element: below what activation offloading moves
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.saved_tensors  # noqa: B018 (unpacking is the point: it runs the layer's recompute here)
+        return grad, None
+
+
+_PASS_THROUGH = frozenset(
+    {"AddBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "_RecomputeFirstBackward"}
+)
 
 
 def output_only_added(output: torch.Tensor, layer_input: torch.Tensor) -> bool | None:
@@ -255,8 +275,8 @@ def watch_layer(layer: torch.nn.Module, wrapper: TiledMLP) -> None:
     the MLP (`output_only_added`), then stop watching."""
 
     def check(module, args, kwargs, output):
-        if _recomputing() or not torch.is_grad_enabled():
-            return
+        if wrapper.tiled_calls == 0 or _recomputing() or not torch.is_grad_enabled():
+            return  # nothing tiled yet (a short forward), or not a training forward
         hidden = args[0] if args else kwargs.get("hidden_states")
         first = output[0] if isinstance(output, tuple) else output
         if not (isinstance(hidden, torch.Tensor) and isinstance(first, torch.Tensor)):

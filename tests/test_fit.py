@@ -228,6 +228,24 @@ def test_a_tiled_mlp_counted_on_fewer_tiles_counts_less(monkeypatch):
 
 
 @needs_cpu_logps
+@needs_fused_lm_head  # TRL 1.14's activation offloading needs CUDA streams
+def test_activation_offloading_lets_go_of_the_layer_input_before_the_mlp_tiles(monkeypatch):
+    """With activation offloading, the layer's recompute brings its input back to the device, and TRL's offloader holds
+    it until the autograd node that asked for it is done: the tiled MLP has a one-element node ask first, so the input
+    is let go before the tiles' backward and the pass peaks where it peaks without offloading (to 8 bytes). Negative control:
+    without that node the tiles' backward asks, and the input is held through every tile."""
+    from grpo_plus import tiled_mlp
+
+    plain = fit.measure_pass(wide_mlp(tiled_mlp_tokens=3000), "grpo_plus", layers=2)
+    offloaded = fit.measure_pass(wide_mlp(tiled_mlp_tokens=3000, activation_offloading=True), "grpo_plus", layers=2)
+    assert offloaded.saved == 0 and offloaded.host_peak > plain.host_peak  # the checkpoints did go to the host
+    assert 0 <= offloaded.peak - plain.peak <= 8  # measured: 8 bytes (a scalar the offloading pass keeps)
+    monkeypatch.setattr(tiled_mlp._RecomputeFirst, "apply", lambda out, x: out)
+    held = fit.measure_pass(wide_mlp(tiled_mlp_tokens=3000, activation_offloading=True), "grpo_plus", layers=2)
+    assert held.peak - plain.peak > 2**20  # measured: the layer's input, [4 x 9012 x 64] float32 (8.8 MiB)
+
+
+@needs_cpu_logps
 @needs_fused_lm_head  # with every memory option: TRL 1.14's activation offloading needs CUDA streams
 def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch, tmp_path):
     """`grpo-plus fit`'s report with TRL's side counted in a child process (the default) is the serial report, answer
