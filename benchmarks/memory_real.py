@@ -10,8 +10,9 @@ bytes the process held during the pass above what it held right before it.
 
 - On a CPU: the peak RSS. The kernel's high-water mark (VmHWM) is reset to the current RSS through
   /proc/self/clear_refs ("5") right before the pass, and glibc's malloc is pinned (`MALLOC_MMAP_THRESHOLD_=65536`,
-  `MALLOC_TRIM_THRESHOLD_=0`) so that every large block is its own mapping, returned when freed: RSS follows what is
-  alive, as a GPU caching allocator's "allocated" does.
+  `MALLOC_TRIM_THRESHOLD_=0`) so that every large block is its own mapping, returned when freed, and fills every block
+  it hands out (`MALLOC_PERTURB_=165`) so that its pages are resident from the allocation on (a page of `torch.empty`
+  is not until it is written): RSS follows what is allocated, as a GPU caching allocator's "allocated" does.
 - On a GPU (`--device cuda`): `torch.cuda.max_memory_allocated` and `max_memory_reserved` over the pass, less the
   allocation before it.
 
@@ -45,7 +46,10 @@ from shapes import markdown_table  # benchmarks/shapes.py
 ROOT = Path(__file__).resolve().parents[1]
 
 MIB = 2**20
-PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# Every large block its own mapping, returned when freed; MALLOC_PERTURB_ fills each block when allocated, so its pages
+# count in the RSS from then on, as a GPU's max_memory_allocated counts an allocation (an untouched page of
+# torch.empty never enters the RSS: a buffer filled tile by tile would count only as far as it is filled).
+PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_PERTURB_": "165"}
 LM_HEAD_CHUNK = 4096  # vocabulary columns per LM-head tile on both sides (see the module docstring)
 
 MODEL = dict(
