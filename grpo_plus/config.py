@@ -304,7 +304,8 @@ class GRPOConfig(trl.GRPOConfig):
             "alive instead of the whole sequence's (e.g. 4096). Same gradient up to float rounding; under gradient "
             "checkpointing no more MLP forwards than whole where the layer only adds the MLP's output to the residual "
             "(Llama, Qwen, Mistral), one more per step where it normalizes it (Gemma 2, 3) or without checkpointing. "
-            "Stands aside while a dropout inside the MLP (LoRA dropout) is active. 'auto' (the default): tiles of "
+            "Stands aside while a dropout inside the MLP (LoRA dropout) is active, and under DeepSpeed ZeRO-3. "
+            "'auto' (the default): tiles of "
             f"{AUTO_TILE_TOKENS} for a micro-batch forward of more than {AUTO_MIN_TOKENS} token positions (rows x "
             "sequence); None: always whole."
         },

@@ -16,9 +16,11 @@ recomputes the slices anyway), so where nothing the layer saves is computed from
 goes through a residual addition: Llama, Qwen, Mistral; checked on the autograd graph of the first tiled forward,
 `output_only_added`) the recompute leaves the output unwritten. Where a layer normalizes the MLP's output (Gemma 2 and
 3) the recompute runs the slices: one more MLP forward per step, as nested `torch.utils.checkpoint`s cost. Without
-gradient checkpointing it costs one more MLP forward per step (the slices' recompute). Parameters a distributed engine
-gathers inside the module (DeepSpeed ZeRO-3, FSDP2) get their gradients through that engine's hooks: there each slice
-runs under its own nested non-reentrant `torch.utils.checkpoint` instead (one more MLP forward per step).
+gradient checkpointing it costs one more MLP forward per step (the slices' recompute). Parameters still sharded when
+the MLP is called (FSDP2 DTensors) get their gradients through the engine's hooks: there each slice runs under its own
+nested non-reentrant `torch.utils.checkpoint` instead (one more MLP forward per step). Under DeepSpeed ZeRO-3 it
+stands aside (said once): ZeRO-3 gathers each projection's weights at each call, so ranks tiling different numbers of
+positions would make different numbers of collective gathers and hang.
 
 It applies where grad is enabled (the training forward): generation and the no-grad log-prob passes run the MLP whole,
 as TRL does. It stands aside while a dropout inside the MLP is active (LoRA dropout on its projections): masks drawn
@@ -129,6 +131,12 @@ class TiledMLP:
         if dropout is not None:
             self.on_fallback(f"dropout is active inside the MLP ({dropout}): masks drawn slice by slice would differ")
             return self.original(x)
+        if any(hasattr(param, "ds_id") for param in self.mlp.parameters()):
+            # ZeRO-3 gathers a projection's weights at each of its calls, a collective: ranks whose micro-batches hold
+            # different numbers of positions would run different numbers of tiles, so of gathers, and hang.
+            self.on_fallback("DeepSpeed ZeRO-3 gathers the MLP's weights at each call: ranks tiling different numbers "
+                             "of positions would make different numbers of gathers and hang")  # fmt: skip
+            return self.original(x)
         if self.on_auto is not None:
             self.on_auto(positions)
         self.tiled_calls += 1
@@ -148,9 +156,9 @@ class TiledMLP:
 
 
 def _sharded(param: torch.Tensor) -> bool:
-    """A parameter that a distributed engine gathers inside the module's own forward (DeepSpeed ZeRO-3, FSDP2): its
-    gradient reaches it through that engine's hooks, so its tiles run under torch's nested checkpoints instead."""
-    return hasattr(param, "ds_id") or param.numel() == 0 or type(param.data).__name__ == "DTensor"
+    """A parameter still sharded when the MLP is called (an FSDP2 DTensor, an empty placeholder): its gradient reaches
+    it through the engine's hooks, so its tiles run under torch's nested checkpoints instead."""
+    return param.numel() == 0 or type(param.data).__name__ == "DTensor"
 
 
 def _recomputing() -> bool:
