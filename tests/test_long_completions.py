@@ -81,13 +81,15 @@ def test_activation_offloading_trains_stock_trls_weights(tiny_model_dir, tmp_pat
 
 @needs_cpu_logps
 def test_tiled_mlp_trains_stock_trls_weights(tiny_model_dir, tmp_path):
-    """tiled_mlp_tokens=16 (prompts + completions of 4 rows are ~100 positions): each MLP runs in slices under nested
-    checkpoints; the weights end where stock TRL's do, up to float32 rounding of the sliced products."""
+    """tiled_mlp_tokens=16 (prompts + completions of 4 rows are ~100 positions): each MLP runs in slices, and under
+    gradient checkpointing the layers' recomputes leave its output unwritten (counted); the weights end where stock
+    TRL's do, up to float32 rounding of the sliced products."""
     trl_weights, _, _ = train(tiny_model_dir, tmp_path, trl)
     our_weights, _, model = train(tiny_model_dir, tmp_path, grpo_plus, tiled_mlp_tokens=16)
     wrappers = [mlp.forward for _, mlp in decoder_mlps(model)]
     assert wrappers and all(isinstance(w, TiledMLP) for w in wrappers)
     assert all(w.tiled_calls > 0 for w in wrappers), "no MLP ran tiled"
+    assert all(w.skipped_recomputes > 0 for w in wrappers), "no checkpoint recompute skipped the MLP"
     assert_same_weights(trl_weights, our_weights, tol=1e-5)
 
 
