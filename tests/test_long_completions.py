@@ -356,6 +356,35 @@ def test_fake_count_equals_real_compute(side, attention):
 
 
 @needs_cpu_logps
+@needs_fused_lm_head
+def test_fake_count_of_grouped_query_heads_equals_real_compute(monkeypatch):
+    """Grouped-query heads without a mask (TRL's rows of one length: transformers passes `enable_gqa=True`): this
+    torch's CPU flash kernel takes the keys and values as they are, and the count, made with that kernel, allocates
+    what the real pass does to the byte (without gradient checkpointing the kernel's inputs are saved for backward).
+    Negative control: counted as if the kernel took them repeated to the query's heads, the count is over by the
+    repeated copies (the 6.6% the count overstated bench-memory-real's peak at 4,096 tokens)."""
+    from grpo_plus.fit import memory
+
+    assert memory.cpu_flash_takes_grouped_heads()
+    spec = tiny_spec(
+        attn_implementation="sdpa", completion_tokens=200, padded_prompts=False, gradient_checkpointing=False
+    )
+    config = spec.config()
+    assert config.num_key_value_heads < config.num_attention_heads
+    real = fit.measure_pass(spec, "trl", layers=2, real=True, lm_head="cpu")
+    fake = fit.measure_pass(spec, "trl", layers=2, lm_head="cpu")
+    counts = ("saved", "after_forward", "forward_peak", "peak")
+    assert [getattr(fake, name) for name in counts] == [getattr(real, name) for name in counts]
+    monkeypatch.setattr(memory, "cpu_flash_takes_grouped_heads", lambda: False)
+    repeated = fit.measure_pass(spec, "trl", layers=2, lm_head="cpu")
+    # The kernel saves the repeated keys and values for backward in place of the grouped ones, in each of two layers.
+    head_dim = config.hidden_size // config.num_attention_heads
+    more_heads = config.num_attention_heads - config.num_key_value_heads
+    tokens = spec.rows * (spec.prompt_length + spec.completion_tokens)
+    assert repeated.saved - real.saved == 2 * 2 * tokens * more_heads * head_dim * 4
+
+
+@needs_cpu_logps
 def test_depth_extrapolation_and_the_generation_count(monkeypatch):
     """Counts at 1 and 2 layers extend to 3 exactly (layers are identical); generation holds every row's keys and
     values at full length (an offloaded cache two layers of them)."""

@@ -28,6 +28,7 @@ are alive, where a prompt ends, `.item()`) takes the branch it takes on real dat
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -603,19 +604,45 @@ class CudaAttentionKernels:
         )  # fmt: skip
 
 
+@functools.cache
+def cpu_flash_takes_grouped_heads() -> bool:
+    """Whether this torch's CPU flash kernel takes grouped-query keys and values as they are (torch 2.13 does; a
+    release that repeats them to the query's heads first would hand the kernel repeated copies). Found once by running
+    `F.scaled_dot_product_attention(..., enable_gqa=True)` on tiny CPU tensors and reading the heads the kernel got:
+    the installed torch's own dispatch, not a version table."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    heads: list[int] = []
+
+    class KernelInputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+                heads.append(args[1].shape[-3])
+            return func(*args, **(kwargs or {}))
+
+    with _disable_current_modes(), KernelInputs():
+        query, key = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)
+        torch.nn.functional.scaled_dot_product_attention(query, key, key, is_causal=True, enable_gqa=True)
+    return heads == [2]
+
+
 class CpuAttentionKernels(CudaAttentionKernels):
     """Scaled-dot-product attention on the stand-in accelerator through the kernel a CPU runs: torch's flash kernel for
-    CPUs (any float dtype, a mask taken as is), with grouped-query heads' keys and values repeated to the query's heads
-    first. What a count checked against a CPU's real peak (benchmarks/memory_real.py) must count: a CUDA card has no
-    fused float32 kernel for grouped-query heads (`CudaAttentionKernels` then takes the math path, which materializes
-    every score), a CPU does."""
+    CPUs (any float dtype, a mask taken as is), which takes grouped-query heads' keys and values as they are where this
+    torch's does (`cpu_flash_takes_grouped_heads`), else repeated to the query's heads. What a count checked against a
+    CPU's real peak (benchmarks/memory_real.py) must count: a CUDA card has no fused float32 kernel for grouped-query
+    heads (`CudaAttentionKernels` then takes the math path, which materializes every score), a CPU does."""
+
+    def __enter__(self):
+        self.grouped_heads = cpu_flash_takes_grouped_heads()  # before the stand-in's sdpa is swapped in
+        return super().__enter__()
 
     def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False):  # fmt: skip
         if not query.device.type == FAKE_ACCELERATOR or dropout_p:
             return super()._attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         self._use("flash_cpu")
-        if key.shape[-3] != query.shape[-3]:
+        if key.shape[-3] != query.shape[-3] and not self.grouped_heads:
             repeat = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
