@@ -22,7 +22,9 @@ The model: Qwen2-shaped, float32, built locally from a config (random weights, n
 tokens (no EOS), every advantage non-zero (the worst step). TRL's fused LM head folds its tiles in torch without
 Triton (CPU): it is run with 4,096 vocabulary columns per tile on both sides (TRL's default 32,768 makes one
 [4096 x 32000] float32 tile and its temporaries the largest thing in the pass on a CPU; on a GPU the fold is a
-Triton kernel that allocates nothing).
+Triton kernel that allocates nothing). `--trl-lm-head-tile` keeps TRL's 32,768 instead: what a CPU user gets, and
+where grpo_plus's `lm_head_tile_columns="auto"` narrows its own tile (the variant "grpo_plus, TRL's LM-head tile"
+turns that off).
 
 Same work: every child prints the gradient norm of the LoRA weights after the pass (float32): equal to 6 significant
 digits on every side. Beside each real peak, `grpo_plus.fit`'s count of the same pass on fake tensors (the CPU fold
@@ -50,7 +52,7 @@ MIB = 2**20
 # count in the RSS from then on, as a GPU's max_memory_allocated counts an allocation (an untouched page of
 # torch.empty never enters the RSS: a buffer filled tile by tile would count only as far as it is filled).
 PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_PERTURB_": "165"}
-LM_HEAD_CHUNK = 4096  # vocabulary columns per LM-head tile on both sides (see the module docstring)
+LM_HEAD_CHUNK = 4096  # TRL's vocabulary columns per LM-head tile on both sides (see the module docstring)
 
 MODEL = dict(
     model_type="qwen2", hidden_size=512, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
@@ -68,15 +70,17 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "grpo_plus default": ("grpo_plus", {}),
     "grpo_plus, tiled MLP off": ("grpo_plus", {"tiled_mlp_tokens": None}),
     "grpo_plus + tiled_mlp_tokens=4096": ("grpo_plus", {"tiled_mlp_tokens": 4096}),
+    "grpo_plus, TRL's LM-head tile": ("grpo_plus", {"lm_head_tile_columns": None}),
 }
 
 
 def fit_spec(model: dict, length: int, changes: dict):
     """The bench's pass as a `grpo_plus.fit.FitSpec` (what the child builds and the counter counts)."""
     from grpo_plus import fit
+    from grpo_plus.lm_head_tiles import LM_HEAD_TILE_DEFAULT
     from grpo_plus.tiled_mlp import TILED_MLP_DEFAULT
 
-    settings = {"tiled_mlp_tokens": TILED_MLP_DEFAULT, **changes}
+    settings = {"tiled_mlp_tokens": TILED_MLP_DEFAULT, "lm_head_tile_columns": LM_HEAD_TILE_DEFAULT, **changes}
     return fit.FitSpec(
         model_config=model, weights_dtype="float32", rows=ROWS, num_generations=GROUP, generation_rows=ROWS,
         prompt_tokens=PROMPT, completion_tokens=length, lora=dict(LORA), gradient_checkpointing=True,
@@ -108,7 +112,8 @@ def run_child(job: dict) -> dict:
     from grpo_plus.fit.count import build_policy, counting_trainer, synthetic_micro_batch
 
     transformers.logging.set_verbosity_error()
-    trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = LM_HEAD_CHUNK
+    if job.get("lm_head_chunk", LM_HEAD_CHUNK):  # None: TRL's own width
+        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = job.get("lm_head_chunk", LM_HEAD_CHUNK)
     device = job["device"]
     spec = for_side(fit_spec(job["model"], job["length"], job["changes"]), job["side"])  # TRL: none of grpo_plus's
     trainer = counting_trainer(job["side"], spec)
@@ -163,7 +168,8 @@ def counted(job: dict) -> int:
 
     from grpo_plus import fit
 
-    trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = LM_HEAD_CHUNK
+    if job.get("lm_head_chunk", LM_HEAD_CHUNK):  # None: TRL's own width
+        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = job.get("lm_head_chunk", LM_HEAD_CHUNK)
     spec = fit_spec(job["model"], job["length"], job["changes"])
     points = [fit.measure_pass(spec, job["side"], layers, lm_head="cpu") for layers in (1, 2)]
     return fit.extrapolate(points, spec.layers).peak
@@ -226,7 +232,8 @@ def recount(path: Path) -> None:
         for label in labels:
             if label in row:
                 side, changes = VARIANTS[label]
-                job = dict(side=side, changes=changes, length=row["length"], model=report["model"])
+                job = dict(side=side, changes=changes, length=row["length"], model=report["model"],
+                           lm_head_chunk=report.get("lm_head_chunk", LM_HEAD_CHUNK))  # fmt: skip
                 row[label]["counted"] = counted(job)
                 print(f"  L={row['length']:5d} {label:34s}: real {mib(row[label]['increment'])} MiB, counted "
                       f"{mib(row[label]['counted'])} MiB ({row[label]['counted'] / row[label]['increment']:.3f}x)")  # fmt: skip
@@ -243,6 +250,11 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--trl-lm-head-tile",
+        action="store_true",
+        help=f"keep TRL's LM-head tile width (32,768) instead of setting {LM_HEAD_CHUNK} on both sides",
+    )
     parser.add_argument("--no-count", action="store_true", help="skip grpo_plus.fit's count beside each real peak")
     parser.add_argument("--json", default=None)
     parser.add_argument(
@@ -266,7 +278,8 @@ def main() -> None:
         row: dict = {"length": length}
         for label in args.variants:
             side, changes = VARIANTS[label]
-            job = dict(side=side, changes=changes, length=length, model=model, device=args.device, seed=0)
+            job = dict(side=side, changes=changes, length=length, model=model, device=args.device, seed=0,
+                       lm_head_chunk=None if args.trl_lm_head_tile else LM_HEAD_CHUNK)  # fmt: skip
             row[label] = launch(job, args.threads)
             if not args.no_count and args.device == "cpu":
                 row[label]["counted"] = counted(job)
@@ -277,7 +290,7 @@ def main() -> None:
         rows.append(row)
     markdown = tables(rows, args.variants)
     report = {"device": args.device, "model": model, "rows": ROWS, "group": GROUP, "prompt": PROMPT, "lora": LORA,
-              "lm_head_chunk": LM_HEAD_CHUNK, "threads": args.threads, "malloc": PINNED_MALLOC, "results": rows,
+              "lm_head_chunk": None if args.trl_lm_head_tile else LM_HEAD_CHUNK, "threads": args.threads, "malloc": PINNED_MALLOC, "results": rows,
               "wall_minutes": (time.perf_counter() - started) / 60}  # fmt: skip
     output.write_text(json.dumps(report, indent=1))
     markdown_path(output).write_text(markdown + "\n")

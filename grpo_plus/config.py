@@ -24,6 +24,9 @@ from .algorithms import (
 )
 from .engine.settings import VLLMSettings
 from .health import HealthSettings
+from .lm_head_tiles import AUTO_MIN_TOKENS as LM_HEAD_AUTO_MIN_TOKENS
+from .lm_head_tiles import AUTO_TILE_COLUMNS, LM_HEAD_TILE_DEFAULT
+from .lm_head_tiles import check_setting as check_lm_head_setting
 from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
 from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
@@ -308,6 +311,16 @@ class GRPOConfig(trl.GRPOConfig):
             "'auto' (the default): tiles of "
             f"{AUTO_TILE_TOKENS} for a micro-batch forward of more than {AUTO_MIN_TOKENS} token positions (rows x "
             "sequence); None: always whole."
+        },
+    )
+    lm_head_tile_columns: int | str | None = field(
+        default=LM_HEAD_TILE_DEFAULT,
+        metadata={
+            "help": "Vocabulary columns TRL's fused LM head projects at a time (TRL >= 1.15; TRL: 32768). 'auto' (the "
+            "default): never more than the vocabulary (the same tiles: the same numbers), and where the tiles are "
+            f"folded in torch (no Triton: a CPU) {AUTO_TILE_COLUMNS} columns for a forward scoring more than "
+            f"{LM_HEAD_AUTO_MIN_TOKENS} positions (the fold's float32 temporaries ~8x smaller at a 32k vocabulary; "
+            "same log-probs up to float rounding), said once. None: TRL's tile; an integer: that many columns."
         },
     )
     fit_check: str = field(
@@ -633,7 +646,7 @@ _OWN_FIELDS = tuple(f for f in dataclasses.fields(GRPOConfig) if f.name not in t
 
 
 def _tiled_setting(value: Any) -> Any:
-    """tiled_mlp_tokens as the command line gives it ("4096", "none") read as the value it names."""
+    """tiled_mlp_tokens / lm_head_tile_columns as the command line gives it ("4096", "none") read as the value it names."""
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
     if isinstance(value, str) and value.strip().lower() == "none":
@@ -660,6 +673,7 @@ class PlusSettings:
     plugins: tuple[str, ...]
     activation_offloading: bool
     tiled_mlp_tokens: int | str | None
+    lm_head_tile_columns: int | str | None
     fit_check: str
     vllm: VLLMSettings
     dynamic_sampling: DynamicSamplingSettings
@@ -684,6 +698,7 @@ class PlusSettings:
             plugins=tuple(own.plugins or ()),
             activation_offloading=own.activation_offloading,
             tiled_mlp_tokens=_tiled_setting(own.tiled_mlp_tokens),
+            lm_head_tile_columns=_tiled_setting(own.lm_head_tile_columns),
             fit_check=own.fit_check,
             vllm=VLLMSettings.from_args(own),
             dynamic_sampling=DynamicSamplingSettings.from_args(own),
@@ -711,6 +726,11 @@ class PlusSettings:
             raise not_allowed(
                 "tiled_mlp_tokens", self.tiled_mlp_tokens, "'auto', a positive number of token positions or None"
             )
+        try:
+            check_lm_head_setting(self.lm_head_tile_columns)
+        except ValueError:
+            allowed = "'auto', a positive number of vocabulary columns or None (TRL's tile)"
+            raise not_allowed("lm_head_tile_columns", self.lm_head_tile_columns, allowed) from None
         if self.fit_check not in FIT_CHECK_MODES:
             raise not_allowed("fit_check", self.fit_check, f"one of {', '.join(map(repr, FIT_CHECK_MODES))}")
         self.vllm.validate()

@@ -34,6 +34,7 @@ from .fit import check_before_training
 from .generation import generate_patched, generation_blocker
 from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
 from .health import TrainingHealthGuard
+from .lm_head_tiles import size_lm_head_tiles
 from .loss_metrics import log_loss_metrics
 from .multi_turn import TurnCache
 from .objective import combine_rewards, compute_policy_loss
@@ -161,6 +162,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             settings |= counted.turned_on if counted is not None else {}
         if settings["tiled_mlp_tokens"]:
             tile_mlps(policy, settings["tiled_mlp_tokens"])
+        size_lm_head_tiles(policy, self.plus.lm_head_tile_columns)
         self._offload_step = training_step_context(self.model, device, settings["activation_offloading"])
 
     def training_step(self, *args, **kwargs):

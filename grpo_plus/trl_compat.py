@@ -57,6 +57,10 @@ __all__ = [
     "entropy_bonus",
     "environment_routing",
     "fused_lm_head_forward",
+    "fused_lm_head_module",
+    "fused_lm_head_columns",
+    "fused_lm_head_columns_default",
+    "lm_head_folds_in_torch",
     "cache_argument_name",
     "colocate_weight_stream_name",
     "colocated_model_runner",
@@ -479,12 +483,19 @@ TRL_SEQUENCE_SAMPLER_MODES = ("sequence_mask", "sequence_truncate")
 def trl_sampler_correction_off(trainer: trl.GRPOTrainer) -> Iterator[None]:
     """TRL's vLLM correction switched off for one `_generate_and_score_completions` call: no old-log-prob pass (on-policy
     TRL then computes no old log-probs), no ratio, no `sampling/*` metrics; the sampler's log-probs are kept."""
-    was = getattr(trainer, TRL_SAMPLER_CORRECTION)
-    setattr(trainer, TRL_SAMPLER_CORRECTION, False)
+    with _attribute_set(trainer, TRL_SAMPLER_CORRECTION, False):
+        yield
+
+
+@contextmanager
+def _attribute_set(owner, name: str, value) -> Iterator[None]:
+    """`owner.name` is `value` inside this block, what it was after it."""
+    was = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(trainer, TRL_SAMPLER_CORRECTION, was)
+        setattr(owner, name, was)
 
 
 def trl_sampler_ratio(
@@ -583,6 +594,49 @@ def has_fused_lm_head() -> bool:
     returns `.log_probs` / `.entropy`); False if it computes full logits (1.14). The zero-waste pass scores its
     packed shared-prompt rows through that head (`shift_labels=...`), so on 1.14 it recomputes prompts per row."""
     return hasattr(trl_utils, "add_fused_lm_head")
+
+
+# TRL's fused LM head (1.15-1.16 `trl.trainer.utils.add_fused_lm_head`): its forward, `_fused_forward`, set on the model
+# instance, reads the module global `_CHUNKED_LOGPROB_CHUNK_SIZE` (vocabulary columns per tile) at each call and hands it
+# to `ChunkedLogProbFunction`, whose backward keeps the forward's width; `trl.kernels.chunked_logprob._use_triton(device)`
+# says whether Triton folds the tiles (else torch does). grpo_plus.lm_head_tiles sizes the tile through these.
+FUSED_LM_HEAD_COLUMNS = "_CHUNKED_LOGPROB_CHUNK_SIZE"
+
+
+def fused_lm_head_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The module of `model` (itself or one under it, e.g. below PEFT) whose instance forward is TRL's fused LM head
+    forward (possibly wrapped: a wrapper that keeps it as `.forward`), or None (TRL 1.14, or a model not patched)."""
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if _is_fused_lm_head_forward(forward) or _is_fused_lm_head_forward(getattr(forward, "forward", None)):
+            return module
+    return None
+
+
+def _is_fused_lm_head_forward(forward) -> bool:
+    code = getattr(getattr(forward, "__func__", None), "__code__", None)
+    return code is not None and code.co_name == "_fused_forward" and code.co_filename == trl_utils.__file__
+
+
+def fused_lm_head_columns_default() -> int:
+    """TRL's vocabulary columns per LM-head tile (32,768 in 1.15-1.16)."""
+    return getattr(trl_utils, FUSED_LM_HEAD_COLUMNS)
+
+
+@contextmanager
+def fused_lm_head_columns(columns: int) -> Iterator[None]:
+    """TRL's fused LM head projects `columns` vocabulary columns per tile in the forwards started inside this block
+    (and their backwards)."""
+    with _attribute_set(trl_utils, FUSED_LM_HEAD_COLUMNS, columns):
+        yield
+
+
+def lm_head_folds_in_torch(device: torch.device) -> bool:
+    """True where TRL's fused LM head folds its tiles with torch operators (no Triton for `device`: a CPU), which make
+    float32 temporaries of the tile's size; False where a Triton kernel folds them (CUDA, XPU) and allocates nothing."""
+    from trl.kernels import chunked_logprob
+
+    return not chunked_logprob._use_triton(device)
 
 
 def environment_routing(trainer) -> tuple[bool, tuple | None]:

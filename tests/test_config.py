@@ -60,6 +60,7 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "selective_rollout_solved_reward",
         "activation_offloading",
         "tiled_mlp_tokens",
+        "lm_head_tile_columns",
         "fit_check",
         "vllm_quantization",
         "vllm_dtype",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..lm_head_tiles import size_lm_head_tiles
 from ..trl_compat import cache_argument_name
 from .memory import (
     FAKE_ACCELERATOR,
@@ -201,6 +202,8 @@ def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str 
                 if param.requires_grad:
                     param.data = param.data.to(torch.bfloat16)
     _add_fused_lm_head(model, spec)
+    if spec.lm_head_tile_columns is not None:
+        size_lm_head_tiles(model, spec.lm_head_tile_columns)
     if fake_mode is not None:
         fake_parameters(model, fake_mode, device)
     if spec.gradient_checkpointing:

@@ -44,6 +44,8 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from .. import trl_compat
+
 GIB = 2**30
 FAKE_ACCELERATOR = "fakegpu"
 # Operators on at most this many elements are also computed on their shadows (real CPU values).
@@ -750,7 +752,8 @@ def distinct_mlp_tiles(enabled: bool = True) -> Iterator[None]:
 def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Iterator[None]:
     """TRL's chunked log-prob function (TRL >= 1.15) with its [4096 x chunk] tile buffers fake, and, `lm_head="cuda"`,
     its fold replaced by nothing: on a GPU the fold is a Triton kernel, which allocates nothing (the torch fallback
-    allocates fp32 temporaries of the tile; `lm_head="cpu"` counts those)."""
+    allocates fp32 temporaries of the tile; `lm_head="cpu"` counts those). `trl_compat.lm_head_folds_in_torch` answers
+    for the device counted, so grpo_plus's tile width (`lm_head_tile_columns`) is the one that device would get."""
     try:
         from trl.kernels import chunked_logprob
     except ImportError:  # TRL 1.14: no fused LM head
@@ -774,12 +777,16 @@ def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Ite
     if lm_head == "cuda":
         for name in saved:
             setattr(chunked_logprob, name, allocates_nothing)
+    # The tile width grpo_plus.lm_head_tiles picks depends on who folds the tiles: the device counted, not the stand-in.
+    folds_in_torch = trl_compat.lm_head_folds_in_torch
+    trl_compat.lm_head_folds_in_torch = lambda device: lm_head == "cpu"
     try:
         yield
     finally:
         function.forward, function.backward = staticmethod(forward), staticmethod(backward)
         for name, value in saved.items():
             setattr(chunked_logprob, name, value)
+        trl_compat.lm_head_folds_in_torch = folds_in_torch
 
 
 @contextlib.contextmanager

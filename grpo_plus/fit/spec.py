@@ -116,6 +116,7 @@ class FitSpec:
     optimizer_states: float = 2.0  # per trainable weight, in its dtype's bytes (AdamW: 2 moments)
     activation_offloading: bool = False
     tiled_mlp_tokens: int | None = None
+    lm_head_tile_columns: int | str | None = None  # GRPOConfig's; None: TRL's tile (grpo_plus.lm_head_tiles)
     offloaded_kv_cache: bool = False
     zero_waste_generation: bool = True
     # Prompts of different lengths, so the micro-batch has left padding: TRL's forward then builds a [rows, 1, S, S]
@@ -258,6 +259,7 @@ class FitSpec:
             optimizer_states=optimizer_states(str(getattr(args, "optim", "adamw_torch"))),
             activation_offloading=bool(getattr(args, "activation_offloading", False)),
             tiled_mlp_tokens=getattr(args, "tiled_mlp_tokens", None),
+            lm_head_tile_columns=getattr(args, "lm_head_tile_columns", None),
             offloaded_kv_cache=generation_kwargs.get("cache_implementation") == "offloaded",
             zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
             vllm_generates=vllm,
@@ -315,7 +317,8 @@ def for_side(spec: FitSpec, side: str) -> FitSpec:
 
     trl_fields = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     loss = {k: v for k, v in spec.loss.items() if k in trl_fields}
-    return spec.replace(activation_offloading=False, tiled_mlp_tokens=None, loss=loss, zero_waste_generation=False)
+    return spec.replace(activation_offloading=False, tiled_mlp_tokens=None, lm_head_tile_columns=None, loss=loss,
+                        zero_waste_generation=False)  # fmt: skip
 
 
 def with_memory_options(spec: FitSpec, side: str) -> FitSpec:
