@@ -23,16 +23,18 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def offloading_context(model: torch.nn.Module, device: torch.device | str) -> contextlib.AbstractContextManager:
+def offloading_context(
+    model: torch.nn.Module, device: torch.device | str, pin_memory: bool = True
+) -> contextlib.AbstractContextManager:
     """TRL's activation-offloading context for `model` on `device` (an accelerator), as TRL's SFTTrainer builds it:
-    pinned host memory, a side stream, the output head left on the device."""
+    pinned host memory (`pin_memory`), a side stream, the output head left on the device."""
     from trl.models.activation_offloading import get_act_offloading_ctx_manager
 
     if torch.device(device).type == "cpu":
         raise ValueError(
             "activation offloading moves tensors from an accelerator to the CPU; this model is on the CPU"
         )
-    return get_act_offloading_ctx_manager(model=model, warn_if_no_head=False)
+    return get_act_offloading_ctx_manager(model=model, use_pin_memory=pin_memory, warn_if_no_head=False)
 
 
 def training_step_context(

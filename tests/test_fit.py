@@ -275,6 +275,29 @@ def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(mo
         fit.fit_report(spec, budget, groups=False)
 
 
+@needs_cpu_logps
+@needs_fused_lm_head
+def test_offloading_counts_a_saved_tensor_with_broadcast_strides(monkeypatch):
+    """Activation offloading without gradient checkpointing, float32: autograd saves the efficient attention kernel's
+    expanded block-mask bias (broadcast strides), whose storage TRL copies into host memory it pins; the stand-in
+    accelerator has no pinned allocator, so the count uses pageable host memory (the same bytes) and counts what moves
+    to the host. This is the count `grpo-plus fit` makes for the fix "activation_offloading=True" of an over-budget
+    config without gradient checkpointing. Negative control: with pinned host memory the count fails."""
+    import grpo_plus.offloading
+
+    spec = tiny(gradient_checkpointing=False, activation_offloading=True, weights_dtype="float32", rows=8,
+                num_generations=4, generation_rows=8, completion_tokens=32, mixed_precision="no")  # fmt: skip
+    kernels: list = []
+    counted = fit.measure_pass(spec, "grpo_plus", 1, kernels=kernels)
+    assert kernels == ["efficient"] and counted.host_peak > 0
+    pinned = grpo_plus.offloading.offloading_context
+    monkeypatch.setattr(
+        grpo_plus.offloading, "offloading_context", lambda model, device, pin_memory: pinned(model, device)
+    )
+    with pytest.raises(NotImplementedError, match="getPinnedMemoryAllocator"):
+        fit.measure_pass(spec, "grpo_plus", 1)
+
+
 def test_index_bound_is_at_least_what_indexing_makes():
     """The shortcut that runs an advanced index on real CPU values without a fake probe first bounds its output from
     the shapes: never below the elements it makes, for integer, boolean and mixed indices (exact where no mask)."""

@@ -14,7 +14,7 @@ import torch
 
 from .count import StepEstimate, estimate, quiet, remembered_counts
 from .memory import GIB, PassMemory
-from .search import _side_report, automatic_options, suggestions
+from .search import REPORT_PARTS, _side_report, automatic_options, suggestions
 from .spec import SIDES, FitSpec, image_count_blocker
 
 logger = logging.getLogger(__name__)
@@ -209,7 +209,9 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--budget", type=int, required=True)
     parser.add_argument("--auto", action="store_true", help="also the options fit_check='auto' would turn on")
     parser.add_argument("--side-report", choices=SIDES, help="one side's part of `grpo-plus fit`'s report (pickled)")
-    parser.add_argument("--no-groups", action="store_true", help="with --side-report: no largest-G search")
+    parser.add_argument("--parts", nargs="+", choices=REPORT_PARTS, default=list(REPORT_PARTS),
+                        help="with --side-report: which parts of it (the worst step, fixes, longest completion; the "
+                        "largest G)")  # fmt: skip
     args = parser.parse_args(argv)
     spec = FitSpec.from_json(sys.stdin.read())
     if args.side_report:  # the child of grpo_plus.fit.search._both_sides: same library, so a pickle is read back
@@ -217,7 +219,7 @@ def child_main(argv: list[str]) -> int:
         import pickle
 
         with quiet():
-            part = _side_report(spec, args.side_report, args.budget, not args.no_groups)
+            part = _side_report(spec, args.side_report, args.budget, tuple(args.parts))
         print(base64.b64encode(pickle.dumps(part)).decode())
         return 0
     budget = int(args.budget / (1 + FRAGMENTATION))

@@ -390,7 +390,9 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
         if spec.activation_offloading and not real:
             from ..offloading import offloading_context
 
-            offload, hooks = offloading_context(model, device), contextlib.nullcontext()
+            # Pageable host memory: the same bytes as pinned, and the stand-in accelerator has no pinned allocator (TRL
+            # pins a saved tensor with broadcast strides, e.g. an attention bias, through torch.empty(pin_memory=True)).
+            offload, hooks = offloading_context(model, device, pin_memory=False), contextlib.nullcontext()
         with offload:
             with hooks:
                 loss = trainer._compute_loss(model, dict(inputs))

@@ -216,56 +216,93 @@ def fit_report(spec: FitSpec, budget: int, groups: bool = True, parallel: bool =
     return FitReport(spec, budget, at_settings, fixes, longest, largest, time.perf_counter() - started)
 
 
-def _side_report(spec: FitSpec, side: str, budget: int, groups: bool) -> tuple:
+REPORT_PARTS = ("settings", "groups")  # the worst step, its fixes and the longest completion; the largest G
+
+
+def _side_report(spec: FitSpec, side: str, budget: int, parts: tuple[str, ...] = REPORT_PARTS) -> tuple:
     """One side's part of the report: (the worst step at the config's settings, the fixes when it is over `budget`,
-    the longest completion and the largest G with every memory option)."""
+    the longest completion, the largest G with every memory option), None for what `parts` leaves out ("settings":
+    the first three, "groups": the last)."""
+    at_settings = fixes = longest = largest = None
     with remembered_counts():
-        at_settings = estimate(spec, side)
-        fixes = suggestions(for_side(spec, side), side, budget) if at_settings.total > budget else []
-        longest = longest_completion(with_memory_options(spec, side), side, budget)
-        largest = largest_group(with_memory_options(spec, side), side, budget) if groups else None
+        if "settings" in parts:
+            at_settings = estimate(spec, side)
+            fixes = suggestions(for_side(spec, side), side, budget) if at_settings.total > budget else []
+            longest = longest_completion(with_memory_options(spec, side), side, budget)
+        if "groups" in parts:
+            largest = largest_group(with_memory_options(spec, side), side, budget)
     return at_settings, fixes, longest, largest
 
 
 def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dict[str, tuple]:
-    """`_side_report` of each side. The sides share no count and each is up to a minute of single-threaded Python on
-    a large config's searches, so with `parallel` (and more than one CPU) TRL's side is counted in a child process
-    (`python -m grpo_plus.fit --side-report trl`) while this one counts grpo_plus's: the report takes the slower
-    side's time (plus the child's imports), not the sum. A fresh process, not a fork: autograd refuses to run in a
-    child forked after a backward (any count is one)."""
-    import base64
+    """`_side_report` of each side. The sides share no count, and on a large config each search is up to minutes of
+    single-threaded Python (a VLM's largest-G search encodes G pictures per count), so with `parallel` (and more than one
+    CPU) each side's searches are counted in child processes (`python -m grpo_plus.fit --side-report SIDE --parts
+    PART`) while this one counts grpo_plus's worst step and longest completion: the report takes the slowest job's
+    time, or the jobs' total over the CPUs (plus the children's imports), not the sum. Fresh processes, not forks:
+    autograd refuses to run in a child forked after a backward (any count is one)."""
     import os
-    import pickle
+
+    parts = REPORT_PARTS if groups else ("settings",)
+    if not parallel or (os.cpu_count() or 1) < 2:
+        return {side: _side_report(spec, side, budget, parts) for side in SIDES}
+    jobs = [(side, part) for side in SIDES for part in parts if (side, part) != ("grpo_plus", "settings")]
+    children = [_start_side_report(spec, budget, side, part) for side, part in jobs]
+    try:
+        fed = [_feed(child.stdin, spec.to_json().encode()) for child, _ in children]  # every child, before counting
+        ours = _side_report(spec, "grpo_plus", budget, ("settings",)) if all(fed) else None
+        answers = [
+            _side_report_of(child, stderr, side) for (child, stderr), (side, _) in zip(children, jobs, strict=True)
+        ]
+    finally:
+        for child, stderr in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+            stderr.close()
+    merged = {side: [None, None, None, None] for side in SIDES}
+    for (side, _), answer in [*zip(jobs, answers, strict=True), (("grpo_plus", "settings"), ours)]:
+        if answer is None:  # a child ended before it read the config (and still answered: cannot happen)
+            raise RuntimeError("counting a side of the report in a child process failed before it read the config")
+        merged[side] = [
+            mine if mine is not None else theirs for mine, theirs in zip(merged[side], answer, strict=True)
+        ]
+    return {side: tuple(merged[side]) for side in SIDES}
+
+
+def _start_side_report(spec: FitSpec, budget: int, side: str, part: str):
+    """A child process counting `part` of `side`'s report (`python -m grpo_plus.fit --side-report`), and the file its
+    stderr goes to (a file, not a pipe: a child's warnings never fill a buffer and stall it)."""
+    import os
     import subprocess
     import sys
     import tempfile
 
-    if not parallel or (os.cpu_count() or 1) < 2:
-        return {side: _side_report(spec, side, budget, groups) for side in SIDES}
-    command = [sys.executable, "-m", "grpo_plus.fit", "--side-report", "trl", "--budget", str(budget)]
+    command = [sys.executable, "-m", "grpo_plus.fit", "--side-report", side, "--parts", part, "--budget", str(budget)]
     # The child imports this very grpo_plus (its folder first on the path), whatever put it on the parent's path.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    with tempfile.TemporaryFile() as stderr:  # a file, not a pipe: a child's warnings never fill a buffer and stall it
-        child = subprocess.Popen(command + ([] if groups else ["--no-groups"]), stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=stderr, env=env)  # fmt: skip
-        try:
-            ours = None
-            if _feed(child.stdin, spec.to_json().encode()):
-                ours = _side_report(spec, "grpo_plus", budget, groups)
-            output = child.stdout.read()
-            child.wait()
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-        if child.returncode != 0 or not output.strip():
-            stderr.seek(0)
-            tail = stderr.read().decode(errors="replace").strip().splitlines()[-20:]
-            raise RuntimeError(f"counting TRL's side in a child process failed (exit {child.returncode}):\n"
-                               + "\n".join(tail))  # fmt: skip
-    return {"trl": pickle.loads(base64.b64decode(output.strip().splitlines()[-1])), "grpo_plus": ours}
+    stderr = tempfile.TemporaryFile()
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env)
+    return child, stderr
+
+
+def _side_report_of(child, stderr, side: str) -> tuple:
+    """What a `_start_side_report` child answered (its pickled `_side_report`); raises with its stderr's tail when it
+    failed."""
+    import base64
+    import pickle
+
+    output = child.stdout.read()
+    child.wait()
+    if child.returncode != 0 or not output.strip():
+        stderr.seek(0)
+        tail = stderr.read().decode(errors="replace").strip().splitlines()[-20:]
+        who = "TRL" if side == "trl" else side
+        raise RuntimeError(f"counting {who}'s side in a child process failed (exit {child.returncode}):\n"
+                           + "\n".join(tail))  # fmt: skip
+    return pickle.loads(base64.b64decode(output.strip().splitlines()[-1]))
 
 
 def _feed(stdin, data: bytes) -> bool:
