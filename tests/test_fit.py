@@ -277,6 +277,31 @@ def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(mo
 
 @needs_cpu_logps
 @needs_fused_lm_head
+def test_the_report_split_into_jobs_has_the_serial_answers(monkeypatch):
+    """With the largest-G searches, on four or more CPUs: each side's worst step and longest completion, and its
+    largest G, are four jobs (three children; on two or three CPUs TRL's side is one child, as the test above runs it),
+    merged into the serial report's answers, fixes and largest G included."""
+    import os
+
+    config = fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP)
+    spec = tiny(model_config=config.to_dict(), rows=8, num_generations=4, generation_rows=8, prompt_tokens=16,
+                completion_tokens=32, gradient_checkpointing=False, weights_dtype="float32")  # fmt: skip
+    budget = int(0.03 * fit.GIB)
+    serial = fit.fit_report(spec, budget, parallel=False)
+    started: list = []
+    start = fit.search._start_side_report
+    monkeypatch.setattr(fit.search, "_start_side_report", lambda *args: started.append(args[2:]) or start(*args))
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    jobs = fit.fit_report(spec, budget)
+    assert started == [("trl", ("settings",)), ("trl", ("groups",)), ("grpo_plus", ("groups",))]
+    assert serial.largest_group == {"trl": 10, "grpo_plus": 12}  # not the same on both sides: a swap would show
+    for side in fit.SIDES:
+        assert jobs.at_settings[side].parts() == serial.at_settings[side].parts()
+    assert (jobs.fixes, jobs.longest, jobs.largest_group) == (serial.fixes, serial.longest, serial.largest_group)
+
+
+@needs_cpu_logps
+@needs_fused_lm_head
 def test_offloading_counts_a_saved_tensor_with_broadcast_strides(monkeypatch):
     """Activation offloading without gradient checkpointing, float32: autograd saves the efficient attention kernel's
     expanded block-mask bias (broadcast strides), whose storage TRL copies into host memory it pins; the stand-in

@@ -237,20 +237,26 @@ def _side_report(spec: FitSpec, side: str, budget: int, parts: tuple[str, ...] =
 def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dict[str, tuple]:
     """`_side_report` of each side. The sides share no count, and on a large config each search is up to minutes of
     single-threaded Python (a VLM's largest-G search encodes G pictures per count), so with `parallel` (and more than one
-    CPU) each side's searches are counted in child processes (`python -m grpo_plus.fit --side-report SIDE --parts
-    PART`) while this one counts grpo_plus's worst step and longest completion: the report takes the slowest job's
+    CPU) they are counted in child processes (`python -m grpo_plus.fit --side-report SIDE --parts PART ...`): with two
+    or three CPUs TRL's side in one child while this process counts grpo_plus's, with four or more each side's worst
+    step and longest completion, and its largest G, as four jobs (three children). The report takes the slowest job's
     time, or the jobs' total over the CPUs (plus the children's imports), not the sum. Fresh processes, not forks:
     autograd refuses to run in a child forked after a backward (any count is one)."""
     import os
 
     parts = REPORT_PARTS if groups else ("settings",)
-    if not parallel or (os.cpu_count() or 1) < 2:
+    cpus = os.cpu_count() or 1
+    if not parallel or cpus < 2:
         return {side: _side_report(spec, side, budget, parts) for side in SIDES}
-    jobs = [(side, part) for side in SIDES for part in parts if (side, part) != ("grpo_plus", "settings")]
-    children = [_start_side_report(spec, budget, side, part) for side, part in jobs]
+    # Each child costs its imports (~7 s of CPU): with fewer than four CPUs a side is one job (TRL's in a child, all of
+    # grpo_plus's here); measured on two cores, four jobs made the text recipes' reports 5-23 s slower.
+    per_job = [parts] if cpus < 4 else [(part,) for part in parts]
+    here = ("grpo_plus", per_job[0])
+    jobs = [(side, job) for side in SIDES for job in per_job if (side, job) != here]
+    children = [_start_side_report(spec, budget, side, job) for side, job in jobs]
     try:
         fed = [_feed(child.stdin, spec.to_json().encode()) for child, _ in children]  # every child, before counting
-        ours = _side_report(spec, "grpo_plus", budget, ("settings",)) if all(fed) else None
+        ours = _side_report(spec, here[0], budget, here[1]) if all(fed) else None
         answers = [
             _side_report_of(child, stderr, side) for (child, stderr), (side, _) in zip(children, jobs, strict=True)
         ]
@@ -261,7 +267,7 @@ def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dic
                 child.wait()
             stderr.close()
     merged = {side: [None, None, None, None] for side in SIDES}
-    for (side, _), answer in [*zip(jobs, answers, strict=True), (("grpo_plus", "settings"), ours)]:
+    for (side, _), answer in [*zip(jobs, answers, strict=True), (here, ours)]:
         if answer is None:  # a child ended before it read the config (and still answered: cannot happen)
             raise RuntimeError("counting a side of the report in a child process failed before it read the config")
         merged[side] = [
@@ -270,15 +276,25 @@ def _both_sides(spec: FitSpec, budget: int, groups: bool, parallel: bool) -> dic
     return {side: tuple(merged[side]) for side in SIDES}
 
 
-def _start_side_report(spec: FitSpec, budget: int, side: str, part: str):
-    """A child process counting `part` of `side`'s report (`python -m grpo_plus.fit --side-report`), and the file its
+def _start_side_report(spec: FitSpec, budget: int, side: str, parts: tuple[str, ...]):
+    """A child process counting `parts` of `side`'s report (`python -m grpo_plus.fit --side-report`), and the file its
     stderr goes to (a file, not a pipe: a child's warnings never fill a buffer and stall it)."""
     import os
     import subprocess
     import sys
     import tempfile
 
-    command = [sys.executable, "-m", "grpo_plus.fit", "--side-report", side, "--parts", part, "--budget", str(budget)]
+    command = [
+        sys.executable,
+        "-m",
+        "grpo_plus.fit",
+        "--side-report",
+        side,
+        "--parts",
+        *parts,
+        "--budget",
+        str(budget),
+    ]
     # The child imports this very grpo_plus (its folder first on the path), whatever put it on the parent's path.
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
