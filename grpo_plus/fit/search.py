@@ -21,11 +21,11 @@ def largest_within(cost, budget: int, low: int, high: int) -> int:
     cost(n) <= budget < cost(n + 1) (or n = `high`) has been counted.
 
     A count costs about in proportion to n (a VLM's count at G = 65 takes a minute and a half), so the search counts
-    small n first: `low`, then n a sixteenth of the way up, then where the line through the two largest counts that
-    fit says the budget is reached (an affine cost: four counts, two of them small; a cost that bends down, e.g.
-    shared prompts, is followed up in a few jumps). Once a count is over the budget, the parabola through the counts
-    around the answer closes in (a quadratic cost: a guess or two). No guess's neighbour is counted before the line
-    or the parabola points at it."""
+    small n first: `low`, then n a sixteenth of the way up, then where the line through the lowest count and the
+    largest that fits says the budget is reached (an affine cost: four counts, two of them small), again from each
+    guess that fits (a cost that bends down, e.g. shared prompts, is followed up in a few jumps; a guess's neighbour is
+    counted only when the line points at it). Once a count is over the budget, the parabola through the counts around
+    the answer closes in (a quadratic cost: a guess or two), each guess counted with its neighbour."""
     values: dict[int, float] = {}
 
     def at(n: int) -> float:
@@ -36,27 +36,30 @@ def largest_within(cost, budget: int, low: int, high: int) -> int:
     if at(low) > budget:
         return low - 1
     fit, over = low, None  # cost(fit) <= budget; cost(over) > budget once one is known
-    below = low  # the largest count under `fit` that fits: the line's other end
     start = low + max((high - low) // 16, 1)  # well inside the range: cheaper to count than the top
     if start < high:
         fit, over = (start, None) if at(start) <= budget else (low, start)
     while over is None or over - fit > 1:
-        if over is None:  # the line through the two largest counts that fit
-            slope = (at(fit) - at(below)) / (fit - below) if fit > below else 0.0
+        if over is None:  # the line through the lowest count and the largest that fits
+            slope = (at(fit) - at(low)) / (fit - low) if fit > low else 0.0
             guess = fit + int((budget - at(fit)) / slope) if slope > 0 else high
             guess = min(max(guess, fit + 1), high)
-        else:
-            guess = _interpolate(values, budget, fit, over)
-        if at(guess) > budget:
-            # A line overshoots a cost that bends up: the parabola takes it from here. A parabola's guess that is over
-            # is most often one too far: its neighbour below is counted with it.
-            parabola, over = over is not None, guess
-            if parabola and guess - 1 > fit and at(guess - 1) <= budget:
-                below, fit = fit, guess - 1
+            if at(guess) > budget:
+                over = guess  # a line overshoots a cost that bends up: the parabola takes it from here
+            else:
+                fit = guess
+                if fit == high:
+                    return high
             continue
-        below, fit = fit, guess
-        if fit == high:
-            return high
+        guess = _interpolate(values, budget, fit, over)
+        if at(guess) > budget:
+            over = guess
+            if guess - 1 > fit and at(guess - 1) <= budget:
+                fit = guess - 1
+            continue
+        fit = guess
+        if fit + 1 < over and at(fit + 1) > budget:  # the guess's neighbour: where an exact guess is proven
+            over = fit + 1
     return fit
 
 
