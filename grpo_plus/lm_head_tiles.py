@@ -113,12 +113,13 @@ class _SizedTiles:
         if not fused_lm_head:
             return self.forward(*args, **kwargs)
         head = self.module.get_output_embeddings().weight
+        vocab = getattr(head, "ds_shape", head.shape)[0]  # DeepSpeed ZeRO-3 partitions it: shape (0,) until gathered
         labels = kwargs.get("shift_labels", kwargs.get("labels"))
         tokens = labels.numel() if labels is not None else 0
         trl_columns = trl_compat.fused_lm_head_columns_default()
         folds_in_torch = trl_compat.lm_head_folds_in_torch(head.device)
-        columns = tile_columns(self.setting, head.shape[0], tokens, trl_columns, folds_in_torch)
-        if self.setting == "auto" and columns < min(trl_columns, head.shape[0]):
-            note_auto_once(tokens, trl_columns, head.shape[0], columns)
+        columns = tile_columns(self.setting, vocab, tokens, trl_columns, folds_in_torch)
+        if self.setting == "auto" and columns < min(trl_columns, vocab):
+            note_auto_once(tokens, trl_columns, vocab, columns)
         with trl_compat.fused_lm_head_columns(columns):
             return self.forward(*args, fused_lm_head=True, **kwargs)
