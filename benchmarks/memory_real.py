@@ -88,6 +88,15 @@ def fit_spec(model: dict, length: int, changes: dict):
     )  # fmt: skip
 
 
+def set_lm_head_chunk(job: dict) -> None:
+    """TRL's LM-head tile width for this process: the job's (LM_HEAD_CHUNK unless it says otherwise; None: TRL's own)."""
+    import trl.trainer.utils
+
+    chunk = job.get("lm_head_chunk", LM_HEAD_CHUNK)
+    if chunk:
+        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = chunk
+
+
 # ---- the child: one configuration ---------------------------------------------------------------------------------
 
 
@@ -106,14 +115,12 @@ def run_child(job: dict) -> dict:
     """Set up, then one training pass; the step increment, its time and the gradient norm."""
     import torch
     import transformers
-    import trl.trainer.utils
 
     from grpo_plus.fit import for_side
     from grpo_plus.fit.count import build_policy, counting_trainer, synthetic_micro_batch
 
     transformers.logging.set_verbosity_error()
-    if job.get("lm_head_chunk", LM_HEAD_CHUNK):  # None: TRL's own width
-        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = job.get("lm_head_chunk", LM_HEAD_CHUNK)
+    set_lm_head_chunk(job)
     device = job["device"]
     spec = for_side(fit_spec(job["model"], job["length"], job["changes"]), job["side"])  # TRL: none of grpo_plus's
     trainer = counting_trainer(job["side"], spec)
@@ -164,12 +171,10 @@ def run_child(job: dict) -> dict:
 def counted(job: dict) -> int:
     """`grpo_plus.fit`'s count of the child's pass (at 1 and 2 decoder layers, extended to the depth), with the CPU
     fold of the LM head at the bench's tile width."""
-    import trl.trainer.utils
 
     from grpo_plus import fit
 
-    if job.get("lm_head_chunk", LM_HEAD_CHUNK):  # None: TRL's own width
-        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = job.get("lm_head_chunk", LM_HEAD_CHUNK)
+    set_lm_head_chunk(job)
     spec = fit_spec(job["model"], job["length"], job["changes"])
     points = [fit.measure_pass(spec, job["side"], layers, lm_head="cpu") for layers in (1, 2)]
     return fit.extrapolate(points, spec.layers).peak
@@ -273,13 +278,14 @@ def main() -> None:
     output = Path(args.json or default_json)
     output.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    lm_head_chunk = None if args.trl_lm_head_tile else LM_HEAD_CHUNK
     rows = []
     for length in lengths:
         row: dict = {"length": length}
         for label in args.variants:
             side, changes = VARIANTS[label]
             job = dict(side=side, changes=changes, length=length, model=model, device=args.device, seed=0,
-                       lm_head_chunk=None if args.trl_lm_head_tile else LM_HEAD_CHUNK)  # fmt: skip
+                       lm_head_chunk=lm_head_chunk)  # fmt: skip
             row[label] = launch(job, args.threads)
             if not args.no_count and args.device == "cpu":
                 row[label]["counted"] = counted(job)
@@ -290,7 +296,7 @@ def main() -> None:
         rows.append(row)
     markdown = tables(rows, args.variants)
     report = {"device": args.device, "model": model, "rows": ROWS, "group": GROUP, "prompt": PROMPT, "lora": LORA,
-              "lm_head_chunk": None if args.trl_lm_head_tile else LM_HEAD_CHUNK, "threads": args.threads, "malloc": PINNED_MALLOC, "results": rows,
+              "lm_head_chunk": lm_head_chunk, "threads": args.threads, "malloc": PINNED_MALLOC, "results": rows,
               "wall_minutes": (time.perf_counter() - started) / 60}  # fmt: skip
     output.write_text(json.dumps(report, indent=1))
     markdown_path(output).write_text(markdown + "\n")

@@ -31,12 +31,12 @@ import logging
 import torch
 
 from . import trl_compat
+from .tiled_mlp import AUTO_MIN_TOKENS  # the tiled MLP's "auto" threshold: a long micro-batch
 
 logger = logging.getLogger(__name__)
 
 LM_HEAD_TILE_DEFAULT = "auto"
 AUTO_TILE_COLUMNS = 4096
-AUTO_MIN_TOKENS = 8192  # as the tiled MLP's "auto" (grpo_plus.tiled_mlp.AUTO_MIN_TOKENS): a long micro-batch
 
 
 def check_setting(setting: int | str | None) -> int | str | None:
