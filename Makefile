@@ -58,7 +58,7 @@ test-engines: deepspeed-ops
 # .ci/lower_bounds.py) and "newest" (the newest release of every dependency TRL allows, resolved the day it runs: a
 # new release that breaks grpo_plus fails CI here while the lock keeps fresh clones working). The TRL environments
 # run the parity-critical tests, "oldest" and "newest" the whole suite. Keep TRL_MINORS equal to
-# grpo_plus/trl_compat.py's TESTED_TRL_MINORS and pyproject's TRL cap (tests/test_trl_compat.py checks).
+# grpo_plus/compat/versions.py's TESTED_TRL_MINORS and pyproject's TRL cap (tests/test_trl_compat.py checks).
 TRL_MINORS   ?= 1.14 1.15 1.16
 MATRIX_DIR   ?= .venvs
 MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_losses_parity.py tests/test_invariance.py \

@@ -69,7 +69,7 @@ def build_trainers(smoke: bool, output_dir: str) -> dict:
 
 def with_exact_entropy(trainer, exact: bool) -> None:
     """Set the run's `zero_waste_exact_entropy` (settings are read once at construction)."""
-    from grpo_plus.zero_waste import ZeroWastePass
+    from grpo_plus.zero_waste.training_pass import ZeroWastePass
 
     trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True, exact_entropy=exact)
 

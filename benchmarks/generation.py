@@ -15,7 +15,7 @@ same completions and log the same losses (both checked). Per optimizer step afte
 and where the generation time goes, from the same steps' model forwards: the prefill (the first forward), the
 decode steps, the share of TRL's decode spent on rows that had already ended (each step's time x the share of rows
 that had emitted EOS before it), and the rest (logits processors, sampling, TRL's padding, cache copies).
-Part 2, the sweep: TRL's `model.generate` against `grpo_plus.generation.generate` on 2 prompts x G completions,
+Part 2, the sweep: TRL's `model.generate` against `grpo_plus.zero_waste.generation.generate` on 2 prompts x G completions,
 prompt length 56 / 256 / 1024 tokens (worked examples in a system prompt lengthen the demo prompt) x G = 4 / 8 / 16,
 TRL's GenerationConfig and the weights after part 1, same seed for both (same ids, checked), alternated, median of
 `--repeats`.
@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from grpo_plus.trl_compat import completion_eos_token_ids
+from grpo_plus.compat.model import completion_eos_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,7 +171,7 @@ def generate_once(side: str, model, ids, mask, generation_config, seed: int):
     """One generation batch by TRL's `model.generate` or grpo_plus's; (sequences, seconds, grpo_plus's stats)."""
     import torch
 
-    from grpo_plus.generation import generate
+    from grpo_plus.zero_waste.generation import generate
 
     torch.manual_seed(seed)
     start = time.perf_counter()

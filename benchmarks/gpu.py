@@ -197,7 +197,7 @@ def load_policy(case: Case, device: str, cache_dir: Path):
             return AutoModelForCausalLM.from_config(qwen2_config(case.shape), dtype=dtype)
     from peft import prepare_model_for_kbit_training
 
-    from grpo_plus.quantization import keep_4bit_trainable_on_cpu
+    from grpo_plus.compat.bitsandbytes import keep_4bit_trainable_on_cpu
 
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
@@ -535,7 +535,7 @@ def sdpa_kernel_report(device: str, shape: str = "qwen2.5-1.5b", prompt_length: 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from grpo_plus.train_pass import pack_shared_prompts
+    from grpo_plus.zero_waste.rows import pack_shared_prompts
 
     config = qwen2_config(shape)
     batch = synthetic_micro_batch(group, group, prompt_length, completion_length, config.vocab_size)

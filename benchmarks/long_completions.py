@@ -51,7 +51,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from grpo_plus.trl_compat import completion_eos_token_ids
+from grpo_plus.compat.model import completion_eos_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

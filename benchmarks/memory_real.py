@@ -77,8 +77,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 def fit_spec(model: dict, length: int, changes: dict):
     """The bench's pass as a `grpo_plus.fit.FitSpec` (what the child builds and the counter counts)."""
     from grpo_plus import fit
-    from grpo_plus.lm_head_tiles import LM_HEAD_TILE_DEFAULT
-    from grpo_plus.tiled_mlp import TILED_MLP_DEFAULT
+    from grpo_plus.long_completions.lm_head_tiles import LM_HEAD_TILE_DEFAULT
+    from grpo_plus.long_completions.tiled_mlp import TILED_MLP_DEFAULT
 
     settings = {"tiled_mlp_tokens": TILED_MLP_DEFAULT, "lm_head_tile_columns": LM_HEAD_TILE_DEFAULT, **changes}
     return fit.FitSpec(

@@ -203,8 +203,8 @@ def sweep(prompt_lengths: list[int], repeats: int) -> list[dict]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from grpo_plus.app.embedded import resolve_model
-    from grpo_plus.generation import generate
-    from grpo_plus.multi_turn import TurnCache
+    from grpo_plus.zero_waste.generation import generate
+    from grpo_plus.zero_waste.multi_turn import TurnCache
 
     path = resolve_model("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -299,7 +299,7 @@ def exactness(seeds: int = 40, forced_seeds: int = 10) -> list[dict]:
     from transformers import GenerationConfig, LogitsProcessorList
 
     from grpo_plus.app.tool_model import two_turns
-    from grpo_plus.generation import generate
+    from grpo_plus.zero_waste.generation import generate
 
     rows = []
     for family, lora in (("llama", False), ("qwen3", True), ("qwen2", True), ("mistral", False), ("gpt2", False)):

@@ -98,7 +98,7 @@ def main() -> None:
             generation_rows=args.rows, prompt_tokens=56, completion_tokens=length, lora=lora, mixed_precision="no",
             loss={"loss_type": "dapo", "epsilon_high": 0.28},
         )  # fmt: skip
-        from grpo_plus.tiled_mlp import tile_mlps
+        from grpo_plus.long_completions.tiled_mlp import tile_mlps
 
         trainer = fit.counting_trainer("grpo_plus", spec)
         models = {False: fit.build_policy(spec, None), True: fit.build_policy(spec, None)}  # the same weights (seed)

@@ -28,7 +28,7 @@ import torch
 import trl
 
 import grpo_plus
-from grpo_plus.training_state import PROCESS_FILE, SHARED_FILE, stateful_parts
+from grpo_plus.run.state import PROCESS_FILE, SHARED_FILE, stateful_parts
 
 DEMO = dict(
     per_device_train_batch_size=16,

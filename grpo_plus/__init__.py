@@ -5,6 +5,7 @@ torch; the trainer and config are loaded lazily so `import grpo_plus` stays ligh
 embedded model, Hub push, plots, the `grpo-plus` command) is `grpo_plus.app`, which the library never imports.
 """
 
+from .compat.bitsandbytes import hide_bitsandbytes_kernel_notice
 from .objective import (
     AdaptiveKLController,
     AggregationContext,
@@ -27,7 +28,6 @@ from .objective import (
     register_rejection_criterion,
     rollout_correction,
 )
-from .quantization import hide_bitsandbytes_kernel_notice
 
 __version__ = "0.1.0"
 

@@ -15,41 +15,37 @@ from typing import Any
 
 import trl
 
-from .algorithms import (
+from .algorithms.estimators import (
     DEFAULT_ESTIMATOR,
     DEFAULT_KL_ESTIMATOR,
     DEFAULT_KL_HORIZON,
     DEFAULT_POLICY_LOSS,
     AlgorithmSettings,
 )
+from .algorithms.rollout_correction import PRESETS, RolloutCorrectionSettings, expand_preset
+from .compat.loss import TRL_IMPORTANCE_SAMPLING_LEVELS, TRL_NATIVE_LOSS_TYPES, TRL_SCALE_REWARDS
+from .compat.versions import ignore_renames_trl_still_uses
 from .engine.settings import VLLMSettings
-from .health import HealthSettings
-from .lm_head_tiles import AUTO_MIN_TOKENS as LM_HEAD_AUTO_MIN_TOKENS
-from .lm_head_tiles import AUTO_TILE_COLUMNS, LM_HEAD_TILE_DEFAULT
-from .lm_head_tiles import check_setting as check_lm_head_setting
+from .long_completions.lm_head_tiles import AUTO_MIN_TOKENS as LM_HEAD_AUTO_MIN_TOKENS
+from .long_completions.lm_head_tiles import AUTO_TILE_COLUMNS, LM_HEAD_TILE_DEFAULT
+from .long_completions.lm_head_tiles import check_setting as check_lm_head_setting
+from .long_completions.tiled_mlp import AUTO_MIN_TOKENS, AUTO_TILE_TOKENS, TILED_MLP_DEFAULT
 from .objective import ADVANTAGE_NORMALIZERS, IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES
 from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
 from .objective.policy_losses import OPTIONS
 from .plugins import load_plugins
 from .rewards.runner import REWARD_ON_ERROR, RewardRunnerSettings
-from .sampler_mismatch import PRESETS, RolloutCorrectionSettings, expand_preset
-from .sampling import DynamicSamplingSettings
-from .selective_rollout import SelectiveRolloutSettings
+from .run.health import HealthSettings
+from .sampling.dynamic_sampling import DynamicSamplingSettings
+from .sampling.selective_rollout import SelectiveRolloutSettings
 from .settings import ConfigError, not_allowed
-from .tiled_mlp import AUTO_MIN_TOKENS, AUTO_TILE_TOKENS, TILED_MLP_DEFAULT
-from .trl_compat import (
-    TRL_IMPORTANCE_SAMPLING_LEVELS,
-    TRL_NATIVE_LOSS_TYPES,
-    TRL_SCALE_REWARDS,
-    ignore_renames_trl_still_uses,
-)
 
 FIT_CHECK_MODES = ("warn", "error", "auto", "off")
 
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "validate_grpo_settings"]
 
-# Before any GRPOConfig is built: TRL's own defaults and calls set off transformers' renaming warnings (see trl_compat).
+# Before any GRPOConfig is built: TRL's own defaults and calls set off transformers' renaming warnings (see compat.versions).
 ignore_renames_trl_still_uses()
 
 _BOOL_STRINGS = {"true": "group", "false": "none"}
@@ -439,7 +435,7 @@ class GRPOConfig(trl.GRPOConfig):
     health_check: str = field(
         default=_HEALTH_DEFAULTS.check,
         metadata={
-            "help": "Training-health guard (grpo_plus.health), reading only what the run logs: 'warn' logs one "
+            "help": "Training-health guard (grpo_plus.run.health), reading only what the run logs: 'warn' logs one "
             "warning per problem (every group zero-variance, most completions truncated, gradient norm 0 or "
             "non-finite, loss or rewards NaN, entropy collapse), saying what it saw and what to change; 'stop' "
             "ends the run at that step instead, saving its checkpoint and raising TrainingHealthError; 'off'."

@@ -21,54 +21,51 @@ import torch
 import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .algorithms import KLCoefficient, estimator_inputs, greedy_rewards, local_advantages
-from .checkpoints import hide_local_base_model_path, without_hub_token
-from .config import PlusSettings, validate_grpo_settings
-from .distributed import check_launch, whole_model_for_generation
-from .engine.precision import engine_precision, sleep_mode_blocker
-from .engine.receipt import SyncReceipt, log_receipts
-from .engine.server import server_client, server_sync
-from .engine.sync import reload_on_sync
-from .faults import CrashCheckpoint, finish_without_training, prepare_resume
-from .fit import check_before_training
-from .generation import generate_patched, generation_blocker
-from .health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
-from .health import TrainingHealthGuard
-from .lm_head_tiles import size_lm_head_tiles
-from .loss_metrics import log_loss_metrics
-from .multi_turn import TurnCache
-from .objective import combine_rewards, compute_policy_loss
-from .offloading import training_step_context
-from .quantization import keep_4bit_trainable_on_cpu
-from .rewards.runner import RewardRunner, RewardRunnerSettings
-from .sampler_mismatch import (
+from .algorithms.estimators import KLCoefficient, estimator_inputs, greedy_rewards, local_advantages
+from .algorithms.loss_metrics import log_loss_metrics
+from .algorithms.rollout_correction import (
     OnPolicyCorrection,
     RolloutCorrector,
     TRLSamplerCorrection,
     sampler_blocker,
     sampler_logps,
 )
-from .sampling import DynamicSampling, shuffle_groups
-from .selective_rollout import SelectiveRollout
-from .tiled_mlp import tile_mlps
-from .training_state import TrainingState, carry_running_loss, stateful_parts
-from .trl_compat import (
+from .compat.bitsandbytes import keep_4bit_trainable_on_cpu
+from .compat.loss import (
     TRL_NATIVE_LOSS_TYPES,
     TRL_SCALE_REWARDS,
-    TRLCompatibilityError,
-    check_trl_compatibility,
     entropy_bonus,
-    environment_routing,
-    get_soft_overlong_punishment,
-    is_async_callable,
     logps_unavailable_reason,
     policy_weights,
     split_tensor_dict,
-    uses_continuous_batching,
 )
-from .validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
-from .validation import check_dataset, guard_reward_funcs
-from .zero_waste import ZeroWastePass
+from .compat.model import environment_routing, uses_continuous_batching
+from .compat.rewards import get_soft_overlong_punishment, is_async_callable
+from .compat.versions import TRLCompatibilityError, check_trl_compatibility
+from .config import PlusSettings, validate_grpo_settings
+from .engine.precision import engine_precision, sleep_mode_blocker
+from .engine.receipt import SyncReceipt, log_receipts
+from .engine.server import server_client, server_sync
+from .engine.sync import reload_on_sync
+from .fit import check_before_training
+from .long_completions.lm_head_tiles import size_lm_head_tiles
+from .long_completions.offloading import training_step_context
+from .long_completions.tiled_mlp import tile_mlps
+from .objective import combine_rewards, compute_policy_loss
+from .rewards.runner import RewardRunner, RewardRunnerSettings
+from .run.checkpoints import hide_local_base_model_path, without_hub_token
+from .run.distributed import check_launch, whole_model_for_generation
+from .run.faults import CrashCheckpoint, finish_without_training, prepare_resume
+from .run.health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
+from .run.health import TrainingHealthGuard
+from .run.state import TrainingState, carry_running_loss, stateful_parts
+from .run.validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
+from .run.validation import check_dataset, guard_reward_funcs
+from .sampling.dynamic_sampling import DynamicSampling, shuffle_groups
+from .sampling.selective_rollout import SelectiveRollout
+from .zero_waste.generation import generate_patched, generation_blocker
+from .zero_waste.multi_turn import TurnCache
+from .zero_waste.training_pass import ZeroWastePass
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +114,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.plus.selective_rollout, self.plus.selective, self.train_dataset, self.args.seed, self.shuffle_dataset
         )
         self._selective_draw = None  # the draw whose completions are being generated and scored
-        self._turn_cache: TurnCache | None = None  # the caches of a round's tool turns (grpo_plus.multi_turn)
+        self._turn_cache: TurnCache | None = (
+            None  # the caches of a round's tool turns (grpo_plus.zero_waste.multi_turn)
+        )
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
         self.reward_funcs = self._reward_runner.wrap(self.reward_funcs, self.reward_func_names)
         if self.plus.overlong_buffer_length is not None:
@@ -146,7 +145,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.add_callback(self._health)
         self._long_completions_setup()
 
-    # ---- long completions: offloading, tiled MLP, the fit check (grpo_plus.offloading, tiled_mlp, fit) ----------------
+    # ---- long completions: offloading, tiled MLP, the fit check (grpo_plus.long_completions.offloading, tiled_mlp, fit) ----------------
 
     def _long_completions_setup(self) -> None:
         policy = self.accelerator.unwrap_model(self.model)
@@ -194,12 +193,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_processing_classes.append(None)
         self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
-    # ---- training, checkpoints, crashes (grpo_plus.faults) -----------------------------------------------------------
+    # ---- training, checkpoints, crashes (grpo_plus.run.faults) -----------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """TRL's train; `resume_from_checkpoint=True` (or "true"/"last" from a CLI) picks the newest checkpoint in
         output_dir that is complete and undamaged. A checkpoint already at the last step returns without training; an
-        error or Ctrl-C writes the last completed step as a checkpoint (grpo_plus.faults)."""
+        error or Ctrl-C writes the last completed step as a checkpoint (grpo_plus.run.faults)."""
         resume_from_checkpoint = prepare_resume(self, resume_from_checkpoint)
         if resume_from_checkpoint:
             if (finished := finish_without_training(self, resume_from_checkpoint)) is not None:
@@ -263,7 +262,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._on_policy_correction.start(parts if in_loss else None)
         return output
 
-    # ---- verl's rollout correction (grpo_plus.sampler_mismatch) ----------------------------------------------------
+    # ---- verl's rollout correction (grpo_plus.algorithms.rollout_correction) ----------------------------------------------------
 
     def _correct_generation_batch(self, output: dict[str, Any]) -> dict[str, Any]:
         """Decoupled mode: the old log-probs of every row (TRL's, else one no-grad pass), the IS weights and the mask
@@ -303,7 +302,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return output
 
     def _round_advantages(self, inputs: list[dict[str, Any]], output: dict[str, Any]) -> torch.Tensor:
-        """The estimator's advantages from every process's rewards (grpo_plus.algorithms), this process's rows."""
+        """The estimator's advantages from every process's rewards (grpo_plus.algorithms.estimators), this process's rows."""
         algorithms, start = self.plus.algorithms, self.accelerator.process_index * len(inputs)
         needed = estimator_inputs(algorithms, output, self.accelerator.gather, lambda: self._greedy_rewards(inputs))
         num_generations = self.num_generations if self.model.training else self.num_generations_eval
@@ -317,7 +316,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return combine_rewards(self._rewards_per_func, self.reward_weights)
 
     def _greedy_rewards(self, inputs: list[dict[str, Any]]) -> torch.Tensor:
-        """ReMax's baseline (grpo_plus.algorithms.greedy_rewards), scored by TRL's own `_calculate_rewards`."""
+        """ReMax's baseline (grpo_plus.algorithms.estimators.greedy_rewards), scored by TRL's own `_calculate_rewards`."""
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         return greedy_rewards(self, inputs, num_generations, super()._calculate_rewards, self._metrics[mode])
@@ -331,7 +330,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._zero_waste.fill_deferred(self._buffered_inputs if self.model.training else [inputs])
         return inputs
 
-    # ---- dynamic sampling (DAPO, grpo_plus.sampling) ---------------------------------------------------------------
+    # ---- dynamic sampling (DAPO, grpo_plus.sampling.dynamic_sampling) ---------------------------------------------------------------
 
     def _prepare_informative_inputs(self, generation_batch):
         """TRL's buffering, but shuffling whole groups so no micro-batch holds part of a group."""
@@ -371,7 +370,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         start = self.accelerator.process_index * num_rows
         return [self.train_dataset[i] for i in rows[start : start + num_rows]]
 
-    # ---- selective rollout (GRESO, grpo_plus.selective_rollout) ------------------------------------------------------
+    # ---- selective rollout (GRESO, grpo_plus.sampling.selective_rollout) ------------------------------------------------------
     # Every process holds the same history (it is updated from the rewards TRL gathers from all processes) and draws
     # the same global batch, then takes its slice.
 
@@ -382,12 +381,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._selective_draw = self._selective_rollout.draw(num_prompts)
         return self._local_rows(self._selective_draw.rows(self.num_generations), num_rows)
 
-    # ---- zero-waste generation (grpo_plus.generation) -------------------------------------------------------------
+    # ---- zero-waste generation (grpo_plus.zero_waste.generation) -------------------------------------------------------------
 
     @contextlib.contextmanager
     def _tool_turns(self):
         """A round of TRL's generation; with tools, its tool turns continue each row's cache instead of prefilling
-        the history again (grpo_plus.multi_turn): TRL's tool loop calls `_generate_single_turn` once per turn."""
+        the history again (grpo_plus.zero_waste.multi_turn): TRL's tool loop calls `_generate_single_turn` once per turn."""
         self._turn_cache = TurnCache() if getattr(self, "tools", None) and self.plus.zero_waste_generation else None
         try:
             yield
@@ -397,7 +396,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
         """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
         the previous turn did not compute; image prompts: each image encoded once) and decoding only unfinished rows
-        (grpo_plus.generation) where that samples what transformers' own loop samples."""
+        (grpo_plus.zero_waste.generation) where that samples what transformers' own loop samples."""
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
         if not self.plus.zero_waste_generation:
             return trl_generation(*args, **kwargs)
@@ -412,7 +411,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         with generate_patched(model, record, self._turn_cache, num_images):
             return trl_generation(*args, **kwargs)
 
-    # ---- the zero-waste pass (grpo_plus.zero_waste) -----------------------------------------------------------------
+    # ---- the zero-waste pass (grpo_plus.zero_waste.training_pass) -----------------------------------------------------------------
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -461,7 +460,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self._metrics[mode],
             )  # fmt: skip
             old_logps, correction_weights, mask = corrected.old_logps, corrected.weights, corrected.mask
-        elif correction.active:  # verl's IS weights and rejection (grpo_plus.sampler_mismatch)
+        elif correction.active:  # verl's IS weights and rejection (grpo_plus.algorithms.rollout_correction)
             reduce_sum = functools.partial(self.accelerator.reduce, reduction="sum")
             corrected = correction.loss_inputs(
                 logps, inputs, mask, policy.computed_rows, reduce_sum, self._metrics[mode]

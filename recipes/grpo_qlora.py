@@ -10,7 +10,7 @@ Every GRPOConfig field (grpo_plus's and TRL's) and every TRL ModelConfig field i
 """
 
 # grpo_plus first: trl imports peft, peft imports bitsandbytes, and grpo_plus keeps bitsandbytes' import-time
-# notice about an optional Hub kernel out of the console (grpo_plus.quantization).
+# notice about an optional Hub kernel out of the console (grpo_plus.compat.bitsandbytes).
 from grpo_plus import GRPOTrainer
 from grpo_plus.app.recipe import (
     build_trainer,

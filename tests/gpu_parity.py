@@ -18,9 +18,9 @@ import pytest
 import torch
 from helpers import floors, models, probes  # tests/ is on PYTHONPATH: pytest loads -p plugins before conftest.py
 
-import grpo_plus.trl_compat as trl_compat
+import grpo_plus.compat.loss as trl_loss
 
-_logps_unavailable_reason = trl_compat.logps_unavailable_reason
+_logps_unavailable_reason = trl_loss.logps_unavailable_reason
 _tiny_run_kwargs = models.tiny_run_kwargs
 _max_weight_diff = probes.max_weight_diff
 
@@ -39,7 +39,7 @@ def max_weight_diff_on_cpu(a: dict, b: dict) -> float:
 
 
 # Patched before the test modules import these names (pytest loads -p plugins before collecting).
-trl_compat.logps_unavailable_reason = logps_unavailable_on_gpu
+trl_loss.logps_unavailable_reason = logps_unavailable_on_gpu
 models.tiny_run_kwargs = tiny_run_kwargs_on_gpu
 probes.max_weight_diff = max_weight_diff_on_cpu
 floors.FLOORS["cpu_logps"] = dataclasses.replace(floors.FLOORS["cpu_logps"], unmet=lambda: None)

@@ -14,7 +14,7 @@ from helpers.probes import logged, max_weight_diff
 from helpers.tool_model import EchoEnv, counter_factory, number_prompts, tool_trainer
 
 import grpo_plus
-from grpo_plus.validation import DatasetError, RewardOutputError
+from grpo_plus.run.validation import DatasetError, RewardOutputError
 
 pytestmark = [
     pytest.mark.floor("cpu_logps"),
@@ -243,7 +243,7 @@ def test_environment_routing_reads_trls_attributes():
     a dict (rows routed by their 'environment' column)."""
     from types import SimpleNamespace
 
-    from grpo_plus.trl_compat import environment_routing
+    from grpo_plus.compat.model import environment_routing
 
     assert environment_routing(SimpleNamespace()) == (True, None)
     assert environment_routing(SimpleNamespace(environment_factories=None)) == (True, None)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.probes import run_python
 
-from grpo_plus.trl_compat import version_gap
+from grpo_plus.compat.versions import version_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -89,7 +89,7 @@ def test_gpu_parity_plugin_patches_what_the_parity_tests_import(monkeypatch):
     train on CPU (or skip)."""
     from helpers import floors, models, probes
 
-    import grpo_plus.trl_compat as trl_compat
+    import grpo_plus.compat.loss as trl_loss
 
     source = (ROOT / "tests" / "test_trainer_parity.py").read_text()
     tree = ast.parse(source)
@@ -101,17 +101,17 @@ def test_gpu_parity_plugin_patches_what_the_parity_tests_import(monkeypatch):
     for module, name in (
         (models, "tiny_run_kwargs"),
         (probes, "max_weight_diff"),
-        (trl_compat, "logps_unavailable_reason"),
+        (trl_loss, "logps_unavailable_reason"),
     ):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     on_cpu_floor = dataclasses.replace(floors.FLOORS["cpu_logps"], unmet=lambda: "as on TRL 1.15: a CPU cannot")
     monkeypatch.setitem(floors.FLOORS, "cpu_logps", on_cpu_floor)  # restored after the test
-    on_cuda = trl_compat.logps_unavailable_reason("cuda")
+    on_cuda = trl_loss.logps_unavailable_reason("cuda")
     spec = importlib.util.spec_from_file_location("gpu_parity_under_test", ROOT / "tests" / "gpu_parity.py")
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     assert models.tiny_run_kwargs("out")["use_cpu"] is False
     assert floors.FLOORS["cpu_logps"].unmet() is None  # as on TRL 1.15 too: its Triton kernel runs on CUDA
-    assert floors.FLOORS["cpu_logps"].missing() == trl_compat.logps_unavailable_reason("cpu") == on_cuda
+    assert floors.FLOORS["cpu_logps"].missing() == trl_loss.logps_unavailable_reason("cpu") == on_cuda
     assert probes.max_weight_diff({"w": torch.ones(2)}, {"w": torch.zeros(2)}) == 1.0
 
 

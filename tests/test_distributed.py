@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from grpo_plus.distributed import LaunchError, check_launch
+from grpo_plus.run.distributed import LaunchError, check_launch
 
 
 def test_processes_that_would_each_train_alone_stop_at_start(monkeypatch):
@@ -22,10 +22,10 @@ def test_processes_that_would_each_train_alone_stop_at_start(monkeypatch):
 def test_an_engine_accelerate_dropped_is_named(monkeypatch, caplog, variable, runs, expected):
     monkeypatch.setenv(variable, "true")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.distributed"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.distributed"):
         check_launch(runs, num_processes=2)
     assert expected in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.distributed"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.distributed"):
         check_launch("FSDP" if variable == "ACCELERATE_USE_FSDP" else "DEEPSPEED", num_processes=2)
     assert caplog.text == ""

@@ -18,7 +18,7 @@ from helpers.rewards import constant_reward, length_reward, odd_prompts_constant
 
 from grpo_plus import GRPOConfig
 from grpo_plus.config import ConfigError
-from grpo_plus.sampling import concat_rows, informative_groups, shuffle_groups
+from grpo_plus.sampling.dynamic_sampling import concat_rows, informative_groups, shuffle_groups
 
 G = 4
 
@@ -182,7 +182,7 @@ def test_dynamic_sampling_refuses_image_prompts_before_training():
     from datasets import Dataset
     from PIL import Image
 
-    from grpo_plus.sampling import DynamicSampling, DynamicSamplingSettings
+    from grpo_plus.sampling.dynamic_sampling import DynamicSampling, DynamicSamplingSettings
 
     settings = DynamicSamplingSettings(enabled=True)
     picture = Image.new("RGB", (8, 8))

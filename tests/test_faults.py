@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 import grpo_plus
-from grpo_plus.checkpoints import CheckpointError, checkpoint_problem, last_complete_checkpoint
-from grpo_plus.validation import DatasetError, RewardFunctionError, RewardOutputError
+from grpo_plus.run.checkpoints import CheckpointError, checkpoint_problem, last_complete_checkpoint
+from grpo_plus.run.validation import DatasetError, RewardFunctionError, RewardOutputError
 
 
 def build(
@@ -80,7 +80,7 @@ class ScoringError(Exception):
     ids=lambda e: type(e).__name__,
 )
 def test_the_raised_error_is_the_original_plus_a_note(error):
-    from grpo_plus.validation import GuardedReward
+    from grpo_plus.run.validation import GuardedReward
 
     def reward(completions, **kwargs):
         raise error
@@ -126,7 +126,7 @@ def test_a_reward_function_returning_the_wrong_thing_is_named(tiny_model_dir, tm
 def test_accepted_reward_outputs_pass_the_check():
     import numpy as np
 
-    from grpo_plus.validation import GuardedReward
+    from grpo_plus.run.validation import GuardedReward
 
     for output in ([1.0, None], [True, 0], np.array([0.5, 1.0]), torch.tensor([0.5, 1.0]), [torch.tensor(1.0), 2]):
         assert GuardedReward(lambda completions, out=output, **kw: out, "r")(completions=["a", "b"]) is output
@@ -137,7 +137,7 @@ def test_a_guarded_reward_keeps_the_wrapped_functions_call_contract():
     exactly its arguments through and the function's own result back; a scoring call is still checked."""
     import inspect
 
-    from grpo_plus.validation import GuardedReward
+    from grpo_plus.run.validation import GuardedReward
 
     calls = []
 
@@ -160,9 +160,9 @@ def infinite_reward(completions, **kwargs):
 
 def test_all_infinite_rewards_warn_once_naming_the_function(tiny_model_dir, tmp_path, caplog):
     trainer = build(tiny_model_dir, tmp_path, rewards=[infinite_reward], save_strategy="no", max_steps=2)
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.validation"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.validation"):
         trainer.train()
-    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_plus.validation"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "grpo_plus.run.validation"]
     warnings = [message for message in warnings if "infinite_reward" in message]
     assert len(warnings) == 1 and "+-inf for 4 of 4 completions" in warnings[0] and "trains nothing" in warnings[0]
     assert logged(trainer, "loss") == [0.0, 0.0]
@@ -202,7 +202,7 @@ def test_crash_checkpoint_resumes_to_the_uninterrupted_weights(tiny_model_dir, t
     final_weights, step_3 = uninterrupted
     trainer = build(tiny_model_dir, tmp_path)  # checkpoints at steps 2 and 4
     crash_in(phase, trainer, at_step=3)
-    with pytest.raises((Crash, KeyboardInterrupt)), caplog.at_level(logging.WARNING, logger="grpo_plus.faults"):
+    with pytest.raises((Crash, KeyboardInterrupt)), caplog.at_level(logging.WARNING, logger="grpo_plus.run.faults"):
         trainer.train()
     if phase == "optimizer":  # the weights may be half-updated: no checkpoint-3, a message saying why
         assert not (tmp_path / "checkpoint-3").exists()
@@ -281,7 +281,7 @@ def test_a_damaged_checkpoint_is_named_and_resume_falls_back(
     out = copy_run(lora_run, tmp_path)
     damage(out / "checkpoint-2")
     assert problem in checkpoint_problem(out / "checkpoint-2")
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.checkpoints"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.checkpoints"):
         assert last_complete_checkpoint(out) == str(out / "checkpoint-1")
     assert f"Skipping checkpoint {out / 'checkpoint-2'}" in caplog.text and problem in caplog.text
     trainer = build(tiny_model_dir, out, max_steps=2, save_steps=1, peft=LoraConfig(r=4, target_modules="all-linear"))

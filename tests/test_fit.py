@@ -10,8 +10,8 @@ import torch
 
 import grpo_plus
 from grpo_plus import fit
+from grpo_plus.compat.loss import trl_loss_fields
 from grpo_plus.fit.spec import objective_fields
-from grpo_plus.trl_compat import trl_loss_fields
 
 needs_cpu_logps = pytest.mark.floor("cpu_logps")
 # The shortcuts skip tiles of TRL's fused LM head (TRL >= 1.15); TRL 1.14 computes full logits, and its activation
@@ -234,7 +234,7 @@ def test_activation_offloading_lets_go_of_the_layer_input_before_the_mlp_tiles(m
     it until the autograd node that asked for it is done: the tiled MLP has a one-element node ask first, so the input
     is let go before the tiles' backward and the pass peaks where it peaks without offloading (to 8 bytes). Negative control:
     without that node the tiles' backward asks, and the input is held through every tile."""
-    from grpo_plus import tiled_mlp
+    from grpo_plus.long_completions import tiled_mlp
 
     plain = fit.measure_pass(wide_mlp(tiled_mlp_tokens=3000), "grpo_plus", layers=2)
     offloaded = fit.measure_pass(wide_mlp(tiled_mlp_tokens=3000, activation_offloading=True), "grpo_plus", layers=2)
@@ -308,16 +308,18 @@ def test_offloading_counts_a_saved_tensor_with_broadcast_strides(monkeypatch):
     accelerator has no pinned allocator, so the count uses pageable host memory (the same bytes) and counts what moves
     to the host. This is the count `grpo-plus fit` makes for the fix "activation_offloading=True" of an over-budget
     config without gradient checkpointing. Negative control: with pinned host memory the count fails."""
-    import grpo_plus.offloading
+    import grpo_plus.long_completions.offloading
 
     spec = tiny(gradient_checkpointing=False, activation_offloading=True, weights_dtype="float32", rows=8,
                 num_generations=4, generation_rows=8, completion_tokens=32, mixed_precision="no")  # fmt: skip
     kernels: list = []
     counted = fit.measure_pass(spec, "grpo_plus", 1, kernels=kernels)
     assert kernels == ["efficient"] and counted.host_peak > 0
-    pinned = grpo_plus.offloading.offloading_context
+    pinned = grpo_plus.long_completions.offloading.offloading_context
     monkeypatch.setattr(
-        grpo_plus.offloading, "offloading_context", lambda model, device, pin_memory: pinned(model, device)
+        grpo_plus.long_completions.offloading,
+        "offloading_context",
+        lambda model, device, pin_memory: pinned(model, device),
     )
     with pytest.raises(NotImplementedError, match="getPinnedMemoryAllocator"):
         fit.measure_pass(spec, "grpo_plus", 1)

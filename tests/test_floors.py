@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers.floors import FLOORS, ROOT, floor_row
 
-from grpo_plus.trl_compat import VERSION_FLOORS
+from grpo_plus.compat.versions import VERSION_FLOORS
 
 TESTS = Path(__file__).resolve().parent
 

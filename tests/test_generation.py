@@ -22,13 +22,19 @@ from transformers import (
 )
 
 import grpo_plus
-from grpo_plus import generation
-from grpo_plus.generation import GenerationStats, distinct_rows, generate, generation_blocker, transformers_blocker
-from grpo_plus.trl_compat import version_gap
+from grpo_plus.compat.versions import version_gap
+from grpo_plus.zero_waste import generation
+from grpo_plus.zero_waste.generation import (
+    GenerationStats,
+    distinct_rows,
+    generate,
+    generation_blocker,
+    transformers_blocker,
+)
 
 # PEFT warns that it switches GPT-2's Conv1D layers to fan_in_fan_out, which is what they need.
 pytestmark = pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
-# Where the docs say zero-waste generation is on (trl_compat.SAVING_VERSION_FLOORS), its tests run and must pass.
+# Where the docs say zero-waste generation is on (compat.versions.SAVING_VERSION_FLOORS), its tests run and must pass.
 needs_loop = pytest.mark.floor("zero_waste_generation")
 FAMILIES = ("llama", "qwen2", "gpt2")  # rotary positions (llama, qwen2) and learned absolute ones (gpt2)
 G, NEW_TOKENS = 4, 10

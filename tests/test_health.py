@@ -1,4 +1,4 @@
-"""The training-health guard (grpo_plus.health): each check fires once, at the step its condition has held for
+"""The training-health guard (grpo_plus.run.health): each check fires once, at the step its condition has held for
 `health_patience_steps` (at once for non-finite values and unscorable rewards), on scripted log streams and in real
 runs; a healthy run hears nothing; the guard never changes a run it only warns about; "stop" saves the step and
 raises, and the run resumes from that checkpoint as if it had never stopped."""
@@ -17,10 +17,10 @@ from helpers.probes import max_weight_diff
 from transformers import TrainerCallback, TrainerControl, TrainerState
 
 import grpo_plus
-from grpo_plus.checkpoints import is_complete_checkpoint
+from grpo_plus.algorithms.loss_metrics import TRAINED_ROWS_ENTROPY, append_for_whole_window
 from grpo_plus.config import ConfigError, PlusSettings
-from grpo_plus.health import HealthSettings, TrainingHealthError, TrainingHealthGuard
-from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY, append_for_whole_window
+from grpo_plus.run.checkpoints import is_complete_checkpoint
+from grpo_plus.run.health import HealthSettings, TrainingHealthError, TrainingHealthGuard
 
 HEALTHY = {
     "loss": 0.1,
@@ -50,7 +50,7 @@ def feed(windows, settings: HealthSettings | None = None, args=ARGS, caplog=None
 
 
 def health_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "grpo_plus.health"]
+    return [r.getMessage() for r in caplog.records if r.name == "grpo_plus.run.health"]
 
 
 # ---- scripted log streams -------------------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ STREAMS = {
 def test_each_check_fires_once_at_the_step_it_should(check, caplog):
     bad, step, words = STREAMS[check]
     windows = [(s, {}) for s in (1, 2, 3)] + [(s, bad) for s in range(4, 13)]
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.health"):
         guard, fired = feed(windows)
     assert fired == {check: step}  # and no other check (zero variance explains its own zero gradient)
     messages = health_warnings(caplog)
@@ -83,7 +83,7 @@ def test_nothing_fires_on_a_healthy_stream_nor_on_streaks_shorter_than_the_patie
     short = {"frac_reward_zero_std": 1.0, "completions/clipped_ratio": 1.0, "grad_norm": 0.0, "entropy": 0.01}
     windows = [(1, {}), (2, short), (3, short), (4, {}), (5, short), (6, short), (7, {}), (8, {})]
     windows += [(9, {"entropy": 0.061}), (10, {"frac_reward_zero_std": 0.99, "completions/clipped_ratio": 0.89})]
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.health"):
         _, fired = feed(windows)
     assert fired == {} and health_warnings(caplog) == []
 
@@ -256,13 +256,13 @@ def warned_run(tmp_path_factory):
     """The scripted reward over 8 steps with the guard warning (a module fixture: three tests read it)."""
     path = tmp_path_factory.mktemp("warned")
     handler = _Collect()
-    logging.getLogger("grpo_plus.health").addHandler(handler)
+    logging.getLogger("grpo_plus.run.health").addHandler(handler)
     try:
         trainer, weights, logs, at_stop = run(
             path, scripted_reward, max_steps=8, health_patience_steps=PATIENCE, snapshot_at=6
         )
     finally:
-        logging.getLogger("grpo_plus.health").removeHandler(handler)
+        logging.getLogger("grpo_plus.run.health").removeHandler(handler)
     return trainer, weights, logs, at_stop, handler.messages
 
 
@@ -316,7 +316,7 @@ def test_stop_saves_the_step_raises_and_resumes_as_if_never_stopped(warned_run, 
 # run of it is healthy.
 @pytest.mark.floor("generation_config_eos")
 def test_a_healthy_run_hears_nothing(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.health"):
         trainer, _, logs, _ = run(tmp_path, alternating_reward, max_steps=6, health_patience_steps=2)
     assert max(entry.get("completions/clipped_ratio", 0) for entry in logs) < 0.9, "the run was not healthy"
     assert trainer._health.fired == {} and health_warnings(caplog) == []
@@ -329,7 +329,7 @@ def test_truncated_completions_warn_and_masked_ones_zero_the_gradient(tmp_path, 
     mask_truncated_completions every completion leaves the loss, and the zero gradient fires too."""
     model, tokenizer = ending_model()
     ends = [tokenizer.pad_token_id, *model.generation_config.eos_token_id]  # TRL counts a final pad as an end too
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.health"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.health"):
         trainer = tiny_trainer(
             tmp_path, [alternating_reward], model=model, tokenizer=tokenizer, max_steps=3, health_patience_steps=2,
             mask_truncated_completions=masked, generation_kwargs={"suppress_tokens": ends},

@@ -19,6 +19,35 @@ import grpo_plus
 PACKAGE = Path(grpo_plus.__file__).parent
 # The app modules' paths before they moved into grpo_plus.app; nothing may answer to them now.
 OLD_PATHS = ("grpo_plus.tasks", "grpo_plus.recipe", "grpo_plus.hub")
+# The flat modules before the house's round 4 (a folder per concern), and where each went: none answers any more.
+MOVED_MODULES = {
+    "grpo_plus.trl_compat": "grpo_plus.compat",
+    "grpo_plus.quantization": "grpo_plus.compat.bitsandbytes",
+    "grpo_plus.sampler_mismatch": "grpo_plus.algorithms.rollout_correction",
+    "grpo_plus.loss_metrics": "grpo_plus.algorithms.loss_metrics",
+    "grpo_plus.selective_rollout": "grpo_plus.sampling.selective_rollout",
+    "grpo_plus.train_pass": "grpo_plus.zero_waste.rows",
+    "grpo_plus.generation": "grpo_plus.zero_waste.generation",
+    "grpo_plus.multi_turn": "grpo_plus.zero_waste.multi_turn",
+    "grpo_plus.multimodal": "grpo_plus.zero_waste.images",
+    "grpo_plus.tiled_mlp": "grpo_plus.long_completions.tiled_mlp",
+    "grpo_plus.lm_head_tiles": "grpo_plus.long_completions.lm_head_tiles",
+    "grpo_plus.offloading": "grpo_plus.long_completions.offloading",
+    "grpo_plus.training_state": "grpo_plus.run.state",
+    "grpo_plus.checkpoints": "grpo_plus.run.checkpoints",
+    "grpo_plus.faults": "grpo_plus.run.faults",
+    "grpo_plus.health": "grpo_plus.run.health",
+    "grpo_plus.validation": "grpo_plus.run.validation",
+    "grpo_plus.distributed": "grpo_plus.run.distributed",
+}
+# Modules whose name is now a folder: what they held moved into it, and the folder does not re-export it.
+MODULES_NOW_FOLDERS = {
+    "grpo_plus.algorithms": ("AlgorithmSettings", "KLCoefficient", "local_advantages"),
+    "grpo_plus.sampling": ("DynamicSampling", "DynamicSamplingSettings", "shuffle_groups"),
+    "grpo_plus.zero_waste": ("ZeroWastePass", "PolicyForward"),
+}
+# The public face (__init__, config, trainer) and the base (registry, settings, plugins): nothing else at the top.
+TOP_LEVEL_MODULES = {"__init__.py", "config.py", "trainer.py", "registry.py", "settings.py", "plugins.py"}
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -79,6 +108,33 @@ def test_the_wheel_ships_the_model_card_template(tmp_path):
         shipped = archive.read("grpo_plus/app/templates/model_card.md")
     template = importlib.resources.files("grpo_plus.app") / "templates" / "model_card.md"
     assert shipped == template.read_bytes()
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_MODULES))
+def test_a_moved_module_has_one_path(old):
+    """Each module has one path: the flat module it was is gone, its new home imports."""
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
+    importlib.import_module(MOVED_MODULES[old])
+
+
+@pytest.mark.parametrize("folder", sorted(MODULES_NOW_FOLDERS))
+def test_a_module_that_became_a_folder_re_exports_nothing(folder):
+    module = importlib.import_module(folder)
+    assert hasattr(module, "__path__")  # a package now
+    assert [name for name in MODULES_NOW_FOLDERS[folder] if hasattr(module, name)] == []
+
+
+def test_the_top_level_shows_the_concerns():
+    """At most the public face and the base sit at grpo_plus/'s top; every other module lives in its concern's folder,
+    and each folder is a package."""
+    assert {path.name for path in PACKAGE.glob("*.py")} == TOP_LEVEL_MODULES
+    folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert folders == {
+        "objective", "algorithms", "sampling", "zero_waste", "long_completions", "run", "compat", "engine", "rewards",
+        "fit", "app",
+    }  # fmt: skip
+    assert all((PACKAGE / folder / "__init__.py").exists() for folder in folders)
 
 
 def test_the_objective_core_imports_only_torch_and_the_registry():

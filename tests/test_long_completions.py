@@ -20,7 +20,7 @@ import grpo_plus
 import grpo_plus.trainer
 from grpo_plus import fit
 from grpo_plus.config import ConfigError
-from grpo_plus.tiled_mlp import TiledMLP, decoder_mlps, tile_mlps
+from grpo_plus.long_completions.tiled_mlp import TiledMLP, decoder_mlps, tile_mlps
 
 needs_cpu_logps = pytest.mark.floor("cpu_logps")
 # The count reads the values of the log-probs TRL's fused LM head returns (TRL >= 1.15); TRL 1.14 takes them from full
@@ -103,7 +103,7 @@ def test_tiled_mlp_stands_aside_under_dropout_and_without_grad(caplog):
     wrappers = tile_mlps(model, 4)
     ids = torch.randint(3, 20, (2, 12))
     model.train()
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.tiled_mlp"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.long_completions.tiled_mlp"):
         model(input_ids=ids).logits.sum().backward()
     assert sum(w.tiled_calls for w in wrappers) == 0
     assert "dropout is active inside the MLP" in caplog.text
@@ -166,7 +166,7 @@ def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(
     """The default, tiled_mlp_tokens='auto': a micro-batch forward of more than AUTO_MIN_TOKENS positions runs every
     MLP in tiles (said once, with why), one of at most that many runs it whole; the LoRA gradient is the untiled
     model's: norm equal to 6 significant digits, every entry within float32 rounding of the sliced products."""
-    from grpo_plus import tiled_mlp
+    from grpo_plus.long_completions import tiled_mlp
 
     assert grpo_plus.GRPOConfig(output_dir="unused", use_cpu=True).tiled_mlp_tokens == "auto"
     rows, over = 8, tiled_mlp.AUTO_MIN_TOKENS // 8 + 8  # 8 rows, 8 positions per row over the threshold
@@ -175,7 +175,7 @@ def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(
     model = lora_qwen2()
     tiled_mlp._noted.discard("auto")
     wrappers = tile_mlps(model, "auto")
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.tiled_mlp"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.long_completions.tiled_mlp"):
         tiled_norm, tiled = lora_grad_norm(model, ids)  # every layer's MLP, forward and recompute, tiled
     assert all(w.tiled_calls > 0 for w in wrappers), "the default did not tile a long micro-batch"
     assert caplog.text.count("tiled_mlp_tokens='auto'") == 1 and "turns it off" in caplog.text
@@ -202,7 +202,7 @@ def test_tiled_mlp_under_checkpointing_runs_each_mlp_twice_per_step_as_whole_doe
     layer's recompute only saves the MLP's input and leaves its output unwritten (a Qwen2 layer only adds it to the
     residual), and the backward recomputes each tile: 2 x 5 tiles, not 3 x 5, per layer, with the untiled gradient.
     Negative control: with the recompute running the tiles (as nested checkpoints did) the count is 3 x 5."""
-    from grpo_plus import tiled_mlp
+    from grpo_plus.long_completions import tiled_mlp
 
     ids = torch.randint(3, 500, (8, 300), generator=torch.Generator().manual_seed(0))  # 2,400 positions: 5 tiles
     gap, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
@@ -218,7 +218,7 @@ def test_tiled_mlp_recomputes_the_output_a_layer_normalizes(monkeypatch):
     """Gemma 2 normalizes the MLP's output before the residual addition (the norm saves it): the first tiled forward's
     graph shows it, so the layer's recompute runs the tiles and the gradient is the untiled one. Negative control:
     leaving that output unwritten feeds the norm's backward uninitialized memory."""
-    from grpo_plus import tiled_mlp
+    from grpo_plus.long_completions import tiled_mlp
 
     ids = torch.randint(3, 500, (4, 100), generator=torch.Generator().manual_seed(0))
     gap, wrappers, calls = tiled_against_whole(lora_gemma2, ids, 64)
@@ -235,7 +235,7 @@ def test_tiled_mlp_with_still_sharded_weights_runs_nested_checkpoints(monkeypatc
     """Weights still sharded when the MLP is called (an FSDP2 DTensor) get their gradient through the engine's hooks:
     their tiles run under torch's nested checkpoints, with the untiled gradient and the nested checkpoints' cost
     (forward 5 tiles, the layer's recompute 4: torch stops it early before the last tile's work, backward 5)."""
-    from grpo_plus import tiled_mlp
+    from grpo_plus.long_completions import tiled_mlp
 
     ids = torch.randint(3, 500, (8, 300), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(tiled_mlp, "_sharded", lambda param: True)
@@ -256,11 +256,11 @@ def test_tiled_mlp_stands_aside_under_zero3(caplog):
                 param.ds_id = 0
         return model
 
-    from grpo_plus import tiled_mlp
+    from grpo_plus.long_completions import tiled_mlp
 
     tiled_mlp._noted.difference_update({reason for reason in tiled_mlp._noted if "ZeRO-3" in reason})
     ids = torch.randint(3, 500, (8, 300), generator=torch.Generator().manual_seed(0))
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.tiled_mlp"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.long_completions.tiled_mlp"):
         gap, wrappers, calls = tiled_against_whole(ds_marked, ids, 512)
     assert calls == 2 * len(wrappers) and not any(w.tiled_calls for w in wrappers)
     assert caplog.text.count("DeepSpeed ZeRO-3 gathers") == 1
@@ -613,7 +613,7 @@ def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
     assert row["tiled_calls"] > 0
 
 
-# ---- the LM head's tile (grpo_plus.lm_head_tiles) -----------------------------------------------------------------------
+# ---- the LM head's tile (grpo_plus.long_completions.lm_head_tiles) -----------------------------------------------------------------------
 
 
 def fused_head_model(vocab: int) -> torch.nn.Module:
@@ -633,7 +633,7 @@ def fused_pass(model, setting, rows: int, length: int, widths: list) -> tuple[to
     `widths` receives the tile width TRL's function was called with."""
     import trl.trainer.utils as trl_utils
 
-    from grpo_plus.lm_head_tiles import size_lm_head_tiles
+    from grpo_plus.long_completions.lm_head_tiles import size_lm_head_tiles
 
     original = trl_utils._ChunkedLogProbFunction
 
@@ -672,7 +672,7 @@ def test_lm_head_tile_never_wider_than_the_vocabulary_bit_for_bit():
     assert all(torch.equal(trl_tile[2][name], auto[2][name]) for name in trl_tile[2])
     narrow = fused_pass(model, 1024, rows=4, length=64, widths=widths)
     assert widths[-1] == 1024 and not torch.equal(trl_tile[1], narrow[1])
-    from grpo_plus.lm_head_tiles import tile_columns
+    from grpo_plus.long_completions.lm_head_tiles import tile_columns
 
     assert tile_columns("auto", vocab=151936, tokens=100, trl_columns=32768, folds_in_torch=True) == 32768
 
@@ -686,12 +686,12 @@ def test_lm_head_tile_auto_narrows_the_cpu_fold_of_a_long_micro_batch(caplog):
     in the log. At 8,192 positions (negative control) TRL's tile, less the vocabulary's width. The count of such a
     pass (`grpo_plus.fit`, the CPU's fold) is smaller by the narrower tile's temporaries; on a GPU (Triton folds the
     tiles) 'auto' keeps the width."""
-    import grpo_plus.lm_head_tiles as lm_head_tiles
+    import grpo_plus.long_completions.lm_head_tiles as lm_head_tiles
 
     lm_head_tiles._noted.clear()
     model = fused_head_model(vocab=6144)
     widths: list = []
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.lm_head_tiles"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.long_completions.lm_head_tiles"):
         whole = fused_pass(model, None, rows=8, length=1101, widths=widths)  # 8 x 1,101 = 8,808 scored positions
         tiled = fused_pass(model, "auto", rows=8, length=1101, widths=widths)
         fused_pass(model, "auto", rows=8, length=1101, widths=widths)
@@ -719,7 +719,7 @@ def test_lm_head_tile_auto_narrows_the_cpu_fold_of_a_long_micro_batch(caplog):
 def test_lm_head_tile_setting_is_checked_early():
     """A bad lm_head_tile_columns fails when the config is built, naming what is allowed; strings from a command line
     or YAML read as the value they name."""
-    from grpo_plus.lm_head_tiles import check_setting
+    from grpo_plus.long_completions.lm_head_tiles import check_setting
 
     for bad in (0, -4, "wide", 2.5, True):
         with pytest.raises(ConfigError, match="lm_head_tile_columns.*'auto', a positive number of vocabulary columns"):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_plus.trl_compat import version_gap
+from grpo_plus.compat.versions import version_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("generation", "scoring", "train_pass", "optimizer")

@@ -242,7 +242,7 @@ def test_an_fsdp2_model_streams_whole_weights_that_outlive_the_reshard(one_rank_
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from grpo_plus.distributed import fsdp2_unsharded
+    from grpo_plus.run.distributed import fsdp2_unsharded
 
     model = peft_model("float32")
     expected = {name: tensor.clone() for name, tensor in stream(copy.deepcopy(model), torch.float32)()}

@@ -1,4 +1,4 @@
-"""Multi-turn generation without re-prefilling (grpo_plus.multi_turn): TRL's tool loop, each row's cache kept from one
+"""Multi-turn generation without re-prefilling (grpo_plus.zero_waste.multi_turn): TRL's tool loop, each row's cache kept from one
 tool turn to the next, the same tokens as stock TRL's loop."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor
 from transformers.cache_utils import DynamicCache
 
 import grpo_plus
-from grpo_plus.generation import generate
-from grpo_plus.multi_turn import KeptRow, TurnCache
+from grpo_plus.zero_waste.generation import generate
+from grpo_plus.zero_waste.multi_turn import KeptRow, TurnCache
 
 needs_loop = pytest.mark.floor("multi_turn_cache")
 needs_training = pytest.mark.floor("cpu_logps")

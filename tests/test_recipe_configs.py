@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers.floors import skip_below_floor
 
-from grpo_plus.train_pass import dropout_blocker
-from grpo_plus.trl_compat import version_gap
+from grpo_plus.compat.versions import version_gap
+from grpo_plus.zero_waste.rows import dropout_blocker
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 CONFIGS = sorted((RECIPES / "configs").glob("*.yaml"))

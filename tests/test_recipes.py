@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import grpo_plus.app.hub
 import grpo_plus.app.recipe
 from grpo_plus.app.recipe import parse_recipe_args
-from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.validation import RewardFunctionError
+from grpo_plus.run.checkpoints import last_complete_checkpoint
+from grpo_plus.run.validation import RewardFunctionError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 ADAPTER_PUSH = {"adapter_config.json", "adapter_model.safetensors", "README.md", "reward_curve.png"}

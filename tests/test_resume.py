@@ -29,9 +29,9 @@ from helpers.rewards import digit_reward, half_dead_reward, length_reward, odd_p
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 import grpo_plus
-from grpo_plus.checkpoints import CheckpointError
-from grpo_plus.training_state import PROCESS_FILE, SHARED_FILE, TrainingState, stateful_parts
-from grpo_plus.trl_compat import TRLCompatibilityError, check_state_attributes
+from grpo_plus.compat.versions import TRLCompatibilityError, check_state_attributes
+from grpo_plus.run.checkpoints import CheckpointError
+from grpo_plus.run.state import PROCESS_FILE, SHARED_FILE, TrainingState, stateful_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -258,7 +258,7 @@ def test_a_reference_model_that_training_moves_is_restored(tiny_model_dir, tmp_p
     assert_same_trajectory(resumed, whole, from_step=1)
 
 
-# beta moves every step toward a target the run's KL is far from (PPO's adaptive KL coefficient, grpo_plus.algorithms)
+# beta moves every step toward a target the run's KL is far from (PPO's adaptive KL coefficient, grpo_plus.algorithms.estimators)
 ADAPTIVE_KL = dict(beta=0.05, adaptive_kl_target=1e-4, adaptive_kl_horizon=64, kl_estimator="k2", learning_rate=0.5)
 
 
@@ -278,7 +278,7 @@ def test_the_adaptive_kl_coefficient_is_a_part_and_resumes_exactly(tiny_model_di
 
     del saved["parts"]["adaptive_kl_controller"]
     torch.save(saved, checkpoint / SHARED_FILE)
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.state"):
         forgotten = train(tiny_model_dir, tmp_path / "forgot", checkpoint, **settings)
     assert "holds no state for 'adaptive_kl_controller': it starts afresh" in caplog.text
     assert [entry["beta"] for entry in forgotten.log_history if "beta" in entry] != betas[1:]
@@ -312,11 +312,11 @@ def restore_parts(folder, parts, num_processes=1):
 
 
 def test_a_state_that_cannot_be_saved_is_left_out_saying_so(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.state"):
         save_parts(tmp_path, [Part("ok", {"x": torch.arange(3)}), Part("odd", {"handle": object()})])
     assert "Not saving the state of 'odd'" in caplog.text and "odd['handle'] is a object" in caplog.text
     ok, odd = Part("ok", None), Part("odd", None)
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.state"):
         restore_parts(tmp_path, [ok, odd])
     assert torch.equal(ok.state["x"], torch.arange(3)) and odd.state is None
     assert f"{tmp_path} holds no state for 'odd': it starts afresh" in caplog.text
@@ -325,7 +325,7 @@ def test_a_state_that_cannot_be_saved_is_left_out_saying_so(tmp_path, caplog):
 def test_another_number_of_processes_restores_only_the_shared_state(tmp_path, caplog):
     save_parts(tmp_path, [Part("history", {"n": 1}), Part("buffer", {"rows": 2}, scope="process")], num_processes=2)
     history, buffer = Part("history", None), Part("buffer", None, scope="process")
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.state"):
         restore_parts(tmp_path, [history, buffer], num_processes=1)
     assert history.state == {"n": 1} and buffer.state is None
     assert "was written by 2 processes; this run has 1, so each process's own state (buffer) is not" in caplog.text
@@ -353,7 +353,7 @@ def test_a_checkpoint_without_training_state_resumes_as_before_and_says_where_it
             file.unlink()
         (old / "dynamic_sampling_state.json").write_text('{"refill_draws": 5}')
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+        with caplog.at_level(logging.WARNING, logger="grpo_plus.run.state"):
             trainer._training_state.restore_from(old)
         assert trainer._dynamic_sampling.refill_draws_made == 5
         assert ("falls inside a generation batch" in caplog.text) == (step == 1), step
@@ -363,7 +363,7 @@ def test_a_checkpoint_without_training_state_resumes_as_before_and_says_where_it
 def test_a_buffer_of_another_split_is_not_restored_saying_so(tiny_model_dir, tmp_path, uninterrupted, caplog):
     _, out = uninterrupted("buffered")
     trainer = build(tiny_model_dir, tmp_path, steps_per_generation=2, gradient_accumulation_steps=2)
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.training_state"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.run.state"):
         trainer._training_state.restore_from(out / "checkpoint-1")
     assert "made with steps_per_generation=4 and 4 micro-steps per batch" in caplog.text
     assert "this run has 2 and 2, so it cannot continue it" in caplog.text

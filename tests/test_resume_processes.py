@@ -14,7 +14,7 @@ import torch
 from helpers.probes import TRAIN_TINY, accelerate_launch, max_weight_diff, run_python, train_tiny_flags
 from safetensors.torch import load_file
 
-from grpo_plus.training_state import PROCESS_FILE
+from grpo_plus.run.state import PROCESS_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]
 TIMINGS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}

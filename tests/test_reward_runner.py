@@ -33,8 +33,8 @@ from helpers.tool_model import EchoEnv, counter_factory, tool_trainer
 import grpo_plus
 from grpo_plus.config import ConfigError
 from grpo_plus.rewards import RewardRunner, RewardRunnerSettings
-from grpo_plus.training_state import StatefulPart
-from grpo_plus.validation import RewardFunctionError, RewardOutputError
+from grpo_plus.run.state import StatefulPart
+from grpo_plus.run.validation import RewardFunctionError, RewardOutputError
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="reward workers fork")
 BATCH = [f"{i % 7}{'ab' * (i % 3)}{i}" for i in range(16)]  # 16 distinct completions
@@ -295,9 +295,10 @@ def test_the_runner_refuses_what_it_cannot_run_when_the_trainer_is_built():
 
 
 def test_a_trl_that_passes_reward_functions_an_argument_the_runner_does_not_know_is_refused(monkeypatch):
-    """The runner splits TRL's arguments by completion from what trl_compat records; a TRL whose `_calculate_rewards`
+    """The runner splits TRL's arguments by completion from what grpo_plus.compat.rewards records; a TRL whose `_calculate_rewards`
     passes something else is refused when the runner starts, not split wrongly."""
-    from grpo_plus import trl_compat
+    from grpo_plus.compat import rewards as trl_rewards
+    from grpo_plus.compat.versions import TRLCompatibilityError
 
     def changed(self, inputs, prompts, completions, completion_ids_list):
         reward_kwargs = {}
@@ -305,15 +306,15 @@ def test_a_trl_that_passes_reward_functions_an_argument_the_runner_does_not_know
         reward_kwargs["group_seed"] = 0
         return reward_kwargs
 
-    assert trl_compat.reward_call_problem() is None
+    assert trl_rewards.reward_call_problem() is None
     monkeypatch.setattr(trl.GRPOTrainer, "_calculate_rewards", changed)
-    trl_compat.reward_call_problem.cache_clear()
+    trl_rewards.reward_call_problem.cache_clear()
     try:
-        with pytest.raises(trl_compat.TRLCompatibilityError, match="passes reward functions group_seed"):
+        with pytest.raises(TRLCompatibilityError, match="passes reward functions group_seed"):
             RewardRunner(RewardRunnerSettings(workers=1), [list_reward])
     finally:
         monkeypatch.undo()
-        trl_compat.reward_call_problem.cache_clear()
+        trl_rewards.reward_call_problem.cache_clear()
 
 
 # ---- the trainer: TRL's _calculate_rewards, the issue's run ---------------------------------------------------------

@@ -21,10 +21,10 @@ from trl import TrlParser
 import grpo_plus.config
 import grpo_plus.trainer
 from grpo_plus import GRPOConfig, available_rejection_criteria, compute_policy_loss, rollout_correction
+from grpo_plus.algorithms.rollout_correction import PRESETS, RolloutCorrectionSettings, RolloutCorrector
 from grpo_plus.app.testing import ForwardLog, StandInAccelerator, length_reward
 from grpo_plus.config import ConfigError
 from grpo_plus.objective import REJECTION_CRITERIA, register_rejection_criterion
-from grpo_plus.sampler_mismatch import PRESETS, RolloutCorrectionSettings, RolloutCorrector
 
 LENGTHS = [10, 0, 1, 4, 7, 5, 10, 3]
 B, T = len(LENGTHS), 10

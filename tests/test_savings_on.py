@@ -1,6 +1,6 @@
 """Each saving is on wherever the docs say it is (issue 32), in every environment of the test matrix.
 
-What to expect comes from the documented version floors alone (`trl_compat.SAVING_VERSION_FLOORS`, stated in
+What to expect comes from the documented version floors alone (`compat.versions.SAVING_VERSION_FLOORS`, stated in
 docs/guide/versions.md), never from what the installed code detects: transformers 5.24 renamed generate's cache
 input and the zero-waste generation stood aside with one log line on every model, while the tests that keyed off a
 detected capability stayed green. Here a saving that stands aside above its floor, for a reason the user did not
@@ -23,8 +23,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
-from grpo_plus.generation import transformers_blocker
-from grpo_plus.trl_compat import SAVING_VERSION_FLOORS, version_gap
+from grpo_plus.compat.versions import SAVING_VERSION_FLOORS, version_gap
+from grpo_plus.zero_waste.generation import transformers_blocker
 
 
 def detected_blocker(saving: str) -> str | None:

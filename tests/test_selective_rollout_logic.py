@@ -9,16 +9,16 @@ from helpers.models import tiny_run_kwargs
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig
-from grpo_plus.checkpoints import CheckpointError
 from grpo_plus.config import ConfigError
-from grpo_plus.selective_rollout import (
+from grpo_plus.run.checkpoints import CheckpointError
+from grpo_plus.run.state import LEGACY_SELECTIVE_ROLLOUT_FILE, SHARED_FILE, TrainingState
+from grpo_plus.sampling.selective_rollout import (
     MIN_KEEP_PROBABILITY,
     SOLVED,
     UNSOLVED,
     SelectiveRollout,
     SelectiveRolloutSettings,
 )
-from grpo_plus.training_state import LEGACY_SELECTIVE_ROLLOUT_FILE, SHARED_FILE, TrainingState
 
 G = 4
 

@@ -10,8 +10,8 @@ from helpers.models import prompt_dataset
 from helpers.probes import TRAIN_TINY, accelerate_launch, kill_after_checkpoint, run_python, train_tiny_flags
 from helpers.rewards import dead_rows
 
-from grpo_plus.checkpoints import last_complete_checkpoint
-from grpo_plus.training_state import SHARED_FILE
+from grpo_plus.run.checkpoints import last_complete_checkpoint
+from grpo_plus.run.state import SHARED_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # DDP processes and a killed run: make test-engines
 

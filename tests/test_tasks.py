@@ -298,7 +298,7 @@ def test_evaluate_generates_model_generates_replies_with_fewer_positions() -> No
     from helpers.models import make_model, make_tokenizer
     from helpers.probes import ForwardLog
 
-    from grpo_plus.trl_compat import version_gap
+    from grpo_plus.compat.versions import version_gap
 
     tokenizer = make_tokenizer()
     model = make_model(tokenizer, seed=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_plus.train_pass import (
+from grpo_plus.zero_waste.rows import (
     IGNORE_INDEX,
     block_attention_mask,
     pack_shared_prompts,

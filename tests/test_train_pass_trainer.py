@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus import GRPOTrainer
-from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
-from grpo_plus.train_pass import pack_shared_prompts, rows_with_gradient
-from grpo_plus.trl_compat import version_gap
-from grpo_plus.zero_waste import ZeroWastePass
+from grpo_plus.algorithms.loss_metrics import TRAINED_ROWS_ENTROPY
+from grpo_plus.compat.versions import version_gap
+from grpo_plus.zero_waste.rows import pack_shared_prompts, rows_with_gradient
+from grpo_plus.zero_waste.training_pass import ZeroWastePass
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
@@ -544,7 +544,7 @@ def test_per_token_inputs_on_a_text_model_are_cut_with_the_padding_but_prompts_n
 
 def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
     """TRL 1.14 has no fused LM head: the shared prompt falls back, row skipping and padding trimming do not."""
-    monkeypatch.setattr("grpo_plus.zero_waste.has_fused_lm_head", lambda: False)
+    monkeypatch.setattr("grpo_plus.zero_waste.training_pass.has_fused_lm_head", lambda: False)
     trainer = make_trainer()
     inputs = micro_batch(trainer)
     log = ForwardLog(trainer.model)

@@ -22,7 +22,7 @@ from peft import LoraConfig, PeftModel, prepare_model_for_kbit_training
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from grpo_plus.checkpoints import is_complete_checkpoint, last_complete_checkpoint
+from grpo_plus.run.checkpoints import is_complete_checkpoint, last_complete_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +224,7 @@ def test_4bit_layers_stay_trainable_after_an_eval_pass_on_cpu(tiny_model_dir_bnb
     """bitsandbytes repacks 4-bit weights for CPU inference after an eval forward; its kernel has no autograd."""
     from peft import get_peft_model
 
-    from grpo_plus.quantization import keep_4bit_trainable_on_cpu
+    from grpo_plus.compat.bitsandbytes import keep_4bit_trainable_on_cpu
 
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32

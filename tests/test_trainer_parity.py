@@ -21,8 +21,8 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
-from grpo_plus.loss_metrics import TRAINED_ROWS_ENTROPY
-from grpo_plus.trl_compat import version_gap
+from grpo_plus.algorithms.loss_metrics import TRAINED_ROWS_ENTROPY
+from grpo_plus.compat.versions import version_gap
 
 pytestmark = [
     pytest.mark.slow,

@@ -1,4 +1,4 @@
-"""grpo_plus.trl_compat: the tested TRL window, the warning outside it, the hooked-method signature check."""
+"""grpo_plus.compat.versions (and the vLLM seam): the tested TRL window, the warning outside it, the hooked-method signature check."""
 
 from __future__ import annotations
 
@@ -16,8 +16,11 @@ from helpers.rewards import length_reward
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
-from grpo_plus import trl_compat
-from grpo_plus.trl_compat import (
+from grpo_plus.compat import versions as trl_versions
+from grpo_plus.compat import vllm as trl_vllm
+from grpo_plus.compat.loss import logps_unavailable_reason
+from grpo_plus.compat.model import uses_continuous_batching
+from grpo_plus.compat.versions import (
     HOOKED_METHODS,
     TESTED_TRL_MINORS,
     TRLCompatibilityError,
@@ -26,8 +29,6 @@ from grpo_plus.trl_compat import (
     check_hooked_methods,
     check_trl_compatibility,
     is_tested_trl_version,
-    logps_unavailable_reason,
-    uses_continuous_batching,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ TESTED_TEXT = "1.14.x, 1.15.x, 1.16.x"
 @pytest.fixture(autouse=True)
 def fresh_warning_state(monkeypatch):
     """Each test sees the once-per-version warning afresh."""
-    monkeypatch.setattr(trl_compat, "_warned_versions", set())
+    monkeypatch.setattr(trl_versions, "_warned_versions", set())
 
 
 def build_trainer(tiny_model_dir, tmp_path, package=grpo_plus):
@@ -80,7 +81,7 @@ def test_window_agrees_with_pyproject_and_makefile():
     """The TRL pin, the tested minors and the minors `make test-matrix` installs are the same window."""
     pyproject = (ROOT / "pyproject.toml").read_text()
     (trl_requirement,) = re.findall(r'"trl([^"]*)"', pyproject)
-    assert trl_requirement == f">={TESTED_TRL_MINORS[0]}.0,<{trl_compat._next_minor(TESTED_TRL_MINORS[-1])}"
+    assert trl_requirement == f">={TESTED_TRL_MINORS[0]}.0,<{trl_versions._next_minor(TESTED_TRL_MINORS[-1])}"
     (makefile_minors,) = re.findall(r"^TRL_MINORS\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
     assert tuple(makefile_minors.split()) == TESTED_TRL_MINORS
 
@@ -227,7 +228,7 @@ def test_the_record_of_hooked_methods_is_what_grpo_plus_overrides():
 def test_a_floor_with_a_hole_is_off_only_inside_it(monkeypatch, installed, off):
     """`cpu_logps`: TRL computes log-probs on CPU before 1.15 (full logits) and from 1.16 (a torch fallback) only."""
     monkeypatch.setattr("importlib.metadata.version", lambda package: installed)
-    gap = trl_compat.CAPABILITY_FLOORS["cpu_logps"].gap()
+    gap = trl_versions.CAPABILITY_FLOORS["cpu_logps"].gap()
     assert (gap is not None) == off
     assert gap is None or gap.startswith(f"trl 1.15.0 <= {installed} < 1.16.0: TRL 1.15 computes")
     plain = VersionFloor("plain", "trl", "1.15.0", "because").gap()
@@ -282,7 +283,7 @@ def test_transformers_renames_that_trl_and_peft_still_use_are_silenced_and_nothi
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trl_compat.ignore_renames_trl_still_uses()  # what importing grpo_plus.config does
+        trl_versions.ignore_renames_trl_still_uses()  # what importing grpo_plus.config does
         grpo_plus.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)  # TRL's default gradient_checkpointing=True
         model = make_model(make_tokenizer())
         model.gradient_checkpointing_enable()
@@ -292,13 +293,13 @@ def test_transformers_renames_that_trl_and_peft_still_use_are_silenced_and_nothi
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == ["another deprecation"]
 
 
-@pytest.mark.parametrize("method", trl_compat.COLOCATE_SYNC_METHODS)
+@pytest.mark.parametrize("method", trl_vllm.COLOCATE_SYNC_METHODS)
 def test_the_colocate_sync_fails_at_construction_when_trl_lacks_a_method_it_wraps(monkeypatch, method):
     """grpo_plus replaces TRL's weight stream and wraps its `sync_weights` on the `VLLMGeneration` instance (the sync
     check runs after it); a TRL without one of them fails when the trainer wires the sync, naming it."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    assert trl_compat.colocate_weight_stream_name() == "_iter_named_params"
+    assert trl_vllm.colocate_weight_stream_name() == "_iter_named_params"
     monkeypatch.delattr(VLLMGeneration, method)
     with pytest.raises(TRLCompatibilityError, match=f"VLLMGeneration has no {method}"):
-        trl_compat.colocate_weight_stream_name()
+        trl_vllm.colocate_weight_stream_name()

@@ -18,9 +18,9 @@ from helpers.probes import max_weight_diff
 import grpo_plus
 from grpo_plus.app.testing import tiny_run_kwargs
 from grpo_plus.app.tiny_vlms import VLM_FAMILIES, VisionLog, image_dataset, make_vlm, save_tiny_vlm, vision_tower
-from grpo_plus.multimodal import RowImages
-from grpo_plus.trl_compat import FORWARD_INPUT_KEYS
-from grpo_plus.zero_waste import ZeroWastePass
+from grpo_plus.compat.model import FORWARD_INPUT_KEYS
+from grpo_plus.zero_waste.images import RowImages
+from grpo_plus.zero_waste.training_pass import ZeroWastePass
 
 pytestmark = [
     pytest.mark.floor("cpu_logps"),
@@ -252,7 +252,7 @@ def test_gemma3_packed_forward_keeps_bidirectional_attention_inside_images(monke
     TRL's forward (this is what the previous test would catch)."""
     trainer, batch = generated_batch("gemma3")
     reference, _, _ = logps_call(trainer, batch, trl.GRPOTrainer._get_per_token_logps_and_entropies)
-    monkeypatch.setattr("grpo_plus.zero_waste.bidirectional_blocks", lambda config, images: None)
+    monkeypatch.setattr("grpo_plus.zero_waste.training_pass.bidirectional_blocks", lambda config, images: None)
     causal_only, _, _ = logps_call(trainer, batch, grpo_plus.GRPOTrainer._get_per_token_logps_and_entropies)
     mask = batch["completion_mask"].bool()
     assert (causal_only - reference)[mask].abs().max() > 1e-3
@@ -315,7 +315,7 @@ def test_rows_whose_images_cannot_be_told_apart_are_computed_in_full(caplog, mon
         return torch.zeros(input_ids.shape[0], logits_to_keep), None, None
 
     monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies", trl_forward)
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.zero_waste"):
+    with caplog.at_level(logging.WARNING, logger="grpo_plus.zero_waste.training_pass"):
         policy = trainer._zero_waste.micro_batch_logps(trainer.model, batch, compute_entropy=False)
     assert policy.trained_rows is None
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
@@ -397,7 +397,7 @@ def test_row_keys_tell_one_shared_picture_from_its_view_without_reading_values(m
 
 @pytest.mark.parametrize("family", VLM_FAMILIES)
 def test_image_prompts_sample_model_generates_ids_with_each_prompt_prefilled_and_each_image_encoded_once(family):
-    from grpo_plus.generation import generate
+    from grpo_plus.zero_waste.generation import generate
 
     model, inputs, num_images, tokenizer = generation_inputs(
         family, images_per_prompt=2 if family == "qwen2_vl" else 1
@@ -425,7 +425,7 @@ def test_image_prompts_sample_model_generates_ids_with_each_prompt_prefilled_and
 
 def test_images_without_a_row_count_generate_with_model_generate(caplog):
     """Image inputs whose rows cannot be told apart (no image count): transformers' own generate, and why."""
-    from grpo_plus.generation import generate
+    from grpo_plus.zero_waste.generation import generate
 
     model, inputs, _, tokenizer = generation_inputs("gemma3")
     config = sampling_settings(tokenizer)

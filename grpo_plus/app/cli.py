@@ -53,9 +53,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from ..compat.loss import TRL_NATIVE_LOSS_TYPES
     from ..objective import REGISTRIES
     from ..plugins import load_plugins
-    from ..trl_compat import TRL_NATIVE_LOSS_TYPES
     from .compare import PRESETS
 
     load_plugins(args.plugins)

@@ -17,11 +17,11 @@ import yaml
 from trl import ModelConfig, TrlParser
 
 from .. import rewards
-from ..checkpoints import CheckpointError, hub_id_of, public_model_name, register_hub_id
 from ..config import GRPOConfig, field_type_problem
 from ..plugins import PluginError, import_user_module
 from ..registry import quoted_with_hint
-from ..validation import check_dataset
+from ..run.checkpoints import CheckpointError, hub_id_of, public_model_name, register_hub_id
+from ..run.validation import check_dataset
 from . import real_tasks, tasks
 from .embedded import EMBEDDED_HUB_ID, is_embedded_name
 from .vlm import IMAGE_LEVELS, make_image_dataset
@@ -393,7 +393,7 @@ def prepare_four_bit(model, training_args: GRPOConfig):
     through the frozen base), and on CPU the 4-bit weights kept in a layout that backpropagates."""
     from peft import prepare_model_for_kbit_training
 
-    from ..quantization import keep_4bit_trainable_on_cpu
+    from ..compat.bitsandbytes import keep_4bit_trainable_on_cpu
 
     model = prepare_model_for_kbit_training(
         model,
@@ -408,7 +408,7 @@ def check_before_training(trainer, training_args: GRPOConfig, model_args: ModelC
     """What can only be checked once the trainer is built, checked before the held-out evaluation and training: every
     --lora_target_modules name matches a module, and --resume_from_checkpoint designates an undamaged checkpoint of
     the same adapter shape. Returns that checkpoint (or None); a mistake exits with one error line."""
-    from ..faults import prepare_resume
+    from ..run.faults import prepare_resume
 
     wanted = model_args.lora_target_modules
     targeted = getattr(trainer.model, "targeted_module_names", None)
@@ -432,7 +432,7 @@ def evaluate_held_out(
     scorers = None if dataset is None else real_tasks.evaluation_rewards(dataset)
     if not args.eval_before_after or scorers is None:
         return None
-    from ..distributed import whole_model_for_generation
+    from ..run.distributed import whole_model_for_generation
 
     print(f"\nHeld-out evaluation {label} training ({len(dataset)} prompts, greedy):", flush=True)
     with whole_model_for_generation(model, trainer) as whole_model:

@@ -323,7 +323,7 @@ def evaluate(
     the "answer" column and `format_reward`); they get the dataset's other columns as keywords, as in training, and
     replies to chat prompts as [{"role": "assistant", "content": ...}]. Accuracy: the share of replies `correctness`
     gives full marks (1.0) among those it scores (None: unscorable, left out). `zero_waste`: replies that ended leave
-    the decode batch (grpo_plus.generation; the same replies as `model.generate`, which runs when it is False or the
+    the decode batch (grpo_plus.zero_waste.generation; the same replies as `model.generate`, which runs when it is False or the
     model is not a transformers model)."""
     from tqdm.auto import tqdm
 
@@ -369,7 +369,7 @@ def _generate_greedy(
     """Greedy replies to a batch of conversational (or plain-text) prompts."""
     import torch
 
-    from ..generation import generate
+    from ..zero_waste.generation import generate
 
     if isinstance(prompts[0], str):
         texts = prompts

@@ -302,9 +302,8 @@ def two_turns(family: str, lora: bool):
     from peft import LoraConfig, get_peft_model
     from transformers import GenerationConfig
 
-    from grpo_plus.generation import generate
-    from grpo_plus.multi_turn import TurnCache
-
+    from ..zero_waste.generation import generate
+    from ..zero_waste.multi_turn import TurnCache
     from .testing import make_tokenizer, tiny_config
 
     tokenizer = make_tokenizer()

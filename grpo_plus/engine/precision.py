@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..trl_compat import vllm_engine_factory
+from ..compat.vllm import vllm_engine_factory
 
 logger = logging.getLogger(__name__)
 

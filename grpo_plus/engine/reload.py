@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..trl_compat import colocated_model_runner
+from ..compat.vllm import colocated_model_runner
 
 
 class SyncCheckError(RuntimeError):

@@ -243,7 +243,7 @@ class _ServerClientMethods:
 def _client_factory():
     import importlib
 
-    from ..trl_compat import VLLM_CLIENT_FACTORY, VLLM_CLIENT_MODULE
+    from ..compat.vllm import VLLM_CLIENT_FACTORY, VLLM_CLIENT_MODULE
 
     return importlib.import_module(VLLM_CLIENT_MODULE), VLLM_CLIENT_FACTORY
 
@@ -268,7 +268,7 @@ def server_sync(generation: Any, *, lora_merge_in_place: bool = False, sync_chec
     TRL streams them; `lora_merge_in_place=True` keeps TRL's) and, where the server reports what it loaded, the
     coverage and element checks of `vllm_sync_check` ("every" / "first"). Returns the sync's log (None outside
     server mode)."""
-    from ..trl_compat import colocate_distribution, colocate_weight_stream_name
+    from ..compat.vllm import colocate_distribution, colocate_weight_stream_name
     from .lora_stream import LoraWeightStream
     from .sync import lora_stream_wanted
 

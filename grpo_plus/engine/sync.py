@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..distributed import fsdp2_unsharded
-from ..trl_compat import colocate_distribution, colocate_weight_stream_name, colocated_model_runner
+from ..compat.vllm import colocate_distribution, colocate_weight_stream_name, colocated_model_runner
+from ..run.distributed import fsdp2_unsharded
 from .lora_stream import LoraWeightStream
 from .receipt import StreamRecord, SyncChecker, SyncReceipt
 from .reload import ReloadReport, layerwise_reload

@@ -154,7 +154,7 @@ def prompt_images(dataset, processing_class, sample: int = 256) -> dict:
     """FitSpec's picture fields for the prompts among the first `sample` rows of `dataset` (TRL's "image" or
     "images" column): the most pictures a prompt has, and the size the processor resizes the largest one to (its
     `image_grid_thw` in patches, as pixels); no pictures when there are none or they cannot be read."""
-    from ..sampling import image_columns
+    from ..sampling.dynamic_sampling import image_columns
 
     columns = image_columns(dataset)
     if not columns:

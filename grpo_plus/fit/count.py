@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..lm_head_tiles import size_lm_head_tiles
-from ..trl_compat import cache_argument_name
+from ..compat.model import cache_argument_name
+from ..long_completions.lm_head_tiles import size_lm_head_tiles
 from .memory import (
     FAKE_ACCELERATOR,
     CpuAttentionKernels,
@@ -180,7 +180,7 @@ def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from ..tiled_mlp import tile_mlps
+    from ..long_completions.tiled_mlp import tile_mlps
 
     torch.manual_seed(seed)
     dtype = getattr(torch, spec.weights_dtype)
@@ -388,7 +388,7 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
         offload = contextlib.nullcontext()
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
         if spec.activation_offloading and not real:
-            from ..offloading import offloading_context
+            from ..long_completions.offloading import offloading_context
 
             # Pageable host memory: the same bytes as pinned, and the stand-in accelerator has no pinned allocator (TRL
             # pins a saved tensor with broadcast strides, e.g. an attention bias, through torch.empty(pin_memory=True)).
@@ -412,7 +412,7 @@ def _rope_index_on_values(model, counter: MemoryCounter) -> None:
     """A fake count of a model with M-RoPE (Qwen-VL) computes its `get_rope_index` on the ids' values
     (`grpo_plus.fit.memory.on_values`): both trainers call it on this model instance (TRL through the model's forward,
     grpo_plus's shared-prompt pass directly)."""
-    from ..multimodal import base_model
+    from ..zero_waste.images import base_model
 
     inner = getattr(base_model(model), "model", None)
     if counter.fake_mode is not None and hasattr(inner, "get_rope_index"):

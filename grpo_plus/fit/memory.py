@@ -44,7 +44,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .. import trl_compat
+from ..compat import lm_head as trl_lm_head
 
 GIB = 2**30
 FAKE_ACCELERATOR = "fakegpu"
@@ -729,7 +729,7 @@ def _kept_mlp_tiles(count: int) -> set[int]:
 
 @contextlib.contextmanager
 def distinct_mlp_tiles(enabled: bool = True) -> Iterator[None]:
-    """Within the block, grpo_plus's tiled MLP (`grpo_plus.tiled_mlp`) computes four of its tiles, forward and backward:
+    """Within the block, grpo_plus's tiled MLP (`grpo_plus.long_completions.tiled_mlp`) computes four of its tiles, forward and backward:
     the first two and the last two. A tile writes its output (forward) and its input's gradient (backward) into a
     buffer allocated once and adds its weights' gradient into the first tile's: what a full tile allocates it frees
     before the next, the same bytes for every full tile, so the peak is met at the first two tiles (the first allocates
@@ -738,7 +738,7 @@ def distinct_mlp_tiles(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from .. import tiled_mlp
+    from ..long_completions import tiled_mlp
 
     original = tiled_mlp.tile_indices
     tiled_mlp.tile_indices = lambda count: sorted(_kept_mlp_tiles(count) & set(range(count)))
@@ -752,7 +752,7 @@ def distinct_mlp_tiles(enabled: bool = True) -> Iterator[None]:
 def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Iterator[None]:
     """TRL's chunked log-prob function (TRL >= 1.15) with its [4096 x chunk] tile buffers fake, and, `lm_head="cuda"`,
     its fold replaced by nothing: on a GPU the fold is a Triton kernel, which allocates nothing (the torch fallback
-    allocates fp32 temporaries of the tile; `lm_head="cpu"` counts those). `trl_compat.lm_head_folds_in_torch` answers
+    allocates fp32 temporaries of the tile; `lm_head="cpu"` counts those). `trl_lm_head.lm_head_folds_in_torch` answers
     for the device counted, so grpo_plus's tile width (`lm_head_tile_columns`) is the one that device would get."""
     try:
         from trl.kernels import chunked_logprob
@@ -777,16 +777,16 @@ def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Ite
     if lm_head == "cuda":
         for name in saved:
             setattr(chunked_logprob, name, allocates_nothing)
-    # The tile width grpo_plus.lm_head_tiles picks depends on who folds the tiles: the device counted, not the stand-in.
-    folds_in_torch = trl_compat.lm_head_folds_in_torch
-    trl_compat.lm_head_folds_in_torch = lambda device: lm_head == "cpu"
+    # The tile width grpo_plus.long_completions.lm_head_tiles picks depends on who folds the tiles: the device counted, not the stand-in.
+    folds_in_torch = trl_lm_head.lm_head_folds_in_torch
+    trl_lm_head.lm_head_folds_in_torch = lambda device: lm_head == "cpu"
     try:
         yield
     finally:
         function.forward, function.backward = staticmethod(forward), staticmethod(backward)
         for name, value in saved.items():
             setattr(chunked_logprob, name, value)
-        trl_compat.lm_head_folds_in_torch = folds_in_torch
+        trl_lm_head.lm_head_folds_in_torch = folds_in_torch
 
 
 @contextlib.contextmanager

@@ -116,7 +116,9 @@ class FitSpec:
     optimizer_states: float = 2.0  # per trainable weight, in its dtype's bytes (AdamW: 2 moments)
     activation_offloading: bool = False
     tiled_mlp_tokens: int | None = None
-    lm_head_tile_columns: int | str | None = None  # GRPOConfig's; None: TRL's tile (grpo_plus.lm_head_tiles)
+    lm_head_tile_columns: int | str | None = (
+        None  # GRPOConfig's; None: TRL's tile (grpo_plus.long_completions.lm_head_tiles)
+    )
     offloaded_kv_cache: bool = False
     zero_waste_generation: bool = True
     # Prompts of different lengths, so the micro-batch has left padding: TRL's forward then builds a [rows, 1, S, S]
@@ -273,13 +275,13 @@ def objective_fields() -> tuple[str, ...]:
     registry's field (`grpo_plus.objective.REGISTRIES`: loss_type, policy_loss, kl_estimator, ...), every option a
     registered policy loss declares and the clip settings a loss may take, the algorithm settings (adaptive KL), the
     zero-waste pass's fields, `plugins` (where user-registered names come from), and every field TRL's own loss reads
-    (`trl_compat.trl_loss_fields`, read from TRL's source); and `MODEL_FIELDS`. The counting trainer gets them as the
+    (`compat.loss.trl_loss_fields`, read from TRL's source); and `MODEL_FIELDS`. The counting trainer gets them as the
     config has them (`counting_trainer` sets the batch, the length and the engine itself)."""
-    from ..algorithms import AlgorithmSettings
+    from ..algorithms.estimators import AlgorithmSettings
+    from ..compat.loss import trl_loss_fields
     from ..config import GRPOConfig
     from ..objective import POLICY_LOSSES, REGISTRIES
     from ..objective.policy_losses import CLIP_SETTINGS, OPTIONS
-    from ..trl_compat import trl_loss_fields
 
     names = {registry.field for registry in REGISTRIES}
     names |= {option for entry in POLICY_LOSSES.entries() for option in entry.trait(OPTIONS, {})}

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 # Trait of policy losses, loss types and importance samplers: a row whose advantage is 0 adds nothing to the loss or its
-# gradient, so the trainer may leave such rows out of the training forward (grpo_plus.train_pass).
+# gradient, so the trainer may leave such rows out of the training forward (grpo_plus.zero_waste.rows).
 ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING = "zero_advantage_rows_contribute_nothing"
 # Trait of policy losses: splitting a batch into micro-batches and/or processes leaves the summed gradient unchanged
 # (each row's loss depends on that row alone). Aggregation decides the rest (bnpo is not split-invariant).

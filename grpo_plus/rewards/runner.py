@@ -60,10 +60,11 @@ from typing import Any
 
 import torch
 
+from ..compat.rewards import TRL_SHARED_REWARD_KWARGS, is_async_callable, reward_call_problem
+from ..compat.versions import TRLCompatibilityError
+from ..run.state import StatefulPart
+from ..run.validation import GuardedReward, RewardFunctionError, RewardOutputError
 from ..settings import ConfigError, not_allowed
-from ..training_state import StatefulPart
-from ..trl_compat import TRL_SHARED_REWARD_KWARGS, TRLCompatibilityError, is_async_callable, reward_call_problem
-from ..validation import GuardedReward, RewardFunctionError, RewardOutputError
 
 __all__ = ["REWARD_ON_ERROR", "RewardRunner", "RewardRunnerSettings", "RewardWorkerError"]
 

@@ -27,7 +27,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from ..trl_compat import TRL_ACCURACY_REWARD, think_format_reward
+from ..compat.rewards import TRL_ACCURACY_REWARD, think_format_reward
 from . import _main_thread_worker as protocol
 
 __all__ = [

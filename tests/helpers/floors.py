@@ -26,8 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from grpo_plus import trl_compat
-from grpo_plus.trl_compat import VERSION_FLOORS, VersionFloor
+from grpo_plus.compat import lm_head as trl_lm_head
+from grpo_plus.compat import loss as trl_loss
+from grpo_plus.compat import model as trl_model
+from grpo_plus.compat.versions import VERSION_FLOORS, VersionFloor
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_PAGE = "docs/guide/versions.md"
@@ -47,27 +49,27 @@ class Floor:
 
 # ---- detectors: what the installed code can do, read from the code itself, not from the floors -----------------
 def _logps_on_cpu() -> str | None:
-    return trl_compat.logps_unavailable_reason("cpu")  # looked up at call time: tests/gpu_parity.py replaces it
+    return trl_loss.logps_unavailable_reason("cpu")  # looked up at call time: tests/gpu_parity.py replaces it
 
 
 def _fused_lm_head() -> str | None:
-    return None if trl_compat.has_fused_lm_head() else f"TRL {version('trl')} has no fused LM head"
+    return None if trl_lm_head.has_fused_lm_head() else f"TRL {version('trl')} has no fused LM head"
 
 
 def _generation_config_eos() -> str | None:
-    if trl_compat.ends_completions_at_generation_config_eos():
+    if trl_model.ends_completions_at_generation_config_eos():
         return None
     return f"TRL {version('trl')} ends completions at the tokenizer's eos token only"
 
 
 def _generation_loop() -> str | None:
-    from grpo_plus.generation import transformers_blocker
+    from grpo_plus.zero_waste.generation import transformers_blocker
 
     return transformers_blocker()
 
 
 def _image_prompts() -> str | None:
-    from grpo_plus.multimodal import image_prompts_blocker
+    from grpo_plus.zero_waste.images import image_prompts_blocker
 
     return image_prompts_blocker()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from grpo_plus.app.testing import ForwardLog  # noqa: F401  (shared with the benchmarks)
-from grpo_plus.checkpoints import is_complete_checkpoint
+from grpo_plus.run.checkpoints import is_complete_checkpoint
 
 from . import models
 

@@ -112,16 +112,16 @@ def skip_dead_anchor() -> None:
     """Break grpo_plus on purpose (negative control): a micro-batch whose rows are all dead makes no model call (its
     loss is a zero with a graph of its own) instead of the one-position anchor call. A rank holding only dead rows
     then skips forwards the others make: under FSDP2 / ZeRO-3 the collectives stop matching."""
-    import grpo_plus.zero_waste
+    import grpo_plus.zero_waste.training_pass
 
-    forward_rows = grpo_plus.zero_waste.forward_rows
+    forward_rows = grpo_plus.zero_waste.training_pass.forward_rows
 
     def forward_rows_skipping(forward, input_ids, attention_mask, width, live, fill, bridge):
         if live is not None and not bool(live.any()):
             return fill + torch.zeros((), requires_grad=True), torch.zeros_like(fill), None
         return forward_rows(forward, input_ids, attention_mask, width, live, fill, bridge)
 
-    grpo_plus.zero_waste.forward_rows = forward_rows_skipping
+    grpo_plus.zero_waste.training_pass.forward_rows = forward_rows_skipping
 
 
 def gathered_weights(trainer) -> dict:

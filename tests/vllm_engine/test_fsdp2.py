@@ -4,7 +4,7 @@ accelerate runs FSDP on GPUs only; as in tests/test_fsdp.py the shipped FSDP2 co
 true` and the test harness sets accelerate's state to FSDP (`--force_fsdp_on_cpu`, tests/helpers/fsdp_on_cpu.py: test
 code only). Each process holds a shard of every weight (DTensor); TRL's sync makes each parameter whole
 (`full_tensor()`, collectively: every process takes part) before the push; with LoRA grpo_plus's out-of-place stream
-unshards the model for the push (`grpo_plus.distributed.fsdp2_unsharded`) and sends copies of the weights it does not
+unshards the model for the push (`grpo_plus.run.distributed.fsdp2_unsharded`) and sends copies of the weights it does not
 merge (FSDP2 frees the whole weights when it reshards, while vLLM may still hold them). grpo_plus loads either stream
 through vLLM's reload, checking every sync. After training each rank's engine must sample with the trained weights.
 """

@@ -13,7 +13,7 @@ from helpers.rewards import constant_reward, odd_prompts_dead_reward
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
-from grpo_plus.health import TrainingHealthError
+from grpo_plus.run.health import TrainingHealthError
 
 # One engine for the module: every trainer asks vLLM for the same settings (max_num_seqs = 4 * 2).
 VLLM = dict(

@@ -100,7 +100,7 @@ def scale_lora_twice(trainer, monkeypatch):
 
 
 def load_nothing(trainer, monkeypatch):
-    from grpo_plus.trl_compat import colocated_model_runner
+    from grpo_plus.compat.vllm import colocated_model_runner
 
     engine_model = colocated_model_runner(trainer.vllm_generation.llm).get_model()
     monkeypatch.setattr(engine_model, "load_weights", lambda weights: set())

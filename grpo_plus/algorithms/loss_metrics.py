@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .objective import PolicyLossOutput
-from .trl_compat import nanmax, nanmin
+from ..compat.loss import nanmax, nanmin
+from ..objective import PolicyLossOutput
 
 # The mean entropy of the rows the zero-waste pass trained (non-zero advantage), logged when it may skip rows.
 TRAINED_ROWS_ENTROPY = "zero_waste/entropy_trained_rows"

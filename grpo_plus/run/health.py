@@ -22,13 +22,13 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .settings import not_allowed
+from ..settings import not_allowed
 
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_MODES = ("warn", "stop", "off")
 # The entropy the guard watches: TRL's `entropy` where the run logs it, else the zero-waste pass's entropy of the
-# rows it trained (grpo_plus.loss_metrics), each against its own starting value.
+# rows it trained (grpo_plus.algorithms.loss_metrics), each against its own starting value.
 ENTROPY_KEYS = ("entropy", "zero_waste/entropy_trained_rows")
 
 
@@ -146,7 +146,7 @@ class TrainingHealthGuard(TrainerCallback):
         self._entropy_start: dict[str, tuple[float, str]] = {}  # key -> (first value logged, its steps)
         self._last_step = 0
 
-    # A stateful part (grpo_plus.training_state): a resumed run keeps its streaks, its entropy reference and what
+    # A stateful part (grpo_plus.run.state): a resumed run keeps its streaks, its entropy reference and what
     # it already reported, so it warns (or stops) exactly where the uninterrupted run would have.
     checkpoint_name = "health_guard"
     checkpoint_missing_ok = True  # an older checkpoint: the guard only starts its streaks afresh

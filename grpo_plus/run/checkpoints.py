@@ -19,7 +19,7 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # transformers' Trainer writes trainer_state.json last, after weights, optimizer, scheduler and RNG states.
 _WRITTEN_LAST = "trainer_state.json"
 # What torch.save writes (a zip archive since torch 1.6): optimizer, scheduler, RNG states, scaler, training args,
-# grpo_plus's training state (grpo_plus.training_state).
+# grpo_plus's training state (grpo_plus.run.state).
 _TORCH_FILES = re.compile(
     r"^(optimizer\.pt|scheduler\.pt|scaler\.pt|rng_state(_\d+)?\.pth|grpo_plus_state(_\d+)?\.pt|.*\.bin)$"
 )
@@ -73,7 +73,7 @@ def _file_problem(file: Path) -> str | None:
         except (OSError, ValueError) as error:
             return f"is not valid JSON ({'empty' if not file.stat().st_size else error})"
         if file.name == "selective_rollout_state.json":
-            from .selective_rollout import state_problem
+            from ..sampling.selective_rollout import state_problem
 
             problem = state_problem(json.loads(file.read_text()))
             return None if problem is None else f"is not a valid selective-rollout state ({problem})"

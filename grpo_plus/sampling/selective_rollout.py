@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .sampling import informative_groups
-from .settings import not_allowed
+from ..settings import not_allowed
+from .dynamic_sampling import informative_groups
 
 SOLVED, UNSOLVED = "solved", "unsolved"
 KINDS = (SOLVED, UNSOLVED)
@@ -105,7 +105,7 @@ class _Tally:
 
 class SelectiveRollout:
     """Per-prompt dead-streak history and GRESO's probabilistic skipping over a dataset of `dataset_size` rows.
-    A stateful part (grpo_plus.training_state): checkpoints hold its `state_dict`."""
+    A stateful part (grpo_plus.run.state): checkpoints hold its `state_dict`."""
 
     checkpoint_name = "selective_rollout"
 

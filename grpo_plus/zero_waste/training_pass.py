@@ -1,7 +1,7 @@
 """The zero-waste training pass inside a GRPOTrainer: which savings apply, the training forward, TRL's no-grad
 log-prob passes (deferred to the micro-batch split), and the `zero_waste/*` metrics.
 
-The computation is pure torch in `grpo_plus.train_pass`; this module decides, per call, what may be saved and keeps
+The computation is pure torch in `grpo_plus.zero_waste.rows`; this module decides, per call, what may be saved and keeps
 the run's state (fallback notes, placeholders handed to TRL, the positions counter). `trainer.py` wires it in.
 """
 
@@ -17,8 +17,13 @@ from typing import Any
 import torch
 import trl
 
+from ..compat.lm_head import fused_lm_head_forward, has_fused_lm_head
+from ..compat.loss import TRL_NATIVE_LOSS_TYPES, trl_sampler_correction_off
+from ..compat.model import FORWARD_INPUT_KEYS, disable_gradient_checkpointing, reference_model
+from ..compat.versions import version_gap
+from ..objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 from .generation import GenerationStats
-from .multimodal import (
+from .images import (
     RowImages,
     bidirectional_blocks,
     image_prompts_blocker,
@@ -26,8 +31,7 @@ from .multimodal import (
     shared_prompt_vlm_blocker,
     vlm_text_families,
 )
-from .objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
-from .train_pass import (
+from .rows import (
     SHARED_PROMPT_FAMILIES,
     PackedBatch,
     additive_mask,
@@ -39,16 +43,6 @@ from .train_pass import (
     rows_with_gradient,
     shared_prompt_blocker,
     shared_prompt_logps,
-)
-from .trl_compat import (
-    FORWARD_INPUT_KEYS,
-    TRL_NATIVE_LOSS_TYPES,
-    disable_gradient_checkpointing,
-    fused_lm_head_forward,
-    has_fused_lm_head,
-    reference_model,
-    trl_sampler_correction_off,
-    version_gap,
 )
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .objective import (
+from ..objective import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_NORMALIZERS,
     KL_ESTIMATORS,
@@ -27,10 +27,10 @@ from .objective import (
     combine_rewards,
     compute_advantages,
 )
-from .objective.advantages import scale_rewards_problem
-from .objective.loss import policy_loss_options_problem, policy_loss_problem
-from .objective.policy_losses import OPTIONS
-from .settings import ConfigError, not_allowed
+from ..objective.advantages import scale_rewards_problem
+from ..objective.loss import policy_loss_options_problem, policy_loss_problem
+from ..objective.policy_losses import OPTIONS
+from ..settings import ConfigError, not_allowed
 
 # The defaults of GRPOConfig's algorithm fields (one default per setting: config.py uses these).
 DEFAULT_ESTIMATOR, DEFAULT_POLICY_LOSS, DEFAULT_KL_ESTIMATOR = "grpo", "ppo_clip", "k3"
@@ -211,7 +211,7 @@ class KLCoefficient:
         self.controller.update(kl_sum / max(kl_tokens, 1.0), int(completions))
         metrics["beta"].append(self.controller.value)
 
-    # The stateful-part protocol (grpo_plus.training_state): the adaptive coefficient is saved in checkpoints and
+    # The stateful-part protocol (grpo_plus.run.state): the adaptive coefficient is saved in checkpoints and
     # restored on resume; a fixed beta has no state (checkpoint_name None opts out).
     @property
     def checkpoint_name(self) -> str | None:

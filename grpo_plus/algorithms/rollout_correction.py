@@ -37,16 +37,7 @@ from typing import Any
 
 import torch
 
-from .objective.rollout_corr import (
-    IS_LEVELS,
-    METRIC_PREFIX,
-    parse_rejection_criteria,
-    parse_thresholds,
-    rollout_correction,
-)
-from .registry import did_you_mean
-from .settings import ConfigError, not_allowed
-from .trl_compat import (
+from ..compat.loss import (
     SAMPLER_LOGPS_KEY,
     TRL_SAMPLER_CORRECTION,
     TRL_SAMPLER_METRICS,
@@ -54,6 +45,15 @@ from .trl_compat import (
     trl_sampler_metric_values,
     trl_sampler_ratio,
 )
+from ..objective.rollout_corr import (
+    IS_LEVELS,
+    METRIC_PREFIX,
+    parse_rejection_criteria,
+    parse_thresholds,
+    rollout_correction,
+)
+from ..registry import did_you_mean
+from ..settings import ConfigError, not_allowed
 
 DEFAULT_IS_THRESHOLD = 2.0  # verl's default rollout_is_threshold
 TRAINED_ROWS_PREFIX = METRIC_PREFIX + "trained_rows/"

@@ -20,7 +20,7 @@ Where Triton folds the tiles, "auto" keeps TRL's width above the vocabulary's (a
 launches that have not been timed on a GPU here). None: TRL's width as it is; an integer: that many columns per tile.
 
 Applied to each forward of the policy that asks for the fused head (`fused_lm_head=True`): TRL reads the width when
-the forward starts and keeps it for the backward (`trl_compat.fused_lm_head_columns`).
+the forward starts and keeps it for the backward (`trl_lm_head.fused_lm_head_columns`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from . import trl_compat
+from ..compat import lm_head as trl_lm_head
 from .tiled_mlp import AUTO_MIN_TOKENS  # the tiled MLP's "auto" threshold: a long micro-batch
 
 logger = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def size_lm_head_tiles(model: torch.nn.Module, setting: int | str | None) -> boo
     e.g. below PEFT) by `setting` at each `fused_lm_head=True` forward; False when no module has that forward (TRL 1.14,
     or a model TRL did not patch). Calling it again changes the setting."""
     setting = check_setting(setting)
-    patched = trl_compat.fused_lm_head_module(model)
+    patched = trl_lm_head.fused_lm_head_module(model)
     if patched is None:
         return False
     current = patched.__dict__["forward"]
@@ -116,10 +116,10 @@ class _SizedTiles:
         vocab = getattr(head, "ds_shape", head.shape)[0]  # DeepSpeed ZeRO-3 partitions it: shape (0,) until gathered
         labels = kwargs.get("shift_labels", kwargs.get("labels"))
         tokens = labels.numel() if labels is not None else 0
-        trl_columns = trl_compat.fused_lm_head_columns_default()
-        folds_in_torch = trl_compat.lm_head_folds_in_torch(head.device)
+        trl_columns = trl_lm_head.fused_lm_head_columns_default()
+        folds_in_torch = trl_lm_head.lm_head_folds_in_torch(head.device)
         columns = tile_columns(self.setting, vocab, tokens, trl_columns, folds_in_torch)
         if self.setting == "auto" and columns < min(trl_columns, vocab):
             note_auto_once(tokens, trl_columns, vocab, columns)
-        with trl_compat.fused_lm_head_columns(columns):
+        with trl_lm_head.fused_lm_head_columns(columns):
             return self.forward(*args, fused_lm_head=True, **kwargs)

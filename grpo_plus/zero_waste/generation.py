@@ -17,7 +17,7 @@ of all copies. A decode batch of fewer rows changes which matrix-multiply kernel
 token changes only if that noise flips a near-tie.
 
 Image prompts (vision-language models): rows are the same prompt only if their images are equal too; the prefill
-gets the distinct prompts' images only (`grpo_plus.multimodal.RowImages`, told each row's image count by the caller:
+gets the distinct prompts' images only (`grpo_plus.zero_waste.images.RowImages`, told each row's image count by the caller:
 TRL's `images`), so the vision tower encodes each image once; the decode steps, which transformers runs without the
 pixels, run without the image inputs (they cannot follow the rows: they are per image, not per row).
 
@@ -42,10 +42,11 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 
+from ..compat.model import cache_argument_name
+from ..compat.versions import version_gap
+from .images import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages, image_prompts_blocker
 from .multi_turn import TurnCache, keep_blocker
-from .multimodal import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages, image_prompts_blocker
-from .train_pass import dropout_blocker
-from .trl_compat import cache_argument_name, version_gap
+from .rows import dropout_blocker
 
 # Model inputs the loop splits by row (position_ids may be (k, B, L): M-RoPE); generate also passes the cache,
 # use_cache and logits_to_keep. Image inputs (IMAGE_KEYS) go to the prefill, cut to its rows.
@@ -125,7 +126,7 @@ def generate(
 
     Returns the sequences `model.generate` returns and what was computed; where the loop does not apply,
     `model.generate` runs unchanged and `stats.fallback` says why. With `turns`, the call keeps every row's cache
-    there and starts from what an earlier call kept (grpo_plus.multi_turn). `num_images`: each row's number of images
+    there and starts from what an earlier call kept (grpo_plus.zero_waste.multi_turn). `num_images`: each row's number of images
     (a VLM's `pixel_values` and co. in `generate_kwargs` hold them all, in row order).
     """
     return _generate(model, model.generate, generate_kwargs, turns, num_images)

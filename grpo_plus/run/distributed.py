@@ -88,7 +88,7 @@ def whole_model_for_generation(model: Any, trainer: Any = None, gather: bool | N
     yielded as is.
     """
     if trainer is not None:
-        from .trl_compat import unwrap_model_for_generation
+        from ..compat.model import unwrap_model_for_generation
 
         if gather is None:
             gather = getattr(trainer.args, "ds3_gather_for_generation", True)

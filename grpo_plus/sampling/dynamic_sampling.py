@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .objective.common import nanstd
-from .settings import ConfigError, not_allowed
+from ..objective.common import nanstd
+from ..settings import ConfigError, not_allowed
 
 # Generation-batch keys by how they pad when rounds of different lengths are concatenated.
 _LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
@@ -142,7 +142,7 @@ class DynamicSampling:
 
     The trainer supplies the rounds (TRL's generation and scoring) and the collectives; this class holds the refill
     stream, which every process iterates alike (same seed) taking its own slice, and whose position is training
-    state (`refill_draws_made`, checkpointed through the stateful-part protocol of grpo_plus.training_state, so a
+    state (`refill_draws_made`, checkpointed through the stateful-part protocol of grpo_plus.run.state, so a
     resumed run continues the stream).
     """
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .train_pass import SHARED_PROMPT_FAMILIES
-from .trl_compat import version_gap
+from ..compat.versions import version_gap
+from .rows import SHARED_PROMPT_FAMILIES
 
 # Image inputs whose leading dimension counts images, tiles, patches or rows (never columns).
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "image_position_ids",

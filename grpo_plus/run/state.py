@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from ..compat.versions import check_state_attributes, loop_keeps_running_loss_on_trainer
 from .checkpoints import CheckpointError, checkpoint_step
-from .trl_compat import check_state_attributes, loop_keeps_running_loss_on_trainer
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "grpo_plus.training_state"
+FORMAT = "grpo_plus.run.state"
 FORMAT_VERSION = 1
 SHARED_FILE = "grpo_plus_state.pt"
 PROCESS_FILE = "grpo_plus_state_{}.pt"  # .format(process index)

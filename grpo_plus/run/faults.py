@@ -2,7 +2,7 @@
 
 A crash checkpoint is exactly the state after the last completed optimizer step: weights, optimizer, scheduler and
 data position are untouched until the next step's optimizer update, and the trainer's stateful parts (random number
-generators, generation buffer, sampling state, logging window: grpo_plus.training_state), which the next step has
+generators, generation buffer, sampling state, logging window: grpo_plus.run.state), which the next step has
 already advanced, are written as they were when that step ended, from a snapshot taken then. Resuming from it ends
 at the uninterrupted run's weights. When the error came during or after an optimizer
 update (the weights may be half-updated, the step not yet counted), nothing is written.
@@ -22,7 +22,7 @@ from transformers import TrainerCallback, TrainerState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from .checkpoints import check_adapter_matches, is_complete_checkpoint, resolve_checkpoint
-from .training_state import StatefulPart, load_state_dicts, state_dicts
+from .state import StatefulPart, load_state_dicts, state_dicts
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class CrashCheckpoint(TrainerCallback):
     """Tracks where the current optimizer step stands, so that a crash can be checkpointed exactly (or not at all).
 
-    `parts()` are the trainer's stateful parts (grpo_plus.training_state): at the end of every step it takes their
+    `parts()` are the trainer's stateful parts (grpo_plus.run.state): at the end of every step it takes their
     snapshot; a crash checkpoint puts them back to it while the checkpoint is written, so it holds what a checkpoint
     written at that step's end would have held (random number generators, generation buffer, sampling state, ...)."""
 

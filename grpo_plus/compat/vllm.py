@@ -1,0 +1,77 @@
+"""TRL's vLLM generation (`trl.generation.vllm_generation.VLLMGeneration`, the same in 1.14.0-1.16.0): its colocate
+sync, the engine and client factories it looks up.
+"""
+
+from __future__ import annotations
+
+import trl
+
+from .versions import TRLCompatibilityError, tested_trl_versions_text
+
+__all__ = [
+    "COLOCATE_SYNC_METHODS",
+    "COLOCATE_WEIGHT_STREAM",
+    "VLLM_CLIENT_FACTORY",
+    "VLLM_CLIENT_MODULE",
+    "VLLM_ENGINE_FACTORY",
+    "VLLM_ENGINE_MODULE",
+    "colocate_distribution",
+    "colocate_weight_stream_name",
+    "colocated_model_runner",
+    "vllm_engine_factory",
+]
+
+
+# ---- vLLM (TRL's `trl.generation.vllm_generation.VLLMGeneration`, the same in 1.14.0-1.16.0) -------------------------
+# Its colocate sync, `sync_weights()`, is `for name, param in self._iter_named_params(): <model runner>.model.
+# load_weights([(name, param)])` with the model runner at `llm.llm_engine.model_executor.driver_worker.model_runner`
+# (vLLM's V1 engine in-process), then `llm.reset_prefix_cache()`; names go through `_fix_param_name_to_vllm`.
+# grpo_plus replaces the stream on the instance, and wraps `sync_weights` there to check each sync after it.
+COLOCATE_WEIGHT_STREAM = "_iter_named_params"
+
+
+COLOCATE_SYNC_METHODS = (COLOCATE_WEIGHT_STREAM, "sync_weights", "_fix_param_name_to_vllm")
+
+
+def colocate_weight_stream_name() -> str:
+    """The `VLLMGeneration` method that streams (name, tensor) pairs to the colocated engine at each sync (it gathers
+    ZeRO-3 / FSDP shards and merges PEFT adapters); raises TRLCompatibilityError if this TRL lacks it or another
+    method of COLOCATE_SYNC_METHODS."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    missing = [name for name in COLOCATE_SYNC_METHODS if not callable(getattr(VLLMGeneration, name, None))]
+    if missing:
+        raise TRLCompatibilityError(
+            f"grpo_plus cannot sync weights into vLLM with TRL {trl.__version__}: VLLMGeneration has no "
+            f"{', '.join(missing)}. grpo_plus works with TRL {tested_trl_versions_text()}."
+        )
+    return COLOCATE_WEIGHT_STREAM
+
+
+def colocated_model_runner(llm):
+    """The model runner of a colocated `vllm.LLM`, where TRL's colocate sync finds the model."""
+    return llm.llm_engine.model_executor.driver_worker.model_runner
+
+
+def colocate_distribution(generation):
+    """TRL's `DistributedBackend` of a `VLLMGeneration`: `gather_params(params)` (ZeRO-3's gather, a no-op elsewhere),
+    `is_fsdp`, `fsdp_version` (1 or 2 under FSDP, else None; TRL 1.14-1.16), the same object TRL's own weight stream
+    uses."""
+    return generation._dist
+
+
+# TRL builds the colocated engine with `LLM(...)` looked up in this module's namespace (VLLMGeneration._init_vllm),
+# passing quantization="bitsandbytes" when the model has 4-bit bitsandbytes layers.
+VLLM_ENGINE_MODULE, VLLM_ENGINE_FACTORY = "trl.generation.vllm_generation", "LLM"
+
+
+# TRL's server mode connects with `VLLMClient(...)` looked up in this module's namespace (VLLMGeneration._init_vllm),
+# then calls its `init_communicator(device)`, which refuses any device but CUDA.
+VLLM_CLIENT_MODULE, VLLM_CLIENT_FACTORY = "trl.generation.vllm_generation", "VLLMClient"
+
+
+def vllm_engine_factory():
+    """(module, attribute name) where TRL looks up the class it builds the colocated vLLM engine with."""
+    import importlib
+
+    return importlib.import_module(VLLM_ENGINE_MODULE), VLLM_ENGINE_FACTORY
