@@ -558,6 +558,30 @@ def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
     assert [call["mask_dims"] for call in log.calls] == [2] and log.calls[0]["shape"][0] == live
 
 
+def test_the_pass_calls_trls_method_never_the_trainers(monkeypatch):
+    """One direction of calls: the trainer calls the pass, the pass calls TRL's own `_get_per_token_logps_and_entropies`,
+    never the trainer's override (which forwards TRL's own callers to the pass), and it holds no trainer. Control: a
+    call from TRL's side goes through the override to the pass and TRL's method."""
+    import trl
+
+    trainer = make_trainer()
+    set_zero_waste(trainer, on=False)  # every row through TRL's method
+    inputs = micro_batch(trainer)
+    through_trainer, through_trl = [], []
+    override, trls = trainer._get_per_token_logps_and_entropies, trl.GRPOTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies",
+                        lambda *args, **kwargs: through_trainer.append(1) or override(*args, **kwargs))  # fmt: skip
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda *args, **kwargs: through_trl.append(1) or trls(*args, **kwargs))  # fmt: skip
+    trainer._compute_loss(trainer.model, inputs)
+    assert (len(through_trainer), len(through_trl)) == (0, 1)
+    assert not any(isinstance(value, trl.GRPOTrainer) for value in vars(trainer._zero_waste).values())
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_WIDTH)
+    assert (len(through_trainer), len(through_trl)) == (1, 2)
+
+
 def test_config_field_turns_it_off():
     trainer = make_trainer(zero_waste_pass=False)
     inputs = micro_batch(trainer)
