@@ -18,21 +18,18 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compat.model import cache_argument_name
+from ..compat.torch import FAKE_ACCELERATOR, fake_accelerator, new_fake_mode
 from ..long_completions.lm_head_tiles import size_lm_head_tiles
+from .attention import CpuAttentionKernels, CudaAttentionKernels
 from .memory import (
-    FAKE_ACCELERATOR,
-    CpuAttentionKernels,
-    CudaAttentionKernels,
     MemoryCounter,
     PassMemory,
     SavedBytes,
     accelerator_autocast,
     distinct_mlp_tiles,
-    fake_accelerator,
     fake_inputs,
     fake_parameters,
     fused_lm_head_counting,
-    new_fake_mode,
     on_values,
     readable_values,
     storage_addresses,
@@ -315,8 +312,9 @@ def quiet():
 @contextlib.contextmanager
 def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: str = "cuda",
              kernels: list | None = None):  # fmt: skip
-    """What a count of the training pass runs inside (grpo_plus.memory's patches). `lm_head="cpu"` counts a CPU's LM-head
-    fold and attention kernel (what a CPU's real peak is checked against), "cuda" a GPU's."""
+    """What a count of the training pass runs inside (grpo_plus.fit.memory's patches, grpo_plus.fit.attention's
+    kernels). `lm_head="cpu"` counts a CPU's LM-head fold and attention kernel (what a CPU's real peak is checked
+    against), "cuda" a GPU's."""
     kernels_of = CpuAttentionKernels if lm_head == "cpu" else CudaAttentionKernels
     attention = kernels_of() if device == FAKE_ACCELERATOR else contextlib.nullcontext()
     if kernels is not None and isinstance(attention, CudaAttentionKernels):
@@ -347,10 +345,10 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
 
     `real=True` computes it for real on the CPU instead (random weights), counted by the same counter: what the fake
     count is checked against (its counts are the CPU's, reported as the accelerator's). `lm_head`: see
-    `grpo_plus.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton). `at_peak`:
-    a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a context
-    manager factory entered around the forward + backward alone (a profiler, for the validation). `kernels`: a list to
-    fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
+    `grpo_plus.fit.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton).
+    `at_peak`: a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a
+    context manager factory entered around the forward + backward alone (a profiler, for the validation). `kernels`: a
+    list to fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
     spec = for_side(spec, side)
     rows = rows or spec.rows
     plain = not real and lm_head == "cuda" and at_peak is None and around is contextlib.nullcontext and kernels is None
