@@ -4,6 +4,9 @@ counting trainer, from a list derived from the registries and TRL's source (`obj
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -359,3 +362,29 @@ def test_the_search_is_exact_on_any_increasing_cost(seed):
         )
         assert found == max((n for n in range(1, high + 1) if costs[n - 1] <= budget), default=0)
         assert len(asked) == len(set(asked))
+
+
+# What counts (the counter on fake tensors, the attention kernels, the counts, the searches, the private torch APIs
+# under them): it loads in the child process that counts, never in a training process.
+COUNTING_MODULES = {
+    "grpo_plus.fit.memory", "grpo_plus.fit.attention", "grpo_plus.fit.count", "grpo_plus.fit.search",
+    "grpo_plus.compat.torch",
+}  # fmt: skip
+
+
+def modules_loaded_by(statement: str) -> set[str]:
+    """The modules a fresh Python process holds after `statement`."""
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.slow  # two fresh Python processes
+def test_the_trainer_imports_the_fit_check_and_none_of_the_counting_code():
+    """Importing the trainer loads the fit check (grpo_plus.fit.check) and none of the counting code. Negative control:
+    reading a counting name of grpo_plus.fit (what the CLI and the benchmarks do) loads all of it. torch 2.13 loads
+    torch._subclasses.fake_tensor with `import torch` itself, so that module tells nothing here."""
+    trainer = modules_loaded_by("import grpo_plus.trainer")
+    assert "grpo_plus.fit.check" in trainer
+    assert trainer & COUNTING_MODULES == set()
+    assert modules_loaded_by("from grpo_plus.fit import fit_report") >= COUNTING_MODULES

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,6 @@ from ..long_completions.lm_head_tiles import size_lm_head_tiles
 from .attention import CpuAttentionKernels, CudaAttentionKernels
 from .memory import (
     MemoryCounter,
-    PassMemory,
     SavedBytes,
     accelerator_autocast,
     distinct_mlp_tiles,
@@ -35,6 +34,7 @@ from .memory import (
     storage_addresses,
     tensors_from_data,
 )
+from .results import PassMemory, StepEstimate
 from .spec import FitSpec, for_side, known_config
 
 # ---- fake models and batches ----------------------------------------------------------------------------------------
@@ -637,47 +637,6 @@ def _static_bytes(spec: FitSpec) -> dict:
 
 
 # ---- the worst step -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepEstimate:
-    """The worst step's peak of one side, per part (bytes)."""
-
-    side: str
-    spec: FitSpec
-    static: dict
-    training: PassMemory
-    generation: dict
-    seconds: tuple[float, float] | None = None  # (wall, CPU) of the trainer's check, when it ran one
-    turned_on: dict = field(default_factory=dict)  # the memory settings fit_check='auto' turned on to get here
-
-    @property
-    def static_total(self) -> int:
-        return sum(self.static.values())
-
-    @property
-    def training_peak(self) -> int:
-        return self.training.peak
-
-    @property
-    def total(self) -> int:
-        return self.static_total + max(self.training_peak, self.generation["peak"])
-
-    @property
-    def binding(self) -> str:
-        return "training pass" if self.training_peak >= self.generation["peak"] else "generation"
-
-    def parts(self) -> dict[str, int]:
-        static = self.static
-        return {
-            "weights": static["weights"] + static["reference_model"] + static["dequantized_layer"],
-            "trainable weights + gradients + optimizer": static["trainable"]
-            + static["gradients"]
-            + static["optimizer"],
-            "training pass (activations, peak)": self.training_peak,
-            "generation (KV cache + step)": self.generation["peak"],
-            "worst step": self.total,
-        }
 
 
 def estimate(spec: FitSpec, side: str, rows: int | None = None, group: int | None = None,

@@ -26,7 +26,6 @@ import contextlib
 import math
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -46,7 +45,6 @@ from ..compat.torch import (
     written_arguments,
 )
 
-GIB = 2**30
 # Operators on at most this many elements are also computed on their shadows (real CPU values).
 SHADOW_LIMIT = 2**22
 
@@ -399,22 +397,6 @@ class SavedBytes:
 
     def _released(self, key: int) -> None:
         self.bytes -= self.sizes.pop(key, 0)
-
-
-@dataclass
-class PassMemory:
-    """Bytes of one training forward + backward, counted on the accelerator (host: what it moved to the CPU)."""
-
-    saved: int  # autograd's saved tensors on the accelerator at the end of the forward (before offloading moves them)
-    after_forward: int  # alive on the accelerator when the forward returned
-    forward_peak: int
-    peak: int  # most bytes alive at once on the accelerator, forward and backward
-    after_backward: int  # what stays: the gradients
-    host_peak: int = 0  # most bytes alive at once on the host
-    items_faked: int = 0
-
-    def gib(self) -> dict:
-        return {name: getattr(self, name) / GIB for name in ("saved", "after_forward", "forward_peak", "peak")}
 
 
 # ---- patches that make a count see what a GPU run does ----------------------------------------------------------------
