@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 
@@ -289,21 +290,33 @@ def _zero_reward(completions, **kwargs) -> list[float]:
     return [0.0] * len(completions)
 
 
+# The loggers of the training code a count runs: grpo_plus's (fit's own logs nothing while it counts) and TRL's.
+_TRAINING_LOGGERS = ("grpo_plus", "trl")
+
+
 @contextlib.contextmanager
 def quiet():
-    """Building the counting trainer logs nothing a user needs (its tiny model, TRL's notes)."""
+    """Within the block a count logs nothing but errors: it runs training code (transformers' models, TRL's and
+    grpo_plus's trainers, grpo_plus's tiled MLP), whose warnings and one-time notes ("tiled_mlp_tokens='auto': ...")
+    belong to a training run, not to a count. Every count runs in it (`measure_pass`, `measure_generation`)."""
     import warnings
 
     import transformers
 
     previous = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    training_loggers = [logging.getLogger(name) for name in _TRAINING_LOGGERS]
+    levels = [each.level for each in training_loggers]
+    for each in training_loggers:
+        each.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         transformers.logging.set_verbosity(previous)
+        for each, level in zip(training_loggers, levels, strict=True):
+            each.setLevel(level)
 
 
 # ---- counting -------------------------------------------------------------------------------------------------------
@@ -335,6 +348,7 @@ def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: 
         yield
 
 
+@quiet()
 def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
                  real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
                  around=contextlib.nullcontext, kernels: list | None = None,
@@ -477,6 +491,7 @@ def training_pass(spec: FitSpec, side: str, rows: int | None = None, group: int 
     return extrapolate(points, spec.layers)
 
 
+@quiet()
 def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> tuple[int, int, int]:
     """(prefill peak, decode-step peak, KV cache) bytes of generation at `layers` decoder layers, every row alive at full length:
     the prefill of the prompts (each distinct prompt once with zero-waste generation) and one decode step with a
