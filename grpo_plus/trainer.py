@@ -47,7 +47,7 @@ from .engine.precision import engine_precision, sleep_mode_blocker
 from .engine.receipt import SyncReceipt, log_receipts
 from .engine.server import server_client, server_sync
 from .engine.sync import reload_on_sync
-from .fit import check_before_training
+from .fit.check import check_before_training
 from .long_completions.lm_head_tiles import size_lm_head_tiles
 from .long_completions.offloading import training_step_context
 from .long_completions.tiled_mlp import tile_mlps
