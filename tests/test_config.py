@@ -1,9 +1,11 @@
 """GRPOConfig: TRL's fields unchanged, registered names accepted, bad values rejected at construction."""
 
+import ast
 import copy
 import dataclasses
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import trl
@@ -451,3 +453,33 @@ def test_a_config_with_canonical_values_is_handed_to_trl_as_it_is(tiny_model_dir
     """Nothing to canonicalize: TRL's trainer gets the user's config itself, as stock TRL would."""
     args = make(tmp_path, scale_rewards="batch")
     assert tiny_trainer(tiny_model_dir, args).args is args
+
+
+def raw_reads(package: Path, fields: set[str]) -> list[str]:
+    """Where a module of `package` (outside the settings groups, the normalization step in config.py and the app kit)
+    reads one of `fields` from a config: `args.<field>`, `self.args.<field>`, `getattr(args, "<field>", ...)`."""
+    configs = {"args", "config", "training_args", "own"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package)
+        if where.parts[0] == "app" or where.name == "settings.py" or where.as_posix() in ("config.py", "plugins.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in fields:
+                base = node.value
+                name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+                if name in configs:
+                    found.append(f"{where}:{node.lineno} {name}.{node.attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+                if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields:
+                    found.append(f"{where}:{node.lineno} getattr(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_module_reads_a_grpo_plus_field_from_the_config():
+    """The run's settings are read once, into PlusSettings, and handed over: no trainer or feature module reads one of
+    grpo_plus's fields from a config. (Before the settings groups, 28 places did, in the algorithm, rollout-correction,
+    vLLM, fit, reward-runner and sampling modules: this scan of that tree finds them.)"""
+    import grpo_plus
+
+    assert raw_reads(Path(grpo_plus.__file__).parent, set(own_fields())) == []
