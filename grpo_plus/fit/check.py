@@ -177,17 +177,17 @@ def prompt_images(dataset, processing_class, sample: int = 256) -> dict:
 
 
 def check_before_training(args, model, dataset, processing_class, device: torch.device,
-                          mode: str) -> StepEstimate | None:  # fmt: skip
+                          mode: str, settings=None) -> StepEstimate | None:  # fmt: skip
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory (a
     vision-language model with its vision tower and its prompts' pictures); with fit_check='auto', its `turned_on`
-    names the memory settings the trainer must turn on."""
+    names the memory settings the trainer must turn on. `settings`: the run's (None: those of `args`)."""
     blocker = image_count_blocker(model.config.to_dict())
     if blocker is not None:
         logger.warning("grpo_plus fit check: %s cannot be counted (%s), so training goes on unchecked "
                        "(fit_check='off' skips this line).", type(model).__name__, blocker)  # fmt: skip
         return None
     lengths = prompt_lengths(dataset, processing_class)
-    spec = FitSpec.from_args(args, model, max(lengths, default=128))
+    spec = FitSpec.from_args(args, model, max(lengths, default=128), settings)
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
     if spec.vision_language:
         spec = spec.replace(**prompt_images(dataset, processing_class))

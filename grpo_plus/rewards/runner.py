@@ -25,11 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import numbers
-import os
 import pickle
-import socket
-import sys
 import threading
 import time
 import weakref
@@ -45,64 +41,15 @@ from ..compat.rewards import TRL_SHARED_REWARD_KWARGS, is_async_callable, reward
 from ..compat.versions import TRLCompatibilityError
 from ..run.state import StatefulPart
 from ..run.validation import GuardedReward, RewardFunctionError
-from ..settings import ConfigError, not_allowed
+from ..settings import ConfigError
+from .settings import RewardRunnerSettings
 from .workers import Pool, RewardWorkerError, Worker, awaited, describe_status, run_piece
 
-__all__ = ["REWARD_ON_ERROR", "RewardRunner", "RewardRunnerSettings", "RewardWorkerError"]
+__all__ = ["RewardRunner", "RewardWorkerError"]
 
 logger = logging.getLogger(__name__)
 
-REWARD_ON_ERROR = ("raise", "none")
-_CAN_FORK = hasattr(os, "fork") and hasattr(socket, "send_fds")
 _LOGGERS = ("log_extra", "log_metric")  # TRL's logging functions: recorded in a worker, called here
-
-
-# ---- settings --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RewardRunnerSettings:
-    """GRPOConfig's reward-runner fields: `reward_timeout`, `reward_workers`, `reward_on_error`,
-    `reward_whole_batch`. The defaults are TRL's behaviour (in-process calls, no timeout, an exception raised)."""
-
-    timeout: float | None = None
-    workers: int = 0
-    on_error: str = "raise"
-    whole_batch: tuple[str, ...] = ()
-
-    @classmethod
-    def from_args(cls, args: Any) -> RewardRunnerSettings:
-        whole = args.reward_whole_batch
-        whole = (whole,) if isinstance(whole, str) else tuple(whole or ())  # one name given as a string
-        return cls(args.reward_timeout, args.reward_workers, args.reward_on_error, whole)
-
-    @property
-    def enabled(self) -> bool:
-        """False where TRL's own in-process calls are what the settings ask for (then the runner stands aside)."""
-        return self.workers > 0 or self.on_error != "raise"
-
-    def validate(self) -> None:
-        """Raise ConfigError, naming the GRPOConfig field, for a value the runner cannot use."""
-        if isinstance(self.workers, bool) or not isinstance(self.workers, numbers.Integral) or self.workers < 0:
-            raise not_allowed("reward_workers", self.workers, "0 (TRL's calls in the trainer's process) or more")
-        timeout = self.timeout
-        if timeout is not None and not (isinstance(timeout, numbers.Real) and math.isfinite(timeout) and timeout > 0):
-            raise not_allowed("reward_timeout", timeout, "a number of seconds > 0, or None (no timeout)")
-        if self.on_error not in REWARD_ON_ERROR:
-            raise not_allowed("reward_on_error", self.on_error, f"one of {', '.join(map(repr, REWARD_ON_ERROR))}")
-        if timeout is not None and self.workers == 0:
-            raise ConfigError(
-                f"reward_timeout={timeout!r} needs reward_workers >= 1: a reward function called in the trainer's own "
-                "process cannot be stopped once it stalls (a thread cannot be killed), so a timeout is kept only by "
-                "worker processes. Set reward_workers (e.g. 2), or reward_timeout=None."
-            )
-        if self.workers and not _CAN_FORK:
-            raise ConfigError(
-                f"reward_workers={self.workers} needs os.fork and socket.send_fds (Linux, macOS), which this Python "
-                f"on {sys.platform} does not have. Set reward_workers=0."
-            )
-        if not all(isinstance(name, str) for name in self.whole_batch):
-            raise not_allowed("reward_whole_batch", list(self.whole_batch), "a list of reward function names")
 
 
 # ---- one call: its arguments, and what is known of each completion ---------------------------------------------------
