@@ -35,7 +35,7 @@ from shapes import markdown_table  # benchmarks/shapes.py
 
 from grpo_plus import fit
 from grpo_plus.app.cli import fit_spec_from_yaml
-from grpo_plus.fit.memory import GIB
+from grpo_plus.fit import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
 

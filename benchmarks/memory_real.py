@@ -77,10 +77,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
 def fit_spec(model: dict, length: int, changes: dict):
     """The bench's pass as a `grpo_plus.fit.FitSpec` (what the child builds and the counter counts)."""
     from grpo_plus import fit
-    from grpo_plus.long_completions.lm_head_tiles import LM_HEAD_TILE_DEFAULT
-    from grpo_plus.long_completions.tiled_mlp import TILED_MLP_DEFAULT
+    from grpo_plus.long_completions.settings import LongCompletionSettings
 
-    settings = {"tiled_mlp_tokens": TILED_MLP_DEFAULT, "lm_head_tile_columns": LM_HEAD_TILE_DEFAULT, **changes}
+    defaults = LongCompletionSettings()
+    settings = {"tiled_mlp_tokens": defaults.tiled_mlp_tokens, "lm_head_tile_columns": defaults.lm_head_tile_columns,
+                **changes}  # fmt: skip
     return fit.FitSpec(
         model_config=model, weights_dtype="float32", rows=ROWS, num_generations=GROUP, generation_rows=ROWS,
         prompt_tokens=PROMPT, completion_tokens=length, lora=dict(LORA), gradient_checkpointing=True,

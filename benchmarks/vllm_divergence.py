@@ -75,10 +75,8 @@ def run(name: str, spec: dict, steps: int, engine_dtype: str, reference: dict | 
         config["vllm_dtype"] = engine_dtype
     path = resolve_model("smollm2-135m-instruct")
     set_seed(0)
-    fields = types.SimpleNamespace(
-        use_vllm=True, vllm_mode="colocate", vllm_quantization="auto", vllm_dtype=engine_dtype
-    )
-    with engine_precision(fields):  # stock TRL's engine: the same precision
+    fields = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    with engine_precision(fields, "auto", engine_dtype):  # stock TRL's engine: the same precision
         trainer = package.GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
             reward_funcs=[tasks.correctness_reward, tasks.format_reward],

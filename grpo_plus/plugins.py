@@ -1,4 +1,4 @@
-"""Load user modes: modules named in the config and third-party packages' `grpo_plus.plugins` entry points."""
+"""Load user modes: modules named in the config (`plugins`) and third-party packages' `grpo_plus.plugins` entry points."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import logging
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
+
+from .settings import SettingsGroup, not_allowed, setting
 
 ENTRY_POINT_GROUP = "grpo_plus.plugins"
 logger = logging.getLogger(__name__)
@@ -78,3 +81,27 @@ def load_plugins(modules: Iterable[str] = ()) -> None:
     """Entry-point plugins first, then the explicitly named modules."""
     load_entry_point_plugins()
     import_plugin_modules(modules)
+
+
+@dataclass(frozen=True)
+class PluginSettings(SettingsGroup):
+    """GRPOConfig's `plugins`, declared here, beside the loader, and not in a concern's folder: it belongs to no concern
+    (the modules it names may register names in any registry: loss types, estimators, rejection criteria), and it is
+    the one field read before every other group is built, whose names it may make valid."""
+
+    # A tuple here; GRPOConfig's field is the list TRL's parser fills.
+    plugins: tuple[str, ...] = setting(
+        None,
+        "Python modules to import before the config is validated, so modes they register can be named "
+        "in `loss_type`, `importance_sampling_level`, `scale_rewards`, `advantage_estimator`, `policy_loss` or "
+        "`kl_estimator` (e.g. from a YAML config). Packages can "
+        "instead declare a `grpo_plus.plugins` entry point, which is loaded automatically.",
+        config_type=list[str] | None,
+    )
+
+    def __post_init__(self) -> None:
+        modules = self.plugins
+        modules = (modules,) if isinstance(modules, str) else tuple(modules or ())  # one module given as a string
+        if not all(isinstance(module, str) and module for module in modules):
+            raise not_allowed("plugins", list(modules), "a list of importable module names")
+        self._set("plugins", modules)

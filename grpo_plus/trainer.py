@@ -44,17 +44,17 @@ from .compat.model import (
 )
 from .compat.rewards import get_soft_overlong_punishment, is_async_callable
 from .compat.versions import TRLCompatibilityError, check_trl_compatibility
-from .config import PlusSettings, validate_grpo_settings
+from .config import PlusSettings
 from .engine.precision import engine_precision, sleep_mode_blocker
 from .engine.receipt import SyncReceipt, log_receipts
 from .engine.server import server_client, server_sync
 from .engine.sync import reload_on_sync
-from .fit import check_before_training
+from .fit.check import check_before_training
 from .long_completions.lm_head_tiles import size_lm_head_tiles
 from .long_completions.offloading import training_step_context
 from .long_completions.tiled_mlp import tile_mlps
 from .objective import combine_rewards
-from .rewards.runner import RewardRunner, RewardRunnerSettings
+from .rewards.runner import RewardRunner
 from .run.checkpoints import hide_local_base_model_path, without_hub_token
 from .run.distributed import check_launch, gather_rows, whole_model_for_generation
 from .run.faults import CrashCheckpoint, finish_without_training, prepare_resume
@@ -78,18 +78,19 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: trl.GRPOConfig | None = None, *pos_args, **kwargs):
         check_trl_compatibility()  # an untested TRL warns; a changed private method fails here, not mid-training
-        if args is not None:
-            validate_grpo_settings(args)  # also accepts a plain trl.GRPOConfig
-            if (reason := sleep_mode_blocker(args)) is not None:  # before TRL loads the model and starts vLLM
-                raise ValueError(reason)
+        # The run's settings, checked once: those GRPOConfig built (a plain trl.GRPOConfig: built here); TRL gets the
+        # config with its own fields canonical (PlusSettings.trl_config), the user's object unchanged.
+        # (no config: TRL builds its default one, whose settings are the defaults)
+        self.plus = plus = PlusSettings.from_config(args) if args is not None else PlusSettings()
+        if args is not None and (reason := sleep_mode_blocker(args)) is not None:  # before TRL starts vLLM
+            raise ValueError(reason)
         # Before TRL loads the model: the reward workers fork from a process that holds little (grpo_plus.rewards)
-        settings = PlusSettings.from_args(args).rewards if args is not None else RewardRunnerSettings()
-        self._reward_runner = RewardRunner(settings, reward_funcs)
+        self._reward_runner = RewardRunner(plus.rewards, reward_funcs)
         try:
             # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes"); a server reached over the
             # transport it reports (grpo_plus.engine.server: gloo off CUDA)
-            with engine_precision(args), server_client(args):
-                super().__init__(model, reward_funcs, args, *pos_args, **kwargs)
+            with engine_precision(args, plus.vllm.quantization, plus.vllm.dtype), server_client(args):
+                super().__init__(model, reward_funcs, plus.trl_config(args), *pos_args, **kwargs)
         except BaseException:
             self._reward_runner.close()
             raise
@@ -100,7 +101,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         prompt_required, environment_names = environment_routing(self)
         # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
         check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
-        self.plus = PlusSettings.from_args(self.args)
         has_rollout_func = getattr(self, "rollout_func", None) is not None
         if self.plus.rollout.active and (reason := sampler_blocker(self.use_vllm, has_rollout_func)):
             raise ValueError(f"grpo_plus cannot correct this sampler: {reason}.")
@@ -113,7 +113,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.plus.dynamic_sampling, self.train_dataset, self.num_generations, seed=self.args.seed + 1
         )
         self._selective_rollout = SelectiveRollout.for_dataset(
-            self.plus.selective_rollout, self.plus.selective, self.train_dataset, self.args.seed, self.shuffle_dataset
+            self.plus.selective_rollout, self.train_dataset, self.args.seed, self.shuffle_dataset
         )
         self._turn_cache: TurnCache | None = None  # a round's tool-turn caches (grpo_plus.zero_waste.multi_turn)
         self._batch_layout = BatchLayout(  # a generation batch's groups and micro-batches (grpo_plus.sampling.rounds)
@@ -121,9 +121,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         )
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
         self.reward_funcs = self._reward_runner.wrap(self.reward_funcs, self.reward_func_names)
-        if self.plus.overlong_buffer_length is not None:
-            punishment = get_soft_overlong_punishment(self.max_completion_length, self.plus.overlong_buffer_length)
-            self._add_reward(punishment, weight=self.plus.overlong_penalty)
+        if (overlong := self.plus.overlong).buffer_length is not None:
+            punishment = get_soft_overlong_punishment(self.max_completion_length, overlong.buffer_length)
+            self._add_reward(punishment, weight=overlong.penalty)
         self._wire_training_pass()
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
@@ -140,8 +140,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         built with them would have), TRL's methods as callables, the accelerator."""
         plus, rollout, trl_settings = self.plus, self.plus.rollout, trl_training_settings(self)
         settings = PassSettings(
-            enabled=plus.zero_waste_pass, shared_prompt=plus.zero_waste_shared_prompt, trl=trl_settings,
-            exact_entropy=plus.zero_waste_exact_entropy, old_logps=rollout.old_logps_source,
+            enabled=plus.zero_waste.training_pass, shared_prompt=plus.zero_waste.shared_prompt, trl=trl_settings,
+            exact_entropy=plus.zero_waste.exact_entropy, old_logps=rollout.old_logps_source,
             row_skip_blocker=rollout.row_skip_blocker(), correction_blocker=rollout.in_loss_blocker(),
             policy_loss=plus.algorithms.policy_loss,
         )  # fmt: skip
@@ -153,7 +153,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         on_policy = OnPolicyCorrection(self._rollout_correction, trl_settings.sampler, trained_rows_only)
         self._on_policy_correction = on_policy
         self._loss = MicroBatchLoss(
-            trl_settings, trl_loss_methods(self), plus.algorithms, plus.dual_clip, self._kl_coefficient,
+            trl_settings, trl_loss_methods(self), plus.algorithms, plus.algorithms.dual_clip, self._kl_coefficient,
             self._zero_waste, self._rollout_correction, on_policy, accelerator,
         )  # fmt: skip
 
@@ -162,18 +162,18 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _long_completions_setup(self) -> None:
         policy = self.accelerator.unwrap_model(self.model)
         device = self.accelerator.device
+        long_completions = self.plus.long_completions
         settings = {
-            "tiled_mlp_tokens": self.plus.tiled_mlp_tokens,
-            "activation_offloading": self.plus.activation_offloading,
+            "tiled_mlp_tokens": long_completions.tiled_mlp_tokens,
+            "activation_offloading": long_completions.activation_offloading,
         }
-        if self.plus.fit_check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
-            counted = check_before_training(
-                self.args, policy, self.train_dataset, self.processing_class, device, self.plus.fit_check
-            )
+        if self.plus.fit.check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
+            counted = check_before_training(self.args, policy, self.train_dataset, self.processing_class, device,
+                                            self.plus.fit.check, self.plus)  # fmt: skip
             settings |= counted.turned_on if counted is not None else {}
         if settings["tiled_mlp_tokens"]:
             tile_mlps(policy, settings["tiled_mlp_tokens"])
-        size_lm_head_tiles(policy, self.plus.lm_head_tile_columns)
+        size_lm_head_tiles(policy, long_completions.lm_head_tile_columns)
         self._offload_step = training_step_context(self.model, device, settings["activation_offloading"])
 
     def training_step(self, *args, **kwargs):
@@ -347,7 +347,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _tool_turns(self):
         """A round of TRL's generation; with tools, its tool turns continue each row's cache instead of prefilling
         the history again (grpo_plus.zero_waste.multi_turn): TRL's tool loop calls `_generate_single_turn` once per turn."""
-        self._turn_cache = TurnCache() if getattr(self, "tools", None) and self.plus.zero_waste_generation else None
+        self._turn_cache = TurnCache() if getattr(self, "tools", None) and self.plus.zero_waste.generation else None
         try:
             yield
         finally:
@@ -358,7 +358,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         the previous turn did not compute; image prompts: each image encoded once) and decoding only unfinished rows
         (grpo_plus.zero_waste.generation) where that samples what transformers' own loop samples."""
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
-        if not self.plus.zero_waste_generation:
+        if not self.plus.zero_waste.generation:
             return trl_generation(*args, **kwargs)
         reason = generation_blocker(use_vllm=self.use_vllm, continuous_batching=uses_continuous_batching(self))
         if reason is not None:

@@ -24,7 +24,7 @@ import grpo_plus
 from grpo_plus import compute_advantages
 from grpo_plus.app.cli import main
 from grpo_plus.app.compare import PRESETS, check_configuration
-from grpo_plus.config import ConfigError
+from grpo_plus.config import ConfigError, PlusSettings
 from grpo_plus.objective import POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 
 pytestmark = pytest.mark.floor("cpu_logps")
@@ -216,7 +216,7 @@ def test_a_registered_normalizer_with_another_estimator_fails_at_config_time(tmp
 
 def test_aliases_are_canonicalized(tmp_path):
     config = make_config(tmp_path, kl_estimator="mse", beta=0.1)
-    assert config.kl_estimator == "k2"
+    assert PlusSettings.from_config(config).algorithms.kl_estimator == "k2" and config.kl_estimator == "mse"
 
 
 # ---- grpo-plus list / compare ----------------------------------------------------------------------------------------

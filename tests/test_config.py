@@ -1,8 +1,11 @@
 """GRPOConfig: TRL's fields unchanged, registered names accepted, bad values rejected at construction."""
 
+import ast
+import copy
 import dataclasses
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import trl
@@ -10,7 +13,7 @@ from helpers.probes import TRAIN_TINY, run_python
 from trl import TrlParser
 
 from grpo_plus import GRPOConfig, register_advantage_normalizer, register_loss_type
-from grpo_plus.config import ConfigError
+from grpo_plus.config import ConfigError, PlusSettings
 
 
 def make(tmp_path, **kwargs) -> GRPOConfig:
@@ -92,8 +95,13 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         ("importance_sampling_level", "sequence_token", "sequence_token"),
     ],
 )
-def test_aliases_are_canonicalized(tmp_path, field, value, canonical):
-    assert getattr(make(tmp_path, **{field: value}), field) == canonical
+def test_aliases_are_canonical_in_the_settings_and_the_config_keeps_them(tmp_path, field, value, canonical):
+    config = make(tmp_path, **{field: value})
+    settings = PlusSettings.from_config(config)
+    assert getattr(settings.objective, field) == canonical
+    assert settings.trl_fields[field] == canonical  # what TRL's own trainer is given
+    # grpo_plus writes nothing into the config; TRL's own __post_init__ names scale_rewards' booleans
+    assert getattr(config, field) == ({True: "group", False: "none"}[value] if isinstance(value, bool) else value)
 
 
 @pytest.mark.parametrize(
@@ -167,7 +175,9 @@ def test_trl_parser_yaml_and_flags(tmp_path):
         f"output_dir: {tmp_path}\nloss_type: dr_grpo\nepsilon_high: 0.28\ndual_clip: 3.0\nuse_cpu: true\nbf16: false\n"
     )
     (args,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(config), "--scale_rewards", "global"])
-    assert (args.loss_type, args.epsilon_high, args.dual_clip, args.scale_rewards) == ("dr_grpo", 0.28, 3.0, "batch")
+    assert (args.loss_type, args.epsilon_high, args.dual_clip, args.scale_rewards) == ("dr_grpo", 0.28, 3.0, "global")
+    settings = PlusSettings.from_config(args)
+    assert (settings.objective.scale_rewards, settings.algorithms.dual_clip) == ("batch", 3.0)
 
 
 def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path):
@@ -267,52 +277,209 @@ def test_a_value_of_the_wrong_type_names_the_field(tmp_path, kwargs, fragment):
     assert fragment in str(error.value)
 
 
-def test_settings_are_read_once_with_the_fields_defaults_also_from_a_plain_trl_config():
-    """One default per setting: a plain trl.GRPOConfig gets GRPOConfig's field defaults (the trainer once fell back
-    to other values: max_sampling_rounds 1 vs 4, overlong_penalty 0 vs 1, dynamic_sampling_min_std 0 vs 1e-4), and
-    every field GRPOConfig adds to TRL's is read into PlusSettings."""
-    import dataclasses
+# ---- each field declared once, beside its settings; built once per run; the user's config never written ----------
 
-    import trl
 
-    from grpo_plus.config import PlusSettings
+def own_fields() -> dict[str, dataclasses.Field]:
+    """GRPOConfig's fields that TRL's config does not have: grpo_plus's."""
+    trl_names = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    return {f.name: f for f in dataclasses.fields(GRPOConfig) if f.name not in trl_names}
 
-    plain = PlusSettings.from_args(trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
-    ours = PlusSettings.from_args(GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+
+def test_every_grpo_plus_field_is_declared_once_beside_its_settings():
+    """Each of GRPOConfig's own fields comes from exactly one setting of one settings group (declared in its concern's
+    settings.py), with the setting's default and its help, non-empty, and no metadata TRL's parser would hand argparse
+    but help and choices."""
+    declared = {}
+    for group in PlusSettings.groups().values():
+        assert group.__module__.endswith(".settings") or group.__module__ == "grpo_plus.plugins", group
+        for name, setting in group.field_names().items():
+            assert name not in declared, f"{name} is declared by {declared[name][0].__name__} and {group.__name__}"
+            declared[name] = (group, {f.name: f for f in group.settings()}[setting])
+    own = own_fields()
+    assert set(declared) == set(own)
+    for name, (_, setting) in declared.items():
+        assert own[name].default == setting.default, name
+        assert own[name].metadata["help"].strip() and own[name].metadata["help"] == setting.metadata["help"], name
+        assert set(own[name].metadata) <= {"help", "choices"}, name
+    assert len(own) == 53  # grpo_plus's fields when they were gathered into groups (none lost on the way)
+
+
+def test_a_field_declared_twice_is_refused():
+    """The negative control of the check above: composing the same group twice names the field declared twice."""
+    from grpo_plus.run.settings import HealthSettings
+    from grpo_plus.settings import config_fields
+
+    twice = "GRPOConfig field health_check is declared by HealthSettings and HealthSettings"
+    with pytest.raises(TypeError, match=twice):
+        config_fields("Twice", [HealthSettings, HealthSettings], __name__)
+
+
+def test_every_field_has_its_help_on_the_command_line(capsys):
+    """TRL's parser (the recipes' and `trl grpo`'s) lists every grpo_plus field with its help."""
+    with pytest.raises(SystemExit):
+        TrlParser((GRPOConfig,)).parse_args_and_config(["--help"])
+    listed = " ".join(capsys.readouterr().out.split())
+    for name, f in own_fields().items():
+        assert f"--{name}" in listed, name
+        assert " ".join(f.metadata["help"].split())[:60].replace("%", "%%") in listed.replace("%", "%%"), name
+
+
+def test_a_plain_trl_config_gets_the_declared_defaults():
+    """One default per setting: a TRL script's own trl.GRPOConfig gets every group's declared defaults, as GRPOConfig
+    does (the trainer once fell back to other values: max_sampling_rounds 1 vs 4, overlong_penalty 0 vs 1,
+    dynamic_sampling_min_std 0 vs 1e-4)."""
+    plain = PlusSettings.from_config(trl.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+    ours = PlusSettings.from_config(GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none"))
+    for attribute, group in PlusSettings.groups().items():
+        assert getattr(plain, attribute) == getattr(ours, attribute) == group(), attribute
     assert plain == ours
-    assert (plain.dynamic_sampling.max_rounds, plain.dynamic_sampling.min_std, plain.overlong_penalty) == (
-        4,
-        1e-4,
-        1.0,
-    )
-    own = {f.name for f in dataclasses.fields(GRPOConfig)} - {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    defaults = (plain.dynamic_sampling.max_rounds, plain.dynamic_sampling.min_std, plain.overlong.penalty)
+    assert defaults == (4, 1e-4, 1.0)
+    assert plain.long_completions.tiled_mlp_tokens == "auto" and plain.rewards.whole_batch == ()
+
+
+def test_each_field_reaches_its_group():
     changed = GRPOConfig(
         output_dir="unused", use_cpu=True, bf16=False, report_to="none", max_sampling_rounds=2,
         dynamic_sampling_min_std=0.5, selective_rollout_history=7, zero_waste_shared_prompt=False,
+        tiled_mlp_tokens="4096", lm_head_tile_columns="none", reward_whole_batch=["ranked"], fit_check="off",
+        vllm_dtype="float32", health_check="stop", overlong_buffer_length=8, max_completion_length=16,
     )  # fmt: skip
-    settings = PlusSettings.from_args(changed)
+    settings = PlusSettings.from_config(changed)
     assert (settings.dynamic_sampling.max_rounds, settings.dynamic_sampling.min_std) == (2, 0.5)
-    assert settings.selective.history == 7 and settings.selective.min_std == 0.5
-    assert settings.zero_waste_shared_prompt is False
-    read = {"dynamic_sampling", "dynamic_sampling_min_std", "max_sampling_rounds"}
-    read |= {f"selective_rollout_{f.name}" for f in dataclasses.fields(settings.selective) if f.name != "min_std"}
-    read |= {f.name for f in dataclasses.fields(PlusSettings)} - {
-        "dynamic_sampling",
-        "selective",
-        "algorithms",
-        "health",
-        "vllm",
-        "rewards",
-        "rollout",
-    }
-    read |= {f"vllm_{f.name}" for f in dataclasses.fields(settings.vllm)}
-    read |= {f.name for f in dataclasses.fields(settings.rollout)}  # named as the fields (verl's names)
-    read |= {f.name for f in dataclasses.fields(settings.algorithms)} - {"policy_loss_options"}
+    # selective rollout's dead-group threshold is dynamic sampling's field, read there
+    assert settings.selective_rollout.history == 7 and settings.selective_rollout.min_std == 0.5
+    assert settings.zero_waste.shared_prompt is False and settings.zero_waste.training_pass is True
+    assert (settings.long_completions.tiled_mlp_tokens, settings.long_completions.lm_head_tile_columns) == (4096, None)
+    assert (settings.rewards.whole_batch, settings.fit.check, settings.vllm.dtype) == (("ranked",), "off", "float32")
+    assert (settings.health.check, settings.overlong.buffer_length) == ("stop", 8)
     for loss in ("clip_cov", "kl_cov"):  # a policy loss's options are read from the fields of the same names
         options = dict(clip_cov_ratio=1e-3, clip_cov_lb=0.5, clip_cov_ub=2.0, kl_cov_ratio=1e-3, kl_cov_coef=0.5)
-        chosen = PlusSettings.from_args(make("unused", policy_loss=loss, **options))
+        chosen = PlusSettings.from_config(make("unused", policy_loss=loss, **options))
         assert chosen.algorithms.policy_loss_options == {k: v for k, v in options.items() if k.startswith(loss)}
-        read |= set(chosen.algorithms.policy_loss_options)
-    read |= {f"health_{f.name}" for f in dataclasses.fields(settings.health)}
-    read |= {f"reward_{f.name}" for f in dataclasses.fields(settings.rewards)}
-    assert own == read, f"GRPOConfig fields PlusSettings does not read: {own - read}; unknown: {read - own}"
+
+
+def test_the_settings_values_build_the_same_settings():
+    """The canonical values (what the fit check's counting child is given) are a config of the same run: normalizing
+    them again changes nothing."""
+    config = make(
+        "unused", scale_rewards="local", kl_estimator="mse", beta=0.1, rollout_correction="bypass_pg_geo_rs",
+        tiled_mlp_tokens="4096", reward_whole_batch=["ranked"], plugins=["json"],
+    )  # fmt: skip
+    settings = PlusSettings.from_config(config)
+    again = PlusSettings.from_config(make("unused", **settings.config_values()))
+    assert again == settings
+    assert settings.config_values()["policy_loss"] == "gpg" and settings.config_values()["kl_estimator"] == "k2"
+
+
+@pytest.fixture
+def count_builds(monkeypatch):
+    """Every settings build (grpo_plus.config.build_settings) from now on, by config."""
+    import grpo_plus.config
+
+    builds, build = [], grpo_plus.config.build_settings
+    monkeypatch.setattr(grpo_plus.config, "build_settings", lambda config: builds.append(config) or build(config))
+    return builds
+
+
+def tiny_trainer(model_dir, args, **kwargs):
+    from helpers.models import prompt_dataset
+    from helpers.rewards import length_reward
+    from transformers import AutoModelForCausalLM
+
+    from grpo_plus import GRPOTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    return GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4), **kwargs)
+
+
+@pytest.mark.floor("cpu_logps")
+def test_settings_are_built_once_per_run_and_kept_by_the_trainer(tiny_model_dir, tmp_path, count_builds):
+    args = make(tmp_path, dynamic_sampling_min_std=0.25)
+    trainer = tiny_trainer(tiny_model_dir, args)
+    assert count_builds == [args]  # built by GRPOConfig, reused by the trainer
+    assert trainer.plus is PlusSettings.from_config(args) and count_builds == [args]
+
+    plain = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    count_builds.clear()
+    trainer = tiny_trainer(tiny_model_dir, plain)
+    assert count_builds == [plain]  # a TRL script's config: built once, by the trainer
+    assert trainer.plus is PlusSettings.from_config(plain) and count_builds == [plain]
+
+    # The negative control: a config changed after it was built is built again (the counter sees the trainer's
+    # builds), and the trainer reads the value it holds now, not the one it was built with.
+    args.dynamic_sampling_min_std = 0.5
+    count_builds.clear()
+    trainer = tiny_trainer(tiny_model_dir, args)
+    assert count_builds == [args] and trainer.plus.dynamic_sampling.min_std == 0.5
+
+
+class LogprobRollout:
+    """A `rollout_func` that reports the sampler's log-probs (all the rollout correction needs at construction)."""
+
+    def __call__(self, prompts, trainer):  # pragma: no cover - construction only
+        raise AssertionError("not called: the trainer is only built")
+
+
+@pytest.mark.floor("cpu_logps")
+@pytest.mark.parametrize("config_cls", [GRPOConfig, trl.GRPOConfig], ids=["grpo_plus", "trl"])
+def test_the_users_config_is_never_written(tiny_model_dir, tmp_path, monkeypatch, config_cls):
+    """Building the settings and the trainer leaves the user's config as it was (aliases, a rollout-correction preset,
+    a tile size given as a string); the run uses the canonical values, and so does TRL's own trainer."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # TRL's notice that rollout_func is experimental
+    aliases = dict(scale_rewards="local", loss_type="grpo")
+    ours = dict(rollout_correction="bypass_pg_geo_rs", rollout_rs=" seq_mean_k1", kl_estimator="mse", beta=0.1,
+                tiled_mlp_tokens="4096")  # fmt: skip
+    args = config_cls(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **aliases,
+                      **(ours if config_cls is GRPOConfig else {}))  # fmt: skip
+    before = copy.deepcopy(args.to_dict())
+    trainer = tiny_trainer(tiny_model_dir, args, rollout_func=LogprobRollout())
+    assert args.to_dict() == before
+    assert (args.scale_rewards, trainer.args.scale_rewards, trainer.scale_rewards) == ("local", "group", "group")
+    assert trainer.args is not args and trainer.args.to_dict() == {**before, "scale_rewards": "group"}
+    if config_cls is GRPOConfig:
+        plus = trainer.plus
+        assert (plus.algorithms.policy_loss, plus.algorithms.kl_estimator) == ("gpg", "k2")
+        assert (plus.rollout.rollout_rs, plus.rollout.rollout_bypass_mode) == ("seq_mean_k1", True)
+        assert plus.long_completions.tiled_mlp_tokens == 4096
+        assert (args.policy_loss, args.kl_estimator, args.rollout_rs, args.tiled_mlp_tokens) == (
+            "ppo_clip", "mse", " seq_mean_k1", "4096"
+        )  # fmt: skip
+
+
+@pytest.mark.floor("cpu_logps")
+def test_a_config_with_canonical_values_is_handed_to_trl_as_it_is(tiny_model_dir, tmp_path):
+    """Nothing to canonicalize: TRL's trainer gets the user's config itself, as stock TRL would."""
+    args = make(tmp_path, scale_rewards="batch")
+    assert tiny_trainer(tiny_model_dir, args).args is args
+
+
+def raw_reads(package: Path, fields: set[str]) -> list[str]:
+    """Where a module of `package` (outside the settings groups, the normalization step in config.py and the app kit)
+    reads one of `fields` from a config: `args.<field>`, `self.args.<field>`, `getattr(args, "<field>", ...)`."""
+    configs = {"args", "config", "training_args", "own"}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package)
+        if where.parts[0] == "app" or where.name == "settings.py" or where.as_posix() in ("config.py", "plugins.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in fields:
+                base = node.value
+                name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+                if name in configs:
+                    found.append(f"{where}:{node.lineno} {name}.{node.attr}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+                if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value in fields:
+                    found.append(f"{where}:{node.lineno} getattr(..., {node.args[1].value!r})")
+    return found
+
+
+def test_no_module_reads_a_grpo_plus_field_from_the_config():
+    """The run's settings are read once, into PlusSettings, and handed over: no trainer or feature module reads one of
+    grpo_plus's fields from a config. (Before the settings groups, 28 places did, in the algorithm, rollout-correction,
+    vLLM, fit, reward-runner and sampling modules: this scan of that tree finds them.)"""
+    import grpo_plus
+
+    assert raw_reads(Path(grpo_plus.__file__).parent, set(own_fields())) == []

@@ -182,7 +182,8 @@ def test_dynamic_sampling_refuses_image_prompts_before_training():
     from datasets import Dataset
     from PIL import Image
 
-    from grpo_plus.sampling.dynamic_sampling import DynamicSampling, DynamicSamplingSettings
+    from grpo_plus.sampling.dynamic_sampling import DynamicSampling
+    from grpo_plus.sampling.settings import DynamicSamplingSettings
 
     settings = DynamicSamplingSettings(enabled=True)
     picture = Image.new("RGB", (8, 8))

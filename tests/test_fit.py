@@ -4,6 +4,10 @@ counting trainer, from a list derived from the registries and TRL's source (`obj
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -372,3 +376,75 @@ def test_the_search_is_exact_on_any_increasing_cost(seed):
         )
         assert found == max((n for n in range(1, high + 1) if costs[n - 1] <= budget), default=0)
         assert len(asked) == len(set(asked))
+
+
+# What counts (the counter on fake tensors, the attention kernels, the counts, the searches, the private torch APIs
+# under them): it loads in the child process that counts, never in a training process.
+COUNTING_MODULES = {
+    "grpo_plus.fit.memory", "grpo_plus.fit.attention", "grpo_plus.fit.count", "grpo_plus.fit.search",
+    "grpo_plus.compat.torch",
+}  # fmt: skip
+
+
+def modules_loaded_by(statement: str) -> set[str]:
+    """The modules a fresh Python process holds after `statement`."""
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return set(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.slow  # two fresh Python processes
+def test_the_trainer_imports_the_fit_check_and_none_of_the_counting_code():
+    """Importing the trainer loads the fit check (grpo_plus.fit.check) and none of the counting code. Negative control:
+    reading a counting name of grpo_plus.fit (what the CLI and the benchmarks do) loads all of it. torch 2.13 loads
+    torch._subclasses.fake_tensor with `import torch` itself, so that module tells nothing here."""
+    trainer = modules_loaded_by("import grpo_plus.trainer")
+    assert "grpo_plus.fit.check" in trainer
+    assert trainer & COUNTING_MODULES == set()
+    assert modules_loaded_by("from grpo_plus.fit import fit_report") >= COUNTING_MODULES
+
+
+@needs_cpu_logps
+def test_a_count_keeps_the_training_codes_notes_to_itself(monkeypatch, caplog):
+    """A count runs training code, which notes its fallbacks once per process (here the tiled MLP under LoRA dropout
+    runs whole); the count (`fit.measure_pass`) logs none of it. Negative control: the same pass counted without the
+    count's `quiet` (the function it wraps) logs the note."""
+    import logging
+
+    from grpo_plus.long_completions import tiled_mlp
+
+    spec = fit.for_side(
+        tiny(completion_tokens=20, tiled_mlp_tokens=16, lora=fit.lora_fields(4, 8, 0.05, "all-linear")), "grpo_plus"
+    )
+    note = "tiled_mlp_tokens: the MLP runs whole, because dropout is active inside the MLP"
+    for measure, logged in ((fit.measure_pass, False), (fit.count.measure_pass.__wrapped__, True)):
+        monkeypatch.setattr(tiled_mlp, "_noted", set())  # never said yet in this process
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            measure(spec, "grpo_plus", layers=1)
+        assert (note in caplog.text) is logged, caplog.text
+
+
+@pytest.mark.slow  # two Python processes counting (~35 s of CPU)
+@needs_cpu_logps
+def test_grpo_plus_fit_ends_with_its_report_without_the_trainers_notes(tmp_path):
+    """`grpo-plus fit` on a config whose training pass a training run would note (LoRA dropout: the zero-waste pass
+    computes rows in full, the tiled MLP runs whole; once per process each): what it prints, stdout and stderr
+    together, ends with the report's last line and holds none of those notes, which belong to a training run, not to a
+    count (the count runs the same code and takes the same fallbacks). Negative control: the notes are what a training
+    pass of the count's trainer logs (measured before the fix: both printed above the report)."""
+    fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP).save_pretrained(tmp_path / "m")
+    (tmp_path / "run.yaml").write_text(
+        f"model_name_or_path: {tmp_path / 'm'}\ndtype: float32\nuse_peft: true\nlora_r: 4\nlora_alpha: 8\n"
+        "lora_dropout: 0.05\nlora_target_modules: all-linear\nbf16: false\nper_device_train_batch_size: 8\n"
+        "num_generations: 4\nmax_completion_length: 32\nloss_type: dapo\ngradient_checkpointing: false\n"
+        "tiled_mlp_tokens: 64\n"
+    )
+    command = [sys.executable, "-m", "grpo_plus.app.cli", "fit", "--config", str(tmp_path / "run.yaml"),
+               "--prompt-tokens", "16", "--no-groups"]  # fmt: skip
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+    assert result.returncode == 0, result.stdout
+    for note in ("Zero-waste pass: the zero-waste pass", "tiled_mlp_tokens: the MLP runs whole"):
+        assert note not in result.stdout, result.stdout
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"longest completion: TRL \d+ tokens, grpo_plus \d+ tokens \([\d.]+x\)", last), result.stdout

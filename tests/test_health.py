@@ -20,7 +20,8 @@ import grpo_plus
 from grpo_plus.algorithms.loss_metrics import TRAINED_ROWS_ENTROPY, append_for_whole_window
 from grpo_plus.config import ConfigError, PlusSettings
 from grpo_plus.run.checkpoints import is_complete_checkpoint
-from grpo_plus.run.health import HealthSettings, TrainingHealthError, TrainingHealthGuard
+from grpo_plus.run.health import TrainingHealthError, TrainingHealthGuard
+from grpo_plus.run.settings import HealthSettings
 
 HEALTHY = {
     "loss": 0.1,
@@ -181,7 +182,7 @@ def test_bad_settings_fail_at_config_time_naming_the_field(field, value):
         grpo_plus.GRPOConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **{field: value})
 
 
-def test_settings_are_read_once_into_plus_settings():
+def test_the_health_fields_are_read_into_their_group():
     args = grpo_plus.GRPOConfig(
         output_dir="unused",
         use_cpu=True,
@@ -190,7 +191,8 @@ def test_settings_are_read_once_into_plus_settings():
         health_check="stop",
         health_truncated_frac=None,
     )
-    assert PlusSettings.from_args(args).health == HealthSettings(check="stop", truncated_frac=None)
+    assert PlusSettings.from_config(args).health == HealthSettings(check="stop", truncated_frac=None)
+    assert HealthSettings.from_config(args) == HealthSettings(check="stop", truncated_frac=None)
 
 
 # ---- real runs ------------------------------------------------------------------------------------------------------

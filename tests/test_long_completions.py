@@ -364,9 +364,9 @@ def test_fake_count_of_grouped_query_heads_equals_real_compute(monkeypatch):
     what the real pass does to the byte (without gradient checkpointing the kernel's inputs are saved for backward).
     Negative control: counted as if the kernel took them repeated to the query's heads, the count is over by the
     repeated copies (the 6.6% the count overstated bench-memory-real's peak at 4,096 tokens)."""
-    from grpo_plus.fit import memory
+    from grpo_plus.fit import attention
 
-    assert memory.cpu_flash_takes_grouped_heads()
+    assert attention.cpu_flash_takes_grouped_heads()
     spec = tiny_spec(
         attn_implementation="sdpa", completion_tokens=200, padded_prompts=False, gradient_checkpointing=False
     )
@@ -376,7 +376,7 @@ def test_fake_count_of_grouped_query_heads_equals_real_compute(monkeypatch):
     fake = fit.measure_pass(spec, "trl", layers=2, lm_head="cpu")
     counts = ("saved", "after_forward", "forward_peak", "peak")
     assert [getattr(fake, name) for name in counts] == [getattr(real, name) for name in counts]
-    monkeypatch.setattr(memory, "cpu_flash_takes_grouped_heads", lambda: False)
+    monkeypatch.setattr(attention, "cpu_flash_takes_grouped_heads", lambda: False)
     repeated = fit.measure_pass(spec, "trl", layers=2, lm_head="cpu")
     # The kernel saves the repeated keys and values for backward in place of the grouped ones, in each of two layers.
     head_dim = config.hidden_size // config.num_attention_heads

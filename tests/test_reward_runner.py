@@ -32,7 +32,8 @@ from helpers.tool_model import EchoEnv, counter_factory, tool_trainer
 
 import grpo_plus
 from grpo_plus.config import ConfigError
-from grpo_plus.rewards import RewardRunner, RewardRunnerSettings
+from grpo_plus.rewards import RewardRunner
+from grpo_plus.rewards.settings import RewardRunnerSettings
 from grpo_plus.run.state import StatefulPart
 from grpo_plus.run.validation import RewardFunctionError, RewardOutputError
 

@@ -20,10 +20,12 @@ from trl import TrlParser
 
 import grpo_plus.algorithms.micro_batch_loss
 import grpo_plus.config
+import grpo_plus.trainer
 from grpo_plus import GRPOConfig, available_rejection_criteria, compute_policy_loss, rollout_correction
-from grpo_plus.algorithms.rollout_correction import PRESETS, RolloutCorrectionSettings, RolloutCorrector
+from grpo_plus.algorithms.rollout_correction import RolloutCorrector
+from grpo_plus.algorithms.settings import PRESETS, RolloutCorrectionSettings
 from grpo_plus.app.testing import ForwardLog, StandInAccelerator, length_reward
-from grpo_plus.config import ConfigError
+from grpo_plus.config import ConfigError, PlusSettings
 from grpo_plus.objective import REJECTION_CRITERIA, register_rejection_criterion
 
 LENGTHS = [10, 0, 1, 4, 7, 5, 10, 3]
@@ -336,22 +338,29 @@ def make(**kwargs) -> GRPOConfig:
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
-def test_a_preset_expands_into_the_fields(name):
+def test_a_preset_expands_into_the_settings(name):
+    """The run's settings hold the preset's fields; the config keeps what it was given (the preset's name only)."""
     preset, config = PRESETS[name], make(rollout_correction=name)
-    assert (config.rollout_is, config.rollout_is_threshold) == (preset.rollout_is, preset.rollout_is_threshold)
-    assert (config.rollout_rs, config.rollout_rs_threshold) == (preset.rollout_rs, preset.rollout_rs_threshold)
-    assert config.rollout_bypass_mode == preset.rollout_bypass_mode
-    assert config.policy_loss == (preset.policy_loss or "ppo_clip")
-    grpo_plus.config.validate_grpo_settings(config)  # the trainer validates again: nothing changes, nothing fails
-    assert config.rollout_is == preset.rollout_is and config.rollout_correction == name
+    settings = PlusSettings.from_config(config)
+    rollout = settings.rollout
+    assert (rollout.rollout_is, rollout.rollout_is_threshold) == (preset.rollout_is, preset.rollout_is_threshold)
+    assert (rollout.rollout_rs, rollout.rollout_rs_threshold) == (preset.rollout_rs, preset.rollout_rs_threshold)
+    assert rollout.rollout_bypass_mode == preset.rollout_bypass_mode and rollout.rollout_correction == name
+    assert settings.algorithms.policy_loss == (preset.policy_loss or "ppo_clip")
+    assert (config.rollout_is, config.rollout_rs, config.rollout_bypass_mode, config.policy_loss) == (
+        None, None, False, "ppo_clip"
+    )  # fmt: skip
+    # The expanded settings are a config of their own: normalizing them again changes nothing.
+    assert RolloutCorrectionSettings(**{**vars(rollout)}) == rollout
 
 
 def test_a_presets_thresholds_are_its_parameters():
     """verl's presets take their thresholds as parameters: the config's own values replace the preset's."""
     config = make(rollout_correction="decoupled_k3_rs_token_tis", rollout_is_threshold=3.0, rollout_rs_threshold=0.05)
-    assert (config.rollout_is, config.rollout_is_threshold, config.rollout_rs_threshold) == ("token", 3.0, 0.05)
+    rollout = PlusSettings.from_config(config).rollout
+    assert (rollout.rollout_is, rollout.rollout_is_threshold, rollout.rollout_rs_threshold) == ("token", 3.0, 0.05)
     same = make(rollout_correction="decoupled_seq_is", rollout_is="sequence")  # the preset's own value: no conflict
-    assert same.rollout_is == "sequence"
+    assert PlusSettings.from_config(same).rollout.rollout_is == "sequence"
 
 
 @pytest.mark.parametrize(
@@ -392,16 +401,17 @@ def test_trls_correction_is_kept_without_ours_and_replaced_by_it():
     trl_only = make(
         use_vllm=True, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0
     )
-    assert trl_only.vllm_importance_sampling_correction is True
+    assert "vllm_importance_sampling_correction" not in PlusSettings.from_config(trl_only).trl_fields
     assert (trl_only.vllm_importance_sampling_mode, trl_only.vllm_importance_sampling_clip_max) == (
         "token_truncate",
         2.0,
     )
     ours = make(use_vllm=True, rollout_correction="decoupled_token_is")
-    assert ours.vllm_importance_sampling_correction is False
+    assert PlusSettings.from_config(ours).trl_fields["vllm_importance_sampling_correction"] is False  # TRL's trainer
+    assert ours.vllm_importance_sampling_correction is True  # the user's config as it was given
     both_off = make(use_vllm=True, rollout_is="token", vllm_importance_sampling_correction=False,
                     vllm_importance_sampling_mode="token_truncate")  # fmt: skip
-    assert both_off.rollout_is == "token"
+    assert PlusSettings.from_config(both_off).rollout.rollout_is == "token"
 
 
 def test_the_command_line_parses_the_rollout_fields(tmp_path):
@@ -412,8 +422,9 @@ def test_the_command_line_parses_the_rollout_fields(tmp_path):
         "--rollout_is_threshold", "3",
     ]  # fmt: skip
     (config,) = TrlParser((GRPOConfig,)).parse_args_and_config(args=args)
-    assert (config.rollout_is, config.rollout_is_threshold) == ("sequence", 3.0)
-    assert (config.rollout_rs, config.rollout_rs_threshold) == ("seq_sum_k1", "0.6_1.6")
+    rollout = PlusSettings.from_config(config).rollout
+    assert (rollout.rollout_is, rollout.rollout_is_threshold) == ("sequence", 3.0)
+    assert (rollout.rollout_rs, rollout.rollout_rs_threshold) == ("seq_sum_k1", "0.6_1.6")
     with pytest.raises(SystemExit):  # argparse's choices
         TrlParser((GRPOConfig,)).parse_args_and_config(args=[*args[:6], "--rollout_is", "geometric"])
 

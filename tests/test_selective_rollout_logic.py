@@ -12,13 +12,8 @@ from grpo_plus import GRPOConfig
 from grpo_plus.config import ConfigError
 from grpo_plus.run.checkpoints import CheckpointError
 from grpo_plus.run.state import LEGACY_SELECTIVE_ROLLOUT_FILE, SHARED_FILE, TrainingState
-from grpo_plus.sampling.selective_rollout import (
-    MIN_KEEP_PROBABILITY,
-    SOLVED,
-    UNSOLVED,
-    SelectiveRollout,
-    SelectiveRolloutSettings,
-)
+from grpo_plus.sampling.selective_rollout import MIN_KEEP_PROBABILITY, SOLVED, UNSOLVED, SelectiveRollout
+from grpo_plus.sampling.settings import SelectiveRolloutSettings
 
 G = 4
 
@@ -260,8 +255,8 @@ def test_selective_rollout_fields_are_flags_and_yaml_keys(tmp_path):
     )
     flags = ["--selective_rollout_history", "6", "--selective_rollout_target_dead_frac", "0.4"]
     (args,) = TrlParser((GRPOConfig,)).parse_args_and_config(["--config", str(config), *flags])
-    settings = SelectiveRolloutSettings.from_args(args)
-    assert args.selective_rollout is True
+    settings = SelectiveRolloutSettings.from_config(args)
+    assert args.selective_rollout is True and settings.enabled is True
     assert (settings.explore_unsolved, settings.solved_reward, settings.history, settings.target_dead_frac) == (
         0.7,
         1.5,

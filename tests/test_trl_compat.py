@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import subprocess
 import types
 import warnings
 from pathlib import Path
@@ -84,6 +85,19 @@ def test_window_agrees_with_pyproject_and_makefile():
     assert trl_requirement == f">={TESTED_TRL_MINORS[0]}.0,<{trl_versions._next_minor(TESTED_TRL_MINORS[-1])}"
     (makefile_minors,) = re.findall(r"^TRL_MINORS\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
     assert tuple(makefile_minors.split()) == TESTED_TRL_MINORS
+
+
+def test_every_tested_minor_runs_once_in_ci():
+    """make test runs the lock's TRL minor (constraints.txt) and the matrix every other tested minor: each tested
+    minor is run, none twice (the matrix leaving out the lock's minor is what saves CI the duplicate run)."""
+    (lock_trl,) = re.findall(r"^trl==(\d+\.\d+)\.", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
+    assert lock_trl in TESTED_TRL_MINORS
+    plan = subprocess.run(
+        ["make", "-s", "-p", "-n", "--no-print-directory", "lint"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    (matrix_envs,) = re.findall(r"^MATRIX_ENVS := (.+)$", plan, re.MULTILINE)
+    matrix_minors = [env.removeprefix("trl-") for env in matrix_envs.split() if env.startswith("trl-")]
+    assert sorted([lock_trl, *matrix_minors]) == sorted(TESTED_TRL_MINORS)
 
 
 # ------------------------------------------------------------------------------------------------ hooked signatures

@@ -1,6 +1,6 @@
-"""The published algorithms in a GRPOTrainer: which estimator, policy loss and KL estimator a config names (validated
-here), the adaptive KL coefficient over training steps (saved in checkpoints), a round's advantages from every
-process's rewards (with what the estimator reads besides them), and ReMax's greedy generation.
+"""The published algorithms in a GRPOTrainer (their settings: `algorithms.settings`): the adaptive KL coefficient
+over training steps (saved in checkpoints), a round's advantages from every process's rewards (with what the
+estimator reads besides them), and ReMax's greedy generation.
 
 The formulas are the core's (`grpo_plus.objective`); this module holds what the trainer needs around them, and
 `trainer.py` wires it in.
@@ -8,172 +8,19 @@ The formulas are the core's (`grpo_plus.objective`); this module holds what the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from ..objective import (
-    ADVANTAGE_ESTIMATORS,
-    ADVANTAGE_NORMALIZERS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
     AdaptiveKLController,
     PolicyLossOutput,
     combine_rewards,
     compute_advantages,
 )
-from ..objective.advantages import scale_rewards_problem
-from ..objective.loss import policy_loss_options_problem, policy_loss_problem
-from ..objective.policy_losses import OPTIONS
-from ..settings import ConfigError, not_allowed
-
-# The defaults of GRPOConfig's algorithm fields (one default per setting: config.py uses these).
-DEFAULT_ESTIMATOR, DEFAULT_POLICY_LOSS, DEFAULT_KL_ESTIMATOR = "grpo", "ppo_clip", "k3"
-DEFAULT_KL_HORIZON = 10000  # PPO's (Ziegler et al. 2019; TRL's old PPOConfig, verl's kl_ctrl.horizon)
-
-
-@dataclass(frozen=True)
-class AlgorithmSettings:
-    """The algorithm a config names: estimator, policy loss (with its own options), KL estimator, adaptive KL."""
-
-    advantage_estimator: str = DEFAULT_ESTIMATOR
-    policy_loss: str = DEFAULT_POLICY_LOSS
-    kl_estimator: str = DEFAULT_KL_ESTIMATOR
-    adaptive_kl_target: float | None = None
-    adaptive_kl_horizon: int = DEFAULT_KL_HORIZON
-    # The policy loss's options, read from the config fields of the same names (a user-registered loss's options that
-    # are no config field keep the defaults it declared).
-    policy_loss_options: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-
-    @classmethod
-    def from_args(cls, own: Any, args: Any) -> AlgorithmSettings:
-        """`own`: grpo_plus's fields (defaults filled in for a plain trl.GRPOConfig); `args`: the config itself, for
-        options that are TRL fields (sapo_temperature_pos / _neg)."""
-        name = own.policy_loss
-        declared = POLICY_LOSSES.entry(name).trait(OPTIONS, {}) if name in POLICY_LOSSES else {}
-        options = {name: getattr(own, name, getattr(args, name, option.default)) for name, option in declared.items()}
-        return cls(
-            advantage_estimator=own.advantage_estimator,
-            policy_loss=name,
-            kl_estimator=own.kl_estimator,
-            adaptive_kl_target=own.adaptive_kl_target,
-            adaptive_kl_horizon=own.adaptive_kl_horizon,
-            policy_loss_options=MappingProxyType(options),
-        )
-
-    @property
-    def adaptive_kl(self) -> bool:
-        return self.adaptive_kl_target is not None
-
-    def needs(self, estimator_input: str) -> bool:
-        """Whether the estimator reads `estimator_input` ("completion_mask", "reward_baselines")."""
-        return estimator_input in ADVANTAGE_ESTIMATORS.entry(self.advantage_estimator).requires
-
-    def validate(self, args: Any, trl_native: bool) -> None:
-        """Raise ConfigError for a name that is not registered or a combination that cannot run; canonicalize aliases
-        on `args` (a plain trl.GRPOConfig has none of these fields: its defaults need no check)."""
-        names = {}
-        for registry in (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, KL_ESTIMATORS):  # each `field` is one of ours
-            names[registry.field] = registry.check(getattr(self, registry.field), error=ConfigError)
-            if hasattr(args, registry.field):
-                setattr(args, registry.field, names[registry.field])
-        estimator, loss, kl = names["advantage_estimator"], names["policy_loss"], names["kl_estimator"]
-        self._check_estimator(args, estimator)
-        self._check_policy_loss(args, loss, trl_native)
-        self._check_kl(args, kl, trl_native)
-
-    def _check_estimator(self, args: Any, estimator: str) -> None:
-        scale = (
-            ADVANTAGE_NORMALIZERS.resolve(args.scale_rewards) if args.scale_rewards in ADVANTAGE_NORMALIZERS else None
-        )
-        problem = scale_rewards_problem(estimator, scale) if scale is not None else None
-        if problem is not None:
-            raise ConfigError(problem)
-        if estimator != DEFAULT_ESTIMATOR and args.multi_objective_aggregation == "normalize_then_sum":
-            raise ConfigError(
-                f"advantage_estimator={estimator!r} cannot be combined with multi_objective_aggregation="
-                "'normalize_then_sum': that aggregation is TRL's own GRPO advantage. Use "
-                "multi_objective_aggregation='sum_then_normalize'."
-            )
-        if "reward_baselines" in ADVANTAGE_ESTIMATORS.entry(estimator).requires:
-            self._check_greedy_baseline(args, estimator)
-
-    @staticmethod
-    def _check_greedy_baseline(args: Any, estimator: str) -> None:
-        """ReMax generates one greedy completion per prompt of each process's own rows, through TRL's generation."""
-        blockers = {
-            "use_vllm=True": getattr(args, "use_vllm", False),
-            "use_transformers_paged=True (continuous batching)": getattr(args, "use_transformers_paged", False),
-        }
-        for setting, active in blockers.items():
-            if active:
-                raise ConfigError(
-                    f"advantage_estimator={estimator!r} cannot be combined with {setting}: its greedy baseline "
-                    "generation runs through transformers' generate (the path grpo_plus checks greedy decoding on)."
-                )
-        eval_generations = getattr(args, "num_generations_eval", None) or args.num_generations
-        evaluates = getattr(args.eval_strategy, "value", args.eval_strategy) != "no"
-        if evaluates and args.per_device_eval_batch_size % eval_generations:
-            raise ConfigError(
-                f"advantage_estimator={estimator!r} needs per_device_eval_batch_size ({args.per_device_eval_batch_size}) "
-                f"to be a multiple of the evaluation's num_generations ({eval_generations}): each process generates "
-                "the greedy baseline for the prompts whose whole groups it holds."
-            )
-        steps = args.steps_per_generation
-        if steps is None and args.generation_batch_size is None:
-            steps = args.gradient_accumulation_steps  # TRL's default; else TRL derives it with the process count
-        if steps is None:
-            return  # checked again when the trainer is built, with the config TRL completed
-        local_rows = args.per_device_train_batch_size * steps
-        if local_rows % args.num_generations:
-            raise ConfigError(
-                f"advantage_estimator={estimator!r} needs per_device_train_batch_size * steps_per_generation "
-                f"({args.per_device_train_batch_size} * {steps} = {local_rows}) to be a multiple "
-                f"of num_generations ({args.num_generations}): each process generates the greedy baseline for the "
-                "prompts whose whole groups it holds."
-            )
-
-    def _check_policy_loss(self, args: Any, loss: str, trl_native: bool) -> None:
-        if trl_native and loss != DEFAULT_POLICY_LOSS:
-            raise ConfigError(
-                f"policy_loss={loss!r} cannot be combined with loss_type={args.loss_type!r}: TRL computes that loss "
-                f"itself. Choose an aggregation grpo_plus computes (e.g. loss_type='dapo'; TRL's loss_type='cispo' is "
-                "policy_loss='cispo' with loss_type='dapo', 'sapo' is policy_loss='sapo' with loss_type='grpo')."
-            )
-        problem = policy_loss_problem(
-            loss,
-            args.importance_sampling_level,
-            {"delta": args.delta, "dual_clip": getattr(args, "dual_clip", None)},
-        )
-        if problem is not None and not trl_native:
-            raise ConfigError(problem)
-        problem = policy_loss_options_problem(loss, self.policy_loss_options)
-        if problem is not None:
-            raise ConfigError(problem)
-
-    def _check_kl(self, args: Any, kl: str, trl_native: bool) -> None:
-        if trl_native and (kl != DEFAULT_KL_ESTIMATOR or self.adaptive_kl):
-            setting = f"kl_estimator={kl!r}" if kl != DEFAULT_KL_ESTIMATOR else "adaptive_kl_target"
-            raise ConfigError(
-                f"{setting} cannot be combined with loss_type={args.loss_type!r}: TRL computes that loss (and its k3 "
-                "KL term with a fixed beta) itself."
-            )
-        if not self.adaptive_kl:
-            return
-        if not self.adaptive_kl_target > 0:
-            raise not_allowed("adaptive_kl_target", self.adaptive_kl_target, "> 0 or None (None keeps beta fixed)")
-        if self.adaptive_kl_horizon < 1:
-            raise not_allowed("adaptive_kl_horizon", self.adaptive_kl_horizon, ">= 1")
-        if args.beta <= 0:
-            raise ConfigError(
-                f"adaptive_kl_target={self.adaptive_kl_target} needs beta > 0 (got beta={args.beta}): beta is the "
-                "coefficient the controller starts from and moves by factors, and beta=0 loads no reference model."
-            )
-
+from .settings import AlgorithmSettings
 
 # ---- the adaptive KL coefficient over training steps --------------------------------------------------------------
 

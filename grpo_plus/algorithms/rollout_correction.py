@@ -1,5 +1,6 @@
-"""verl's rollout correction in a GRPOTrainer (`rollout_is`, `rollout_rs`, `rollout_correction`, ...): its presets, the
-settings group, where the old log-probs come from, and the IS weights and rejection mask handed to the loss.
+"""verl's rollout correction in a GRPOTrainer (`rollout_is`, `rollout_rs`, `rollout_correction`, ...; its settings and
+presets: `algorithms.settings`): where the old log-probs come from, and the IS weights and rejection mask handed to the
+loss.
 
 The formulas are the core's (`grpo_plus.objective.rollout_corr`); `trainer.py` wires this in. The sampler must report
 the log-probs of the tokens it sampled: TRL's `sampling_per_token_logps` (vLLM, or a `rollout_func` returning
@@ -31,281 +32,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
-from types import MappingProxyType
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..compat.loss import (
     SAMPLER_LOGPS_KEY,
-    TRL_SAMPLER_CORRECTION,
     TRL_SAMPLER_METRICS,
     TRLSamplerCorrection,
-    trl_sampler_correction_changes,
     trl_sampler_metric_values,
     trl_sampler_ratio,
 )
 from ..objective.rollout_corr import (
-    IS_LEVELS,
     METRIC_PREFIX,
-    parse_rejection_criteria,
-    parse_thresholds,
     rollout_correction,
 )
-from ..registry import did_you_mean
-from ..settings import ConfigError, not_allowed
+from .settings import POLICY_GRADIENT, RolloutCorrectionSettings
 
-DEFAULT_IS_THRESHOLD = 2.0  # verl's default rollout_is_threshold
 TRAINED_ROWS_PREFIX = METRIC_PREFIX + "trained_rows/"
 # Generation-batch keys this module adds (per row, (B, T)).
 WEIGHTS_KEY, MASK_KEY = "rollout_is_weights", "rollout_response_mask"
-# The policy loss verl's bypass "reinforce" is (-A logp, the IS weights multiplying it); its "ppo_clip" is ours.
-POLICY_GRADIENT, PPO_CLIP = "gpg", "ppo_clip"
-
-
-@dataclass(frozen=True)
-class Preset:
-    """One of verl's `RolloutCorrectionConfig` presets as GRPOConfig fields; `policy_loss` is the bypass loss (None:
-    any policy loss). The thresholds are the preset's defaults, which the config's own values replace (verl's preset
-    parameters)."""
-
-    rollout_is: str | None = None
-    rollout_is_threshold: float | None = None
-    rollout_rs: str | None = None
-    rollout_rs_threshold: str | float | None = None
-    rollout_bypass_mode: bool = False
-    policy_loss: str | None = None
-
-
-_SEQ_RS, _GEO_RS, _K3_RS = ("seq_sum_k1", "0.5_2.0"), ("seq_mean_k1", "0.999_1.001"), ("seq_mean_k3", 0.01)
-_BYPASS_CLIP, _BYPASS_PG = (
-    dict(rollout_bypass_mode=True, policy_loss=PPO_CLIP),
-    dict(rollout_bypass_mode=True, policy_loss=POLICY_GRADIENT),
-)
-# verl's presets (the classmethods of RolloutCorrectionConfig, volcengine/verl b178a3c), by name.
-PRESETS: Mapping[str, Preset] = MappingProxyType(
-    {
-        "decoupled_token_is": Preset("token", 2.0),
-        "decoupled_seq_is": Preset("sequence", 2.0),
-        "decoupled_seq_is_rs": Preset("sequence", 2.0, *_SEQ_RS),
-        "decoupled_geo_rs": Preset(None, None, *_GEO_RS),
-        "decoupled_geo_rs_seq_tis": Preset("sequence", 2.0, *_GEO_RS),
-        "decoupled_geo_rs_token_tis": Preset("token", 2.0, *_GEO_RS),
-        "decoupled_k3_rs": Preset(None, None, *_K3_RS),
-        "decoupled_k3_rs_seq_tis": Preset("sequence", 2.0, *_K3_RS),
-        "decoupled_k3_rs_token_tis": Preset("token", 2.0, *_K3_RS),
-        "bypass_ppo_clip": Preset(**_BYPASS_CLIP),
-        "bypass_ppo_clip_geo_rs": Preset(None, None, *_GEO_RS, **_BYPASS_CLIP),
-        "bypass_ppo_clip_k3_rs": Preset(None, None, *_K3_RS, **_BYPASS_CLIP),
-        "bypass_pg_is": Preset("sequence", 2.0, **_BYPASS_PG),
-        "bypass_pg_geo_rs": Preset(None, None, *_GEO_RS, **_BYPASS_PG),
-        "bypass_pg_geo_rs_seq_tis": Preset("sequence", 2.0, *_GEO_RS, **_BYPASS_PG),
-        "bypass_pg_geo_rs_token_tis": Preset("token", 2.0, *_GEO_RS, **_BYPASS_PG),
-        "disabled": Preset(),  # verl's: the metrics only, no correction
-    }
-)
-
-
-def _conflict(preset: str, name: str, given: Any, wanted: Any) -> ConfigError:
-    return ConfigError(
-        f"{name}={given!r} conflicts with rollout_correction={preset!r}, which sets {name}={wanted!r}: leave {name} "
-        "unset, or drop the preset and set the rollout_* fields yourself."
-    )
-
-
-def expand_preset(args: Any) -> None:
-    """Write the fields of `args.rollout_correction`'s preset into `args` (in place, so validating twice is a no-op).
-
-    A field the config set to another value than the preset's is an error; the thresholds are the config's where it
-    set them (verl's preset parameters), else the preset's; `policy_loss` is set for the bypass presets where the
-    config left it at its default (ppo_clip)."""
-    name = getattr(args, "rollout_correction", None)
-    if name is None:
-        return
-    if name not in PRESETS:
-        raise ConfigError(
-            f"rollout_correction={name!r} is not one of verl's presets.{did_you_mean(name, PRESETS)} Allowed: "
-            f"{', '.join(PRESETS)}, or None."
-        )
-    preset = PRESETS[name]
-    for field in ("rollout_is", "rollout_rs"):
-        given, wanted = getattr(args, field), getattr(preset, field)
-        if given is not None and _canonical(field, given) != wanted:
-            raise _conflict(name, field, given, wanted)
-        setattr(args, field, wanted)
-    if args.rollout_bypass_mode and not preset.rollout_bypass_mode:
-        raise _conflict(name, "rollout_bypass_mode", True, False)
-    args.rollout_bypass_mode = preset.rollout_bypass_mode
-    if preset.policy_loss is not None and hasattr(args, "policy_loss"):
-        if args.policy_loss not in (PPO_CLIP, preset.policy_loss):
-            raise _conflict(name, "policy_loss", args.policy_loss, preset.policy_loss)
-        args.policy_loss = preset.policy_loss
-    for field, part in (("rollout_is_threshold", "rollout_is"), ("rollout_rs_threshold", "rollout_rs")):
-        if getattr(preset, part) is None and getattr(args, field) is not None:
-            raise ConfigError(
-                f"{field}={getattr(args, field)!r} has nothing to apply to: rollout_correction={name!r} sets "
-                f"{part}=None."
-            )
-        if getattr(args, field) is None:
-            setattr(args, field, getattr(preset, field))
-
-
-def _canonical(field: str, value: Any) -> Any:
-    """A rollout_rs as its canonical comma-separated criteria (so " seq_mean_k1" equals the preset's); else value."""
-    if field != "rollout_rs":
-        return value
-    try:
-        return ",".join(parse_rejection_criteria(value))
-    except ValueError:
-        return value
-
-
-@dataclass(frozen=True)
-class RolloutCorrectionSettings:
-    """GRPOConfig's rollout-correction fields (verl's names; `rollout_bypass_mode` is verl's `bypass_mode`), read once
-    after `expand_preset`."""
-
-    rollout_correction: str | None = None
-    rollout_is: str | None = None
-    rollout_is_threshold: float | None = None
-    rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None
-    rollout_rs_threshold: str | float | None = None
-    rollout_bypass_mode: bool = False
-
-    IS_CHOICES = IS_LEVELS  # what rollout_is takes besides None (the CLI's choices)
-
-    @classmethod
-    def from_args(cls, own: Any) -> RolloutCorrectionSettings:
-        """Each field from the GRPOConfig field of the same name."""
-        return cls(**{f.name: getattr(own, f.name) for f in fields(cls)})
-
-    @property
-    def active(self) -> bool:
-        """Whether grpo_plus's correction replaces TRL's: a preset (even verl's metrics-only "disabled"), IS weights,
-        rejection or bypass is set."""
-        return (
-            self.rollout_correction is not None
-            or self.rollout_is is not None
-            or self.rollout_rs is not None
-            or self.rollout_bypass_mode
-        )
-
-    @property
-    def bypass(self) -> bool:
-        return self.active and bool(self.rollout_bypass_mode)
-
-    @property
-    def decoupled(self) -> bool:
-        return self.active and not self.rollout_bypass_mode
-
-    @property
-    def old_logps_source(self) -> str:
-        """Where the old log-probs come from: 'generation' (decoupled: every row, at generation), 'none' (bypass: the
-        sampler's are the old ones, no pass runs), 'trl' (no correction of ours: as TRL decides)."""
-        return "none" if self.bypass else "generation" if self.decoupled else "trl"
-
-    def in_loss_blocker(self) -> str | None:
-        """Why the decoupled correction needs every row of the generation batch before the first micro-batch's loss
-        (so on-policy too its old log-probs come from a no-grad pass at generation), or None."""
-        if not self.decoupled:
-            return None
-        if self.rollout_rs is not None:
-            return (
-                f"rollout_rs={self.rollout_rs!r}: the mask after rejection sets the loss's token count over the whole "
-                "generation batch (num_items_in_batch, dapo's N) before the first micro-batch's loss"
-            )
-        if self.rollout_is is not None and self.rollout_is_batch_normalize:
-            return "rollout_is_batch_normalize=True: each weight is divided by the mean over the generation batch"
-        return None
-
-    def row_skip_blocker(self) -> str | None:
-        """Why the zero-waste pass must compute every row of the training forward, or None."""
-        if self.bypass and self.rollout_is is not None and self.rollout_is_batch_normalize:
-            return (
-                "rollout_is_batch_normalize=True in bypass mode: each row's IS weight is divided by the mean over "
-                "every row's, computed from the training forward"
-            )
-        return None
-
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments of `grpo_plus.objective.rollout_correction` (the IS threshold defaulted to verl's)."""
-        threshold = DEFAULT_IS_THRESHOLD if self.rollout_is_threshold is None else self.rollout_is_threshold
-        return dict(
-            rollout_is=self.rollout_is,
-            rollout_is_threshold=threshold,
-            rollout_is_batch_normalize=self.rollout_is_batch_normalize,
-            rollout_rs=self.rollout_rs,
-            rollout_rs_threshold=self.rollout_rs_threshold,
-        )
-
-    def validate(self, args: Any, trl_native: bool, policy_loss: str) -> None:
-        """Raise ConfigError for a value or combination the correction cannot run with; canonicalize `rollout_rs` and
-        turn TRL's own vLLM correction off on `args` where this one replaces it."""
-        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
-            raise not_allowed("rollout_is", self.rollout_is, "None, 'token' or 'sequence' (verl's IS levels)")
-        threshold = self.rollout_is_threshold
-        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
-            raise not_allowed("rollout_is_threshold", threshold, "a number > 0 (the IS weights' upper cap) or None")
-        if threshold is not None and not threshold > 0:
-            raise not_allowed("rollout_is_threshold", threshold, "> 0 (the IS weights' upper cap) or None")
-        if self.rollout_is is None:
-            for name, value, unset in (
-                ("rollout_is_threshold", threshold, None),
-                ("rollout_is_batch_normalize", self.rollout_is_batch_normalize, False),
-            ):
-                if value != unset:
-                    raise ConfigError(f"{name}={value!r} has no effect without rollout_is ('token' or 'sequence').")
-        self._check_rejection(args)
-        if not self.active:
-            return
-        if trl_native:
-            raise ConfigError(
-                f"The rollout correction cannot be combined with loss_type={args.loss_type!r}: TRL computes that loss "
-                "itself and applies only its own vllm_importance_sampling_* correction. Use one of grpo_plus's loss "
-                "types with policy_loss='cispo' or 'sapo' instead (the same losses, computed by grpo_plus)."
-            )
-        if self.bypass and self.rollout_is is not None and policy_loss != POLICY_GRADIENT:
-            raise ConfigError(
-                f"rollout_is={self.rollout_is!r} with rollout_bypass_mode=True needs policy_loss='gpg' (verl's "
-                f"REINFORCE, the weights multiplying -A logp): policy_loss={policy_loss!r} already corrects by its "
-                "ratio pi_theta / pi_rollout, and verl applies no IS weights on top of it (they would count the "
-                "mismatch twice). Set rollout_is=None, or policy_loss='gpg'."
-            )
-        self._replace_trl_correction(args)
-
-    def _check_rejection(self, args: Any) -> None:
-        if self.rollout_rs is None:
-            if self.rollout_rs_threshold is not None:
-                raise ConfigError(
-                    f"rollout_rs_threshold={self.rollout_rs_threshold!r} has no effect without rollout_rs (the "
-                    "rejection criteria)."
-                )
-            return
-        try:
-            criteria = parse_rejection_criteria(self.rollout_rs)
-            parse_thresholds(criteria, self.rollout_rs_threshold)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if hasattr(args, "rollout_rs"):
-            args.rollout_rs = ",".join(criteria)
-
-    @staticmethod
-    def _replace_trl_correction(args: Any) -> None:
-        """Under vLLM, this correction replaces TRL's: `vllm_importance_sampling_correction` is turned off, unless the
-        config also changed TRL's mode or bounds (it asked for both: refused)."""
-        if not getattr(args, "use_vllm", False) or not getattr(args, TRL_SAMPLER_CORRECTION, False):
-            return
-        changed = trl_sampler_correction_changes(args)
-        if changed:
-            settings = ", ".join(f"{name}={value!r}" for name, value in changed.items())
-            raise ConfigError(
-                f"The config sets both TRL's vLLM correction ({settings}) and grpo_plus's rollout correction: choose "
-                f"one. For TRL's, leave the rollout_* fields unset; for grpo_plus's, leave TRL's at their defaults "
-                f"(it is then turned off) or set {TRL_SAMPLER_CORRECTION}=False."
-            )
-        setattr(args, TRL_SAMPLER_CORRECTION, False)
 
 
 # ---- the correction in a run -------------------------------------------------------------------------------------

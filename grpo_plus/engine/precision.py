@@ -95,12 +95,12 @@ def engine_quantization(setting: str, asked: str | None, model_path: str, memory
 
 
 @contextmanager
-def engine_precision(args: Any) -> Iterator[None]:
-    """While TRL builds its trainer: the colocated engine gets `engine_quantization`'s choice instead of what TRL asks
-    (for a 4-bit base "bitsandbytes", which vLLM 0.31 no longer has and whose loader cannot take the dequantized
-    weights the out-of-place sync sends), and `vllm_dtype` where it is not "auto"."""
-    setting = getattr(args, "vllm_quantization", VLLM_QUANTIZATION_AUTO)
-    dtype = getattr(args, "vllm_dtype", "auto")
+def engine_precision(args: Any, quantization: str = VLLM_QUANTIZATION_AUTO, dtype: str = "auto") -> Iterator[None]:
+    """While TRL builds its trainer from `args` (TRL's vLLM fields): the colocated engine gets `engine_quantization`'s
+    choice for `quantization` (vllm_quantization) instead of what TRL asks (for a 4-bit base "bitsandbytes", which vLLM
+    0.31 no longer has and whose loader cannot take the dequantized weights the out-of-place sync sends), and `dtype`
+    (vllm_dtype) where it is not "auto"."""
+    setting = quantization
     if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", "colocate") != "colocate":
         yield
         return

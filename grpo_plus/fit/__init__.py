@@ -26,110 +26,53 @@ setting a side has: for TRL gradient checkpointing and an offloaded KV cache for
 
 The package, along its seams: `spec` (what a count depends on), `count` (the counts), `search` (the longest completion,
 the largest group, settings that fit, the report `grpo-plus fit` prints), `check` (the trainer's check, run in a child
-process: `python -m grpo_plus.fit`), `memory` (counting on fake tensors).
+process: `python -m grpo_plus.fit`), `results` (what a count answers), `memory` (counting on fake tensors),
+`attention` (the attention kernel a count runs).
+
+The names below load their module on first use: the trainer imports `grpo_plus.fit.check` alone, and the counting code
+(fake tensors, 2.8k lines) loads in the child process that counts, not in the training process.
 """
 
-from .check import (
-    CARD_RESERVE_GIB,
-    DEFAULT_RESERVE_GIB,
-    FRAGMENTATION,
-    FitCheckError,
-    card_budget,
-    check_before_training,
-    check_fit,
-    device_budget,
-    engine_weights,
-    prompt_lengths,
-)
-from .count import (
-    StepEstimate,
-    build_policy,
-    counting_trainer,
-    estimate,
-    extrapolate,
-    generation,
-    measure_generation,
-    measure_pass,
-    static_bytes,
-    synthetic_micro_batch,
-    training_pass,
-)
-from .memory import GIB, PassMemory
-from .search import (
-    GROUP_LIMIT,
-    LENGTH_STEP,
-    FitReport,
-    automatic_options,
-    fit_report,
-    format_report,
-    largest_group,
-    largest_within,
-    longest_completion,
-    suggestions,
-)
-from .spec import (
-    DEFAULT_IMAGE_SIZE,
-    IMAGE_FAMILIES,
-    KNOWN_MODELS,
-    KNOWN_SHAPES,
-    SIDES,
-    TILED_MLP_TOKENS,
-    FitSpec,
-    for_side,
-    image_count_blocker,
-    known_config,
-    lora_fields,
-    optimizer_states,
-    resized_image,
-    with_memory_options,
-)
+from __future__ import annotations
 
-__all__ = [
-    "CARD_RESERVE_GIB",
-    "DEFAULT_IMAGE_SIZE",
-    "DEFAULT_RESERVE_GIB",
-    "FRAGMENTATION",
-    "GIB",
-    "GROUP_LIMIT",
-    "IMAGE_FAMILIES",
-    "KNOWN_MODELS",
-    "KNOWN_SHAPES",
-    "LENGTH_STEP",
-    "SIDES",
-    "TILED_MLP_TOKENS",
-    "FitCheckError",
-    "FitReport",
-    "FitSpec",
-    "PassMemory",
-    "StepEstimate",
-    "build_policy",
-    "card_budget",
-    "check_before_training",
-    "check_fit",
-    "counting_trainer",
-    "device_budget",
-    "engine_weights",
-    "estimate",
-    "extrapolate",
-    "fit_report",
-    "for_side",
-    "format_report",
-    "generation",
-    "image_count_blocker",
-    "known_config",
-    "largest_group",
-    "largest_within",
-    "longest_completion",
-    "lora_fields",
-    "measure_generation",
-    "measure_pass",
-    "optimizer_states",
-    "prompt_lengths",
-    "resized_image",
-    "static_bytes",
-    "suggestions",
-    "automatic_options",
-    "synthetic_micro_batch",
-    "training_pass",
-    "with_memory_options",
-]
+import importlib
+
+# Each public name, by the module that defines it (loaded when the name is first read).
+_PUBLIC = {
+    "check": (
+        "CARD_RESERVE_GIB", "DEFAULT_RESERVE_GIB", "FRAGMENTATION", "FitCheckError", "card_budget",
+        "check_before_training", "check_fit", "device_budget", "engine_weights", "prompt_lengths",
+    ),
+    "count": (
+        "build_policy", "counting_trainer", "estimate", "extrapolate", "generation", "measure_generation",
+        "measure_pass", "static_bytes", "synthetic_micro_batch", "training_pass",
+    ),
+    "results": ("GIB", "PassMemory", "StepEstimate"),
+    "search": (
+        "GROUP_LIMIT", "LENGTH_STEP", "FitReport", "automatic_options", "fit_report", "format_report", "largest_group",
+        "largest_within", "longest_completion", "suggestions",
+    ),
+    "spec": (
+        "DEFAULT_IMAGE_SIZE", "IMAGE_FAMILIES", "KNOWN_MODELS", "KNOWN_SHAPES", "SIDES", "TILED_MLP_TOKENS", "FitSpec",
+        "for_side", "image_count_blocker", "known_config", "lora_fields", "optimizer_states", "resized_image",
+        "with_memory_options",
+    ),
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _PUBLIC.items() for name in names}
+_SUBMODULES = ("attention", "check", "count", "memory", "results", "search", "spec")
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+        globals()[name] = value  # read once: later reads do not come here
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_SUBMODULES})

@@ -1,5 +1,8 @@
 """The trainer's fit check (`GRPOConfig.fit_check`): before step 1 on a CUDA device, the worst step of this run counted
-in a child process (`python -m grpo_plus.fit`) against the device's free memory."""
+in a child process (`python -m grpo_plus.fit`, `grpo_plus.fit.__main__`) against the device's free memory.
+
+The trainer imports this module alone: it loads no counting code (fake tensors, the counter, the searches), which
+runs in the child; the child's answer comes back as JSON (`report_of`, `estimate_from_report`)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .count import StepEstimate, estimate, quiet, remembered_counts
-from .memory import GIB, PassMemory
-from .search import REPORT_PARTS, _side_report, automatic_options, suggestions
-from .spec import SIDES, FitSpec, image_count_blocker
+from .results import GIB, PassMemory, StepEstimate
+from .spec import FitSpec, image_count_blocker
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
                        " | ".join(tail))  # fmt: skip
         return None
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    estimate_ = _estimate_from_report(spec, report)
+    estimate_ = estimate_from_report(spec, report)
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
     seconds = time.perf_counter() - started
@@ -104,7 +105,7 @@ def check_fit(spec: FitSpec, budget: int, device: str, mode: str, timeout: float
         return estimate_
     automatic = report.get("automatic")
     if mode == "auto" and automatic:
-        turned_on = _estimate_from_report(spec.replace(**automatic["options"]), automatic)
+        turned_on = estimate_from_report(spec.replace(**automatic["options"]), automatic)
         turned_on.seconds, turned_on.turned_on = estimate_.seconds, dict(automatic["options"])
         names = ", ".join(f"{name}={value!r}" for name, value in automatic["options"].items())
         logger.warning("grpo_plus fit check (fit_check='auto'): %s. Turned on %s: now %.2f GiB (same gradient up to "
@@ -176,17 +177,17 @@ def prompt_images(dataset, processing_class, sample: int = 256) -> dict:
 
 
 def check_before_training(args, model, dataset, processing_class, device: torch.device,
-                          mode: str) -> StepEstimate | None:  # fmt: skip
+                          mode: str, settings=None) -> StepEstimate | None:  # fmt: skip
     """GRPOConfig.fit_check on a CUDA device: the worst step of this trainer against the device's free memory (a
     vision-language model with its vision tower and its prompts' pictures); with fit_check='auto', its `turned_on`
-    names the memory settings the trainer must turn on."""
+    names the memory settings the trainer must turn on. `settings`: the run's (None: those of `args`)."""
     blocker = image_count_blocker(model.config.to_dict())
     if blocker is not None:
         logger.warning("grpo_plus fit check: %s cannot be counted (%s), so training goes on unchecked "
                        "(fit_check='off' skips this line).", type(model).__name__, blocker)  # fmt: skip
         return None
     lengths = prompt_lengths(dataset, processing_class)
-    spec = FitSpec.from_args(args, model, max(lengths, default=128))
+    spec = FitSpec.from_args(args, model, max(lengths, default=128), settings)
     spec = spec.replace(padded_prompts=len(set(lengths)) != 1)
     if spec.vision_language:
         spec = spec.replace(**prompt_images(dataset, processing_class))
@@ -196,44 +197,11 @@ def check_before_training(args, model, dataset, processing_class, device: torch.
     return check_fit(spec, budget, str(device), mode)
 
 
-def _estimate_from_report(spec: FitSpec, report: dict) -> StepEstimate:
-    return StepEstimate("grpo_plus", spec, report["static"], PassMemory(**report["training"]), report["generation"])
-
-
-def child_main(argv: list[str]) -> int:
-    """`python -m grpo_plus.fit --budget BYTES` < spec.json: the trainer's count, one JSON line on stdout; with
-    `--side-report SIDE`, that side's part of `grpo-plus fit`'s report instead (`search._both_sides`)."""
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--budget", type=int, required=True)
-    parser.add_argument("--auto", action="store_true", help="also the options fit_check='auto' would turn on")
-    parser.add_argument("--side-report", choices=SIDES, help="one side's part of `grpo-plus fit`'s report (pickled)")
-    parser.add_argument("--parts", nargs="+", choices=REPORT_PARTS, default=list(REPORT_PARTS),
-                        help="with --side-report: which parts of it (the worst step, fixes, longest completion; the "
-                        "largest G)")  # fmt: skip
-    args = parser.parse_args(argv)
-    spec = FitSpec.from_json(sys.stdin.read())
-    if args.side_report:  # the child of grpo_plus.fit.search._both_sides: same library, so a pickle is read back
-        import base64
-        import pickle
-
-        with quiet():
-            part = _side_report(spec, args.side_report, args.budget, tuple(args.parts))
-        print(base64.b64encode(pickle.dumps(part)).decode())
-        return 0
-    budget = int(args.budget / (1 + FRAGMENTATION))
-    automatic, fixes = None, []
-    with quiet(), remembered_counts():
-        result = estimate(spec, "grpo_plus")
-        found = automatic_options(spec, budget) if args.auto else None
-        if found is not None and found[0]:
-            automatic = dict(_report_of(found[1]), options=found[0])
-        elif result.total > budget and found is None:
-            fixes = suggestions(spec, "grpo_plus", budget)
-    print(json.dumps(dict(_report_of(result), suggestions=fixes, automatic=automatic)))
-    return 0
-
-
-def _report_of(result: StepEstimate) -> dict:
+def report_of(result: StepEstimate) -> dict:
+    """A count as the child writes it (one JSON line), for `estimate_from_report`."""
     return {"static": result.static, "training": dataclasses.asdict(result.training), "generation": result.generation}
+
+
+def estimate_from_report(spec: FitSpec, report: dict) -> StepEstimate:
+    """The child's count of `spec` (a `report_of` read back), as grpo_plus's StepEstimate."""
+    return StepEstimate("grpo_plus", spec, report["static"], PassMemory(**report["training"]), report["generation"])

@@ -12,32 +12,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..compat.model import cache_argument_name
+from ..compat.torch import FAKE_ACCELERATOR, fake_accelerator, new_fake_mode
 from ..long_completions.lm_head_tiles import size_lm_head_tiles
+from .attention import CpuAttentionKernels, CudaAttentionKernels
 from .memory import (
-    FAKE_ACCELERATOR,
-    CpuAttentionKernels,
-    CudaAttentionKernels,
     MemoryCounter,
-    PassMemory,
     SavedBytes,
     accelerator_autocast,
     distinct_mlp_tiles,
-    fake_accelerator,
     fake_inputs,
     fake_parameters,
     fused_lm_head_counting,
-    new_fake_mode,
     on_values,
     readable_values,
     storage_addresses,
     tensors_from_data,
 )
+from .results import PassMemory, StepEstimate
 from .spec import FitSpec, for_side, known_config
 
 # ---- fake models and batches ----------------------------------------------------------------------------------------
@@ -292,21 +290,33 @@ def _zero_reward(completions, **kwargs) -> list[float]:
     return [0.0] * len(completions)
 
 
+# The loggers of the training code a count runs: grpo_plus's (fit's own logs nothing while it counts) and TRL's.
+_TRAINING_LOGGERS = ("grpo_plus", "trl")
+
+
 @contextlib.contextmanager
 def quiet():
-    """Building the counting trainer logs nothing a user needs (its tiny model, TRL's notes)."""
+    """Within the block a count logs nothing but errors: it runs training code (transformers' models, TRL's and
+    grpo_plus's trainers, grpo_plus's tiled MLP), whose warnings and one-time notes ("tiled_mlp_tokens='auto': ...")
+    belong to a training run, not to a count. Every count runs in it (`measure_pass`, `measure_generation`)."""
     import warnings
 
     import transformers
 
     previous = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    training_loggers = [logging.getLogger(name) for name in _TRAINING_LOGGERS]
+    levels = [each.level for each in training_loggers]
+    for each in training_loggers:
+        each.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         transformers.logging.set_verbosity(previous)
+        for each, level in zip(training_loggers, levels, strict=True):
+            each.setLevel(level)
 
 
 # ---- counting -------------------------------------------------------------------------------------------------------
@@ -315,8 +325,9 @@ def quiet():
 @contextlib.contextmanager
 def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: str = "cuda",
              kernels: list | None = None):  # fmt: skip
-    """What a count of the training pass runs inside (grpo_plus.memory's patches). `lm_head="cpu"` counts a CPU's LM-head
-    fold and attention kernel (what a CPU's real peak is checked against), "cuda" a GPU's."""
+    """What a count of the training pass runs inside (grpo_plus.fit.memory's patches, grpo_plus.fit.attention's
+    kernels). `lm_head="cpu"` counts a CPU's LM-head fold and attention kernel (what a CPU's real peak is checked
+    against), "cuda" a GPU's."""
     kernels_of = CpuAttentionKernels if lm_head == "cpu" else CudaAttentionKernels
     attention = kernels_of() if device == FAKE_ACCELERATOR else contextlib.nullcontext()
     if kernels is not None and isinstance(attention, CudaAttentionKernels):
@@ -337,6 +348,7 @@ def counting(counter: MemoryCounter, trainer, device: str, mixed: str, lm_head: 
         yield
 
 
+@quiet()
 def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None, group: int | None = None,
                  real: bool = False, lm_head: str = "cuda", at_peak: list | None = None,
                  around=contextlib.nullcontext, kernels: list | None = None,
@@ -347,10 +359,10 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
 
     `real=True` computes it for real on the CPU instead (random weights), counted by the same counter: what the fake
     count is checked against (its counts are the CPU's, reported as the accelerator's). `lm_head`: see
-    `grpo_plus.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton). `at_peak`:
-    a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a context
-    manager factory entered around the forward + backward alone (a profiler, for the validation). `kernels`: a list to
-    fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
+    `grpo_plus.fit.memory.fused_lm_head_counting` ("cpu" to count the fold TRL runs where there is no Triton).
+    `at_peak`: a list to fill with (bytes, what made them) of the accelerator storages alive at the peak. `around`: a
+    context manager factory entered around the forward + backward alone (a profiler, for the validation). `kernels`: a
+    list to fill with the attention kernels the pass ran (on the stand-in accelerator: flash, efficient, math)."""
     spec = for_side(spec, side)
     rows = rows or spec.rows
     plain = not real and lm_head == "cuda" and at_peak is None and around is contextlib.nullcontext and kernels is None
@@ -479,6 +491,7 @@ def training_pass(spec: FitSpec, side: str, rows: int | None = None, group: int 
     return extrapolate(points, spec.layers)
 
 
+@quiet()
 def measure_generation(spec: FitSpec, layers: int, rows: int | None = None) -> tuple[int, int, int]:
     """(prefill peak, decode-step peak, KV cache) bytes of generation at `layers` decoder layers, every row alive at full length:
     the prefill of the prompts (each distinct prompt once with zero-waste generation) and one decode step with a
@@ -639,47 +652,6 @@ def _static_bytes(spec: FitSpec) -> dict:
 
 
 # ---- the worst step -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class StepEstimate:
-    """The worst step's peak of one side, per part (bytes)."""
-
-    side: str
-    spec: FitSpec
-    static: dict
-    training: PassMemory
-    generation: dict
-    seconds: tuple[float, float] | None = None  # (wall, CPU) of the trainer's check, when it ran one
-    turned_on: dict = field(default_factory=dict)  # the memory settings fit_check='auto' turned on to get here
-
-    @property
-    def static_total(self) -> int:
-        return sum(self.static.values())
-
-    @property
-    def training_peak(self) -> int:
-        return self.training.peak
-
-    @property
-    def total(self) -> int:
-        return self.static_total + max(self.training_peak, self.generation["peak"])
-
-    @property
-    def binding(self) -> str:
-        return "training pass" if self.training_peak >= self.generation["peak"] else "generation"
-
-    def parts(self) -> dict[str, int]:
-        static = self.static
-        return {
-            "weights": static["weights"] + static["reference_model"] + static["dequantized_layer"],
-            "trainable weights + gradients + optimizer": static["trainable"]
-            + static["gradients"]
-            + static["optimizer"],
-            "training pass (activations, peak)": self.training_peak,
-            "generation (KV cache + step)": self.generation["peak"],
-            "worst step": self.total,
-        }
 
 
 def estimate(spec: FitSpec, side: str, rows: int | None = None, group: int | None = None,

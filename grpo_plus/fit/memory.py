@@ -6,18 +6,13 @@ and grpo_plus's own code. `MemoryCounter` (a `TorchDispatchMode`) sees every ope
 one allocates, per device, from their creation until a weakref finalizer sees them freed: `peak` is the most bytes
 alive at once on the accelerator, `host_peak` on the CPU (what activation offloading moves there).
 
-The accelerator is CUDA where this torch has it. A CPU-only torch cannot run autograd on fake `cuda` tensors (every
-autograd node records the CUDA stream of its inputs, and a CPU build has no CUDA device guard: the process aborts),
-so there the count runs on a stand-in accelerator, `fakegpu`: torch's PrivateUse1 backend registered from Python,
-with CUDA's autocast policy for the operators that allocate the big tensors (matrix products in the autocast dtype),
-and no-op streams and events, so TRL's activation offloading runs its own code with its streams. A CPU tensor mixed
-into an operation on `fakegpu` fails as it would on a GPU (`FakeTensorDeviceMismatchError`).
+The accelerator is CUDA where this torch has it, else a stand-in registered from Python, `fakegpu`
+(`grpo_plus.compat.torch`, with the other private torch APIs a count stands on).
 
 What a fake count does not see, by construction: the GPU allocator's block rounding and fragmentation, the CUDA
 context, cuBLAS / attention workspaces, and kernels that allocate differently from their meta functions. Where a
-kernel is chosen at run time the count makes CUDA's choice: scaled-dot-product attention takes the flash kernel
-(no mask, fp16/bf16, head dim <= 256), else the memory-efficient one (no grouped-query heads), else the math path,
-as torch does on an H100; TRL's fused LM head folds each logits tile in a Triton kernel that allocates nothing.
+kernel is chosen at run time the count makes CUDA's choice: scaled-dot-product attention as torch picks it on an H100
+(`grpo_plus.fit.attention`); TRL's fused LM head folds each logits tile in a Triton kernel that allocates nothing.
 
 Values: an operator on fake tensors has none. The small tensors a training pass reads (token ids, masks, advantages,
 index lists) carry a real CPU "shadow" that every small operator also computes, so data-dependent code (which rows
@@ -28,184 +23,30 @@ are alive, where a prompt ends, `.item()`) takes the branch it takes on real dat
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorMode,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
 from ..compat import lm_head as trl_lm_head
+from ..compat.torch import (
+    FUSED_BACKWARD_OPS,
+    SHAPE_NEEDS_VALUES,
+    FakeTensor,
+    FakeTensorMode,
+    TorchDispatchMode,
+    fake_from_meta,
+    is_fake,
+    no_dispatch_modes,
+    storage_identity,
+    tree_leaves,
+    tree_map,
+    written_arguments,
+)
 
-GIB = 2**30
-FAKE_ACCELERATOR = "fakegpu"
 # Operators on at most this many elements are also computed on their shadows (real CPU values).
 SHADOW_LIMIT = 2**22
-# CUDA autocast's lower-precision operators (aten/src/ATen/autocast_mode.cpp, `KERNEL_CUDA(..., lower_precision_fp)`)
-# that a decoder's training pass runs: the ones that make big tensors. The stand-in accelerator casts their floating
-# inputs to the autocast dtype; every other operator runs as is (CUDA's fp32 list only touches small tensors here:
-# norms already compute in fp32, losses are [rows, tokens]).
-# Pointwise backward operators that CPUs and CUDA run as one fused kernel (one output the size of the input), which a
-# fake run decomposes into every temporary (silu_backward: sigmoid, 1 - sigmoid, three products, ~5 tensors the size of
-# the MLP's intermediate, the largest of a long-sequence backward). The count makes their one output instead.
-_FUSED_BACKWARD_OPS = {
-    torch.ops.aten.silu_backward.default, torch.ops.aten.gelu_backward.default, torch.ops.aten.threshold_backward.default,
-}  # fmt: skip
-_LOWER_PRECISION_OPS = ("mm", "matmul", "linear", "addmm", "addmv", "addbmm", "baddbmm", "bmm", "mv", "einsum")
-
-
-# ---- the stand-in accelerator ---------------------------------------------------------------------------------------
-
-
-class _Event:
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _Stream:
-    """A stream that orders nothing (a fake run computes nothing)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None) -> _Event:
-        return event or _Event()
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _StandInModule:
-    """`torch.fakegpu`: what torch, accelerate and TRL's offloading ask of an accelerator module."""
-
-    Stream = _Stream
-    Event = _Event
-
-    def __init__(self):
-        self._stream = _Stream()
-
-    def is_available(self) -> bool:
-        return True
-
-    def is_initialized(self) -> bool:
-        return True
-
-    def current_device(self) -> int:
-        return 0
-
-    def device_count(self) -> int:
-        return 1
-
-    def _is_in_bad_fork(self) -> bool:
-        return False
-
-    def manual_seed_all(self, seed: int) -> None:
-        pass
-
-    def get_amp_supported_dtype(self) -> list[torch.dtype]:
-        return [torch.float16, torch.bfloat16]
-
-    def current_stream(self, device=None) -> _Stream:
-        return self._stream
-
-    def stream(self, stream) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def synchronize(self, device=None) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-
-_registered_libraries: list = []  # torch.library registrations live as long as these objects
-
-
-def _register_stand_in() -> None:
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    _setup_privateuseone_for_python_backend(rename=FAKE_ACCELERATOR, backend_module=_StandInModule())
-    fallthrough = torch.library.Library("_", "IMPL")
-    fallthrough.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
-    lower = torch.library.Library("aten", "IMPL")
-    key = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
-
-    def cast(value, dtype):
-        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.device.type == FAKE_ACCELERATOR:
-            return value if value.dtype in (dtype, torch.float64) else value.to(dtype)
-        if isinstance(value, (list, tuple)):
-            return type(value)(cast(item, dtype) for item in value)
-        return value
-
-    def lower_precision(op):
-        def kernel(*args, **kwargs):
-            dtype = torch.get_autocast_dtype(FAKE_ACCELERATOR)
-            with torch._C._ExcludeDispatchKeyGuard(key):
-                return op(*cast(args, dtype), **{name: cast(value, dtype) for name, value in kwargs.items()})
-
-        return kernel
-
-    for name in _LOWER_PRECISION_OPS:
-        packet = getattr(torch.ops.aten, name)
-        for overload in packet.overloads():
-            lower.impl(f"{name}.{overload}" if overload != "default" else name, lower_precision(getattr(packet, overload)),
-                       "AutocastPrivateUse1")  # fmt: skip
-    # The fused backward operators past autograd as themselves: for a backend without a kernel of its own, autograd
-    # runs their composite decomposition before the counter (at the Python key) would see them.
-    fused = torch.library.Library("aten", "IMPL")
-    autograd_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradPrivateUse1)
-
-    def as_itself(op):
-        def kernel(*args, **kwargs):
-            with torch._C._ExcludeDispatchKeyGuard(autograd_keys):
-                return op(*args, **kwargs)
-
-        return kernel
-
-    for op in _FUSED_BACKWARD_OPS:
-        fused.impl(op.name().split("::")[1], as_itself(op), "AutogradPrivateUse1")
-    _registered_libraries.extend([fallthrough, lower, fused])
-
-
-def fake_accelerator() -> str:
-    """The device type a count runs on: `cuda` where torch has CUDA, else the stand-in `fakegpu` (registered on first
-    use). Raises RuntimeError where neither can be had (another PrivateUse1 backend, e.g. an NPU, is registered)."""
-    if torch.cuda.is_available():
-        return "cuda"
-    name = torch._C._get_privateuse1_backend_name()
-    if name == FAKE_ACCELERATOR:
-        return name
-    if name != "privateuseone":
-        raise RuntimeError(f"cannot count on a fake accelerator: PrivateUse1 is already the {name!r} backend")
-    _register_stand_in()
-    return FAKE_ACCELERATOR
-
-
-def new_fake_mode() -> FakeTensorMode:
-    """A FakeTensorMode for a count: real CPU inputs allowed (converted to fake tensors as they come)."""
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def is_fake(value) -> bool:
-    return isinstance(value, FakeTensor)
 
 
 # ---- counting -------------------------------------------------------------------------------------------------------
@@ -217,7 +58,7 @@ def _storage(tensor: torch.Tensor):
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
-    return storage._cdata, storage.nbytes(), storage
+    return storage_identity(storage), storage.nbytes(), storage
 
 
 def _on_host(tensor: torch.Tensor) -> bool:
@@ -304,7 +145,7 @@ class MemoryCounter(TorchDispatchMode):
                 outputs = func(shadow, *args[1:], **kwargs)
                 self._record(outputs, tensors, func)
                 return outputs
-        if func in _FUSED_BACKWARD_OPS and any_fake:
+        if func in FUSED_BACKWARD_OPS and any_fake:
             with self.fake_mode:
                 outputs = torch.empty_like(args[0])  # the fused kernel's one output (grad_input, grad_output's shape)
         elif any_fake or self.all_fake or _aims_at_accelerator(kwargs) or self._too_large_for_real(func, args, kwargs):
@@ -328,7 +169,7 @@ class MemoryCounter(TorchDispatchMode):
         try:
             with self.fake_mode:
                 probe = func(*fake_args, **fake_kwargs)
-        except (DynamicOutputShapeException, DataDependentOutputException):
+        except SHAPE_NEEDS_VALUES:
             return False
         except Exception:  # an operator fake tensors cannot run (a real-only Python object): run it for real
             return False
@@ -342,7 +183,7 @@ class MemoryCounter(TorchDispatchMode):
         try:
             with self.fake_mode:
                 outputs = func(*fake_args, **fake_kwargs)
-        except (DynamicOutputShapeException, DataDependentOutputException):
+        except SHAPE_NEEDS_VALUES:
             return self._run_data_dependent(func, args, kwargs)
         self._shadow(func, args, kwargs, outputs, tensors)
         return outputs
@@ -525,131 +366,12 @@ _WRITTEN: dict = {}  # operator -> (index, name) of the arguments it writes
 
 def _mutated_arguments(func, args, kwargs) -> list[torch.Tensor]:
     if func not in _WRITTEN:
-        schema = getattr(func, "_schema", None)
-        arguments = schema.arguments if schema is not None else []
-        _WRITTEN[func] = [
-            (index, argument.name) for index, argument in enumerate(arguments)
-            if argument.alias_info is not None and argument.alias_info.is_write
-        ]  # fmt: skip
+        _WRITTEN[func] = written_arguments(func)
     mutated = []
     for index, name in _WRITTEN[func]:
         value = args[index] if index < len(args) else kwargs.get(name)
         mutated.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
     return mutated
-
-
-class CudaAttentionKernels:
-    """Scaled-dot-product attention on the stand-in accelerator through the kernel CUDA would run.
-
-    torch picks the kernel in C++ per device type, and a backend registered from Python cannot take part: on the
-    stand-in, `F.scaled_dot_product_attention` would always run the math path, which materializes every
-    [query x key] score. Within this block it makes CUDA's choice on an H100 from what each kernel accepts (torch's
-    `sdp_utils`: flash needs fp16/bf16, no mask, head dim <= 256; memory-efficient takes a mask and fp32 but no
-    grouped-query heads; else math) and calls that kernel's own operator, whose meta function gives its outputs
-    (output, log-sum-exp statistics) and whose derivative gives its backward, as the C++ dispatch would. A boolean
-    mask becomes the additive mask the efficient kernel takes, as torch converts it. `kernels` lists the ones used.
-
-    The function itself is swapped (not a TorchFunctionMode): gradient checkpointing recomputes in autograd's device
-    thread, where a thread-local mode is not active.
-    """
-
-    def __init__(self):
-        self.kernels: list[str] = []
-        self._original = None
-
-    def __enter__(self):
-        self._original = torch.nn.functional.scaled_dot_product_attention
-        torch.nn.functional.scaled_dot_product_attention = self._attention
-        return self
-
-    def __exit__(self, *exc):
-        torch.nn.functional.scaled_dot_product_attention = self._original
-
-    def _use(self, name: str) -> None:
-        if name not in self.kernels:
-            self.kernels.append(name)
-
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):  # fmt: skip
-        if not query.device.type == FAKE_ACCELERATOR:
-            return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                  scale=scale, enable_gqa=enable_gqa)  # fmt: skip
-        if torch.is_autocast_enabled(FAKE_ACCELERATOR):  # sdpa is on CUDA autocast's lower-precision list
-            dtype = torch.get_autocast_dtype(FAKE_ACCELERATOR)
-            query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
-            if attn_mask is not None and attn_mask.is_floating_point():
-                attn_mask = attn_mask.to(dtype)
-        head_dim = query.shape[-1]
-        half = query.dtype in (torch.float16, torch.bfloat16)
-        if attn_mask is None and half and head_dim <= 256 and head_dim % 8 == 0:
-            self._use("flash")
-            return torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, dropout_p, is_causal, False, scale=scale
-            )[0]
-        same_heads = key.shape[-3] == query.shape[-3]
-        if (same_heads or not enable_gqa) and query.dtype in (torch.float16, torch.bfloat16, torch.float32):
-            self._use("efficient")
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:  # torch's convert_boolean_attn_mask
-                bias = torch.zeros(bias.shape, dtype=query.dtype, device=bias.device).masked_fill(
-                    bias.logical_not(), float("-inf")
-                )
-            if bias is not None:
-                bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, bias, True, dropout_p, is_causal, scale=scale
-            )[0]
-        self._use("math")
-        return self._original(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa,
-        )  # fmt: skip
-
-
-@functools.cache
-def cpu_flash_takes_grouped_heads() -> bool:
-    """Whether this torch's CPU flash kernel takes grouped-query keys and values as they are (torch 2.13 does; a
-    release that repeats them to the query's heads first would hand the kernel repeated copies). Found once by running
-    `F.scaled_dot_product_attention(..., enable_gqa=True)` on tiny CPU tensors and reading the heads the kernel got:
-    the installed torch's own dispatch, not a version table."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    heads: list[int] = []
-
-    class KernelInputs(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
-                heads.append(args[1].shape[-3])
-            return func(*args, **(kwargs or {}))
-
-    with _disable_current_modes(), KernelInputs():
-        query, key = torch.zeros(1, 4, 2, 8), torch.zeros(1, 2, 2, 8)
-        torch.nn.functional.scaled_dot_product_attention(query, key, key, is_causal=True, enable_gqa=True)
-    return heads == [2]
-
-
-class CpuAttentionKernels(CudaAttentionKernels):
-    """Scaled-dot-product attention on the stand-in accelerator through the kernel a CPU runs: torch's flash kernel for
-    CPUs (any float dtype, a mask taken as is), which takes grouped-query heads' keys and values as they are where this
-    torch's does (`cpu_flash_takes_grouped_heads`), else repeated to the query's heads. What a count checked against a
-    CPU's real peak (benchmarks/memory_real.py) must count: a CUDA card has no fused float32 kernel for grouped-query
-    heads (`CudaAttentionKernels` then takes the math path, which materializes every score), a CPU does."""
-
-    def __enter__(self):
-        self.grouped_heads = cpu_flash_takes_grouped_heads()  # before the stand-in's sdpa is swapped in
-        return super().__enter__()
-
-    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):  # fmt: skip
-        if not query.device.type == FAKE_ACCELERATOR or dropout_p:
-            return super()._attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        self._use("flash_cpu")
-        if key.shape[-3] != query.shape[-3] and not self.grouped_heads:
-            repeat = query.shape[-3] // key.shape[-3]
-            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-        )[0]
 
 
 class SavedBytes:
@@ -675,22 +397,6 @@ class SavedBytes:
 
     def _released(self, key: int) -> None:
         self.bytes -= self.sizes.pop(key, 0)
-
-
-@dataclass
-class PassMemory:
-    """Bytes of one training forward + backward, counted on the accelerator (host: what it moved to the CPU)."""
-
-    saved: int  # autograd's saved tensors on the accelerator at the end of the forward (before offloading moves them)
-    after_forward: int  # alive on the accelerator when the forward returned
-    forward_peak: int
-    peak: int  # most bytes alive at once on the accelerator, forward and backward
-    after_backward: int  # what stays: the gradients
-    host_peak: int = 0  # most bytes alive at once on the host
-    items_faked: int = 0
-
-    def gib(self) -> dict:
-        return {name: getattr(self, name) / GIB for name in ("saved", "after_forward", "forward_peak", "peak")}
 
 
 # ---- patches that make a count see what a GPU run does ----------------------------------------------------------------
@@ -786,7 +492,7 @@ def storage_addresses() -> Iterator[None]:
     original, original_record_stream = torch.UntypedStorage.data_ptr, torch.Tensor.record_stream
 
     def data_ptr(self):
-        return self._cdata if self.device.type == "meta" else original(self)
+        return storage_identity(self) if self.device.type == "meta" else original(self)
 
     def record_stream(self, stream):  # the stand-in's streams order nothing: nothing to record
         if not is_fake(self):
@@ -817,7 +523,6 @@ def on_values(counter: MemoryCounter, function):
     `tolist` and a dozen small operators per row, 24 of the 36 s of a count at G = 128 on the VLM recipe): on values it
     is plain torch. What the count then does not see are its small per-row temporaries (index lists of one row, freed
     before the forward that follows); its outputs it does see."""
-    from torch.utils._python_dispatch import _disable_current_modes
 
     def run(*args, **kwargs):
         tensors = [value for value in tree_leaves((args, kwargs)) if isinstance(value, torch.Tensor)]
@@ -828,7 +533,7 @@ def on_values(counter: MemoryCounter, function):
         real_args, real_kwargs = tree_map(
             lambda value: counter._shadow_of(value) if isinstance(value, torch.Tensor) else value, (args, kwargs)
         )
-        with _disable_current_modes():
+        with no_dispatch_modes():
             outputs = function(*real_args, **real_kwargs)
         return tree_map(
             lambda value: _counted_on_device(counter, value, device) if isinstance(value, torch.Tensor) else value,
@@ -925,7 +630,7 @@ def fake_parameters(model: torch.nn.Module, fake_mode: FakeTensorMode, device: s
     target = torch.device(device)
 
     def fake(tensor):
-        return fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, tensor.to("meta"), target)
+        return fake_from_meta(fake_mode, tensor, target)
 
     for module in model.modules():
         for name, param in list(module._parameters.items()):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .count import StepEstimate, estimate, remembered_counts
-from .memory import GIB
+from .count import estimate, remembered_counts
+from .results import GIB, StepEstimate
 from .spec import SIDES, TILED_MLP_TOKENS, FitSpec, for_side, with_memory_options
 
 LENGTH_STEP = 128  # completion lengths are searched in multiples of this

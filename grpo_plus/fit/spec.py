@@ -219,9 +219,9 @@ class FitSpec:
         return self.prompt_tokens + self.images_per_prompt * (self.image_tokens - 1)
 
     @classmethod
-    def from_args(cls, args, model, prompt_tokens: int) -> FitSpec:
+    def from_args(cls, args, model, prompt_tokens: int, settings=None) -> FitSpec:
         """The spec of a trainer: `args` a (TRL or grpo_plus) GRPOConfig, `model` the policy as the trainer holds it
-        (PEFT-wrapped, possibly 4-bit)."""
+        (PEFT-wrapped, possibly 4-bit), `settings` the run's (`grpo_plus.config.PlusSettings`; None: `args`')."""
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         lora = None
         peft_config = getattr(model, "peft_config", None)
@@ -232,11 +232,17 @@ class FitSpec:
         dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
         if four_bit:
             dtype = getattr(getattr(base.config, "quantization_config", None), "bnb_4bit_compute_dtype", None) or dtype
-        return cls.from_config(args, base.config, dtype, lora, four_bit, prompt_tokens)
+        return cls.from_config(args, base.config, dtype, lora, four_bit, prompt_tokens, settings)
 
     @classmethod
-    def from_config(cls, args, model_config, dtype, lora: dict | None, four_bit: bool, prompt_tokens: int) -> FitSpec:
-        """The spec of a (TRL or grpo_plus) GRPOConfig `args` training a model of `model_config` in `dtype`."""
+    def from_config(cls, args, model_config, dtype, lora: dict | None, four_bit: bool, prompt_tokens: int,
+                    settings=None) -> FitSpec:  # fmt: skip
+        """The spec of a (TRL or grpo_plus) GRPOConfig `args` training a model of `model_config` in `dtype`; grpo_plus's
+        values from `settings` (`grpo_plus.config.PlusSettings`; None: those of `args`), as the run uses them."""
+        from ..config import PlusSettings
+
+        settings = PlusSettings.from_config(args) if settings is None else settings
+        values = settings.config_values()  # canonical: aliases resolved, the rollout preset's policy loss
         mixed = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
         steps = args.steps_per_generation or args.gradient_accumulation_steps
         if lora is not None and getattr(args, "disable_dropout", False):  # TRL sets every dropout, LoRA's too, to 0
@@ -257,16 +263,20 @@ class FitSpec:
             gradient_checkpointing=bool(args.gradient_checkpointing),
             mixed_precision=mixed,
             attn_implementation=getattr(model_config, "_attn_implementation", None) or "sdpa",
-            loss={name: getattr(args, name) for name in objective_fields() if hasattr(args, name)},
+            loss={
+                name: values[name] if name in values else getattr(args, name)
+                for name in objective_fields()
+                if name in values or hasattr(args, name)
+            },  # fmt: skip
             optimizer_states=optimizer_states(str(getattr(args, "optim", "adamw_torch"))),
-            activation_offloading=bool(getattr(args, "activation_offloading", False)),
-            tiled_mlp_tokens=getattr(args, "tiled_mlp_tokens", None),
-            lm_head_tile_columns=getattr(args, "lm_head_tile_columns", None),
+            activation_offloading=settings.long_completions.activation_offloading,
+            tiled_mlp_tokens=settings.long_completions.tiled_mlp_tokens,
+            lm_head_tile_columns=settings.long_completions.lm_head_tile_columns,
             offloaded_kv_cache=generation_kwargs.get("cache_implementation") == "offloaded",
-            zero_waste_generation=bool(getattr(args, "zero_waste_generation", True)),
+            zero_waste_generation=settings.zero_waste.generation,
             vllm_generates=vllm,
             vllm_memory_fraction=float(args.vllm_gpu_memory_utilization) if colocated else 0.0,
-            vllm_quantization=str(getattr(args, "vllm_quantization", "auto")),
+            vllm_quantization=settings.vllm.quantization,
         )
 
 
@@ -277,7 +287,7 @@ def objective_fields() -> tuple[str, ...]:
     zero-waste pass's fields, `plugins` (where user-registered names come from), and every field TRL's own loss reads
     (`compat.loss.trl_loss_fields`, read from TRL's source); and `MODEL_FIELDS`. The counting trainer gets them as the
     config has them (`counting_trainer` sets the batch, the length and the engine itself)."""
-    from ..algorithms.estimators import AlgorithmSettings
+    from ..algorithms.settings import AlgorithmSettings
     from ..compat.loss import trl_loss_fields
     from ..config import GRPOConfig
     from ..objective import POLICY_LOSSES, REGISTRIES

@@ -36,8 +36,7 @@ from .tiled_mlp import AUTO_MIN_TOKENS  # the tiled MLP's "auto" threshold: a lo
 
 logger = logging.getLogger(__name__)
 
-LM_HEAD_TILE_DEFAULT = "auto"
-AUTO_TILE_COLUMNS = 4096
+AUTO_TILE_COLUMNS = 4096  # the tile of lm_head_tile_columns="auto" (its default: long_completions/settings.py)
 
 
 def check_setting(setting: int | str | None) -> int | str | None:

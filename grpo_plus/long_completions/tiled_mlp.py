@@ -43,8 +43,7 @@ from torch.utils.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
-# The default of GRPOConfig.tiled_mlp_tokens, and what "auto" means (measured: docs/guide/memory.md).
-TILED_MLP_DEFAULT = "auto"
+# What tiled_mlp_tokens="auto" (its default: long_completions/settings.py) means (measured: docs/guide/memory.md).
 AUTO_TILE_TOKENS = 4096
 AUTO_MIN_TOKENS = 8192
 

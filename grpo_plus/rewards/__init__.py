@@ -9,7 +9,8 @@ Verifiers: `accuracy_reward` (TRL's math-verify reward, its timeouts working in 
 `pip install "grpo-plus[tasks]"`.
 """
 
-from .runner import REWARD_ON_ERROR, RewardRunner, RewardRunnerSettings, RewardWorkerError
+from .runner import RewardRunner, RewardWorkerError
+from .settings import REWARD_ON_ERROR, RewardRunnerSettings
 from .verifiers import (
     accuracy_reward,
     answer_format_reward,

@@ -16,46 +16,23 @@ from that completion and its own row (prompt, dataset columns). A function that 
 others of its batch is named in `reward_whole_batch`: it is called on the whole batch in one worker, and a failure
 gives every completion of the call None.
 
-Worker processes and how they start. TRL scripts often define their reward functions in a `__main__` script without
-an `if __name__ == "__main__"` guard: multiprocessing's "spawn" and "forkserver" start a worker by importing that
-script again (which would start a second training run in it), and need every function to pickle (no lambdas, no
-closures). "fork" does neither, but forking the trainer mid-run copies a large process with threads (TRL's event
-loop, tokenizers, loggers) whose locks may be held at that moment. So the runner forks once, when the trainer is
-built (before TRL loads the model), a small "zygote" process that never runs anything else, and every worker, the
-first ones and each replacement, is forked from that single-threaded zygote. Workers reach the reward functions as
-they were in memory at that moment, by index; only the call's arguments and the rewards travel (pickled). A forked
-child of a process that already ran torch's OpenMP hangs in its first parallel torch op, so a worker sets torch to one
-thread before running any reward (measured here: the same child without it hangs). Workers die with the zygote
-(Linux's parent-death signal, else a watchdog thread) and the zygote with the trainer (end of its socket, or its
-parent gone): no process outlives the run. A reward that runs in a worker must not need the trainer's CUDA context
-(a forked child cannot use it) and sees a copy of the script's state: what it changes there stays there.
+How the worker processes start and end with the trainer, and what a reward function that runs in one may not do:
+grpo_plus.rewards.workers, the processes under this scheduling (one piece run, the zygote, the pool).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import inspect
 import logging
 import math
-import numbers
-import os
 import pickle
-import select
-import signal
-import socket
-import struct
-import sys
 import threading
 import time
-import traceback
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import torch
@@ -63,68 +40,16 @@ import torch
 from ..compat.rewards import TRL_SHARED_REWARD_KWARGS, is_async_callable, reward_call_problem
 from ..compat.versions import TRLCompatibilityError
 from ..run.state import StatefulPart
-from ..run.validation import GuardedReward, RewardFunctionError, RewardOutputError
-from ..settings import ConfigError, not_allowed
+from ..run.validation import GuardedReward, RewardFunctionError
+from ..settings import ConfigError
+from .settings import RewardRunnerSettings
+from .workers import Pool, RewardWorkerError, Worker, awaited, describe_status, run_piece
 
-__all__ = ["REWARD_ON_ERROR", "RewardRunner", "RewardRunnerSettings", "RewardWorkerError"]
+__all__ = ["RewardRunner", "RewardWorkerError"]
 
 logger = logging.getLogger(__name__)
 
-REWARD_ON_ERROR = ("raise", "none")
-_CAN_FORK = hasattr(os, "fork") and hasattr(socket, "send_fds")
 _LOGGERS = ("log_extra", "log_metric")  # TRL's logging functions: recorded in a worker, called here
-
-
-class RewardWorkerError(RewardFunctionError):
-    """What a reward function raised in a worker process, where that exception cannot be sent back as it is."""
-
-
-# ---- settings --------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RewardRunnerSettings:
-    """GRPOConfig's reward-runner fields: `reward_timeout`, `reward_workers`, `reward_on_error`,
-    `reward_whole_batch`. The defaults are TRL's behaviour (in-process calls, no timeout, an exception raised)."""
-
-    timeout: float | None = None
-    workers: int = 0
-    on_error: str = "raise"
-    whole_batch: tuple[str, ...] = ()
-
-    @classmethod
-    def from_args(cls, args: Any) -> RewardRunnerSettings:
-        whole = args.reward_whole_batch
-        whole = (whole,) if isinstance(whole, str) else tuple(whole or ())  # one name given as a string
-        return cls(args.reward_timeout, args.reward_workers, args.reward_on_error, whole)
-
-    @property
-    def enabled(self) -> bool:
-        """False where TRL's own in-process calls are what the settings ask for (then the runner stands aside)."""
-        return self.workers > 0 or self.on_error != "raise"
-
-    def validate(self) -> None:
-        """Raise ConfigError, naming the GRPOConfig field, for a value the runner cannot use."""
-        if isinstance(self.workers, bool) or not isinstance(self.workers, numbers.Integral) or self.workers < 0:
-            raise not_allowed("reward_workers", self.workers, "0 (TRL's calls in the trainer's process) or more")
-        timeout = self.timeout
-        if timeout is not None and not (isinstance(timeout, numbers.Real) and math.isfinite(timeout) and timeout > 0):
-            raise not_allowed("reward_timeout", timeout, "a number of seconds > 0, or None (no timeout)")
-        if self.on_error not in REWARD_ON_ERROR:
-            raise not_allowed("reward_on_error", self.on_error, f"one of {', '.join(map(repr, REWARD_ON_ERROR))}")
-        if timeout is not None and self.workers == 0:
-            raise ConfigError(
-                f"reward_timeout={timeout!r} needs reward_workers >= 1: a reward function called in the trainer's own "
-                "process cannot be stopped once it stalls (a thread cannot be killed), so a timeout is kept only by "
-                "worker processes. Set reward_workers (e.g. 2), or reward_timeout=None."
-            )
-        if self.workers and not _CAN_FORK:
-            raise ConfigError(
-                f"reward_workers={self.workers} needs os.fork and socket.send_fds (Linux, macOS), which this Python "
-                f"on {sys.platform} does not have. Set reward_workers=0."
-            )
-        if not all(isinstance(name, str) for name in self.whole_batch):
-            raise not_allowed("reward_whole_batch", list(self.whole_batch), "a list of reward function names")
 
 
 # ---- one call: its arguments, and what is known of each completion ---------------------------------------------------
@@ -185,287 +110,6 @@ class _Outcome:
         return sum(status in kinds for status in self.status)
 
 
-# ---- running one piece (in a worker, or in this process) --------------------------------------------------------------
-
-
-class _Recorder:
-    """TRL's `log_extra` / `log_metric` inside a piece's call: the calls are kept and made in the trainer's process."""
-
-    def __init__(self):
-        self.extra, self.metrics = [], []
-
-    def log_extra(self, column: str, values: list) -> None:
-        self.extra.append((column, list(values)))
-
-    def log_metric(self, name: str, value: float) -> None:
-        self.metrics.append((name, value))
-
-
-def _run_piece(
-    func: Callable, name: str, kwargs: dict[str, Any], loggers: Sequence[str], run_coroutine: Callable
-) -> tuple:
-    """One call of `func` on a piece: ('ok', rewards, extra, metrics), ('raised', error, traceback text) or
-    ('output', RewardOutputError) for an output TRL could not read (GuardedReward's check)."""
-    recorder = _Recorder()
-    kwargs = {**kwargs, **{key: getattr(recorder, key) for key in loggers}}
-    try:
-        rewards = func(**kwargs)
-        if inspect.isawaitable(rewards):
-            rewards = run_coroutine(rewards)
-    except Exception as error:
-        return "raised", error, traceback.format_exc()
-    try:
-        rewards = GuardedReward(func, name, warn_non_finite=False).check_output(rewards, kwargs["completions"])
-    except RewardOutputError as error:
-        return "output", error, ""
-    if isinstance(rewards, torch.Tensor) or hasattr(rewards, "tolist"):  # a tensor or array: plain numbers
-        rewards = rewards.tolist()
-    return "ok", list(rewards), recorder.extra, recorder.metrics
-
-
-async def _awaited(awaitable):
-    return await awaitable
-
-
-def _portable(error: BaseException) -> BaseException:
-    """`error` if it survives pickling as itself, else a RewardWorkerError with its type and message."""
-    try:
-        back = pickle.loads(pickle.dumps(error))
-        if type(back) is type(error) and str(back) == str(error):
-            return error
-    except Exception:
-        pass
-    return RewardWorkerError(f"{type(error).__qualname__}: {error}")
-
-
-def _worker_reply(funcs: Sequence[Callable | None], message: bytes, shared_cache: dict) -> bytes:
-    index, name, shared_blob, rows, loggers = pickle.loads(message)
-    if shared_cache.get("blob") != shared_blob:  # the pieces of one call share it: unpickled once
-        shared_cache.update(blob=shared_blob, value=pickle.loads(shared_blob))
-    run_coroutine = lambda awaitable: asyncio.run(_awaited(awaitable))  # noqa: E731  (the worker's own loop)
-    result = _run_piece(funcs[index], name, {**shared_cache["value"], **rows}, loggers, run_coroutine)
-    if result[0] != "ok":
-        result = (result[0], _portable(result[1]), result[2])
-    try:
-        return pickle.dumps(result)
-    except Exception as error:  # e.g. rewards of a type that does not pickle
-        message = f"Reward function {name!r} returned rewards that cannot be sent back from its worker: {error}"
-        return pickle.dumps(("output", RewardOutputError(message), ""))
-
-
-# ---- processes: the zygote and the workers forked from it -------------------------------------------------------------
-
-
-def _fork() -> int:
-    """os.fork, with buffered output flushed first (else the child would write it again)."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with warnings.catch_warnings():  # Python 3.12+ warns about forking a process with threads: see the module doc
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return os.fork()
-
-
-def _child_signals() -> None:
-    """Ctrl-C in a terminal reaches every process of its group: the trainer stops the workers itself."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _die_with_parent(parent: int) -> None:
-    """End this process when `parent` ends, even while a reward function runs: Linux's parent-death signal (the
-    zygote is single-threaded, so its forking thread lives as long as it does), elsewhere a watchdog thread."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:  # it ended before the signal was armed
-                os._exit(0)
-            return
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _worker_main(sock: socket.socket, funcs: Sequence[Callable | None], zygote: int) -> None:
-    """A worker: score the pieces it is sent until the trainer closes its connection; each piece is acknowledged
-    when it arrives (an empty message: the trainer's stall clock starts then) and answered when scored. Never
-    returns."""
-    try:
-        _child_signals()
-        _die_with_parent(zygote)
-        torch.set_num_threads(1)  # see the module doc: OpenMP after fork
-        connection, shared_cache = Connection(sock.detach()), {}
-        while True:
-            try:
-                message = connection.recv_bytes()
-            except (EOFError, OSError):
-                break
-            connection.send_bytes(b"")
-            connection.send_bytes(_worker_reply(funcs, message, shared_cache))
-    finally:
-        os._exit(0)
-
-
-def _zygote_main(
-    control: socket.socket, statuses: socket.socket, funcs: Sequence[Callable | None], trainer: int
-) -> None:
-    """The zygote: fork a worker for each b'F' it reads (answering its pid and connection), reap every worker that
-    ends (its wait status sent on `statuses`, dropped when nobody reads them), end with the trainer. Never returns."""
-    try:
-        _child_signals()
-        zygote = os.getpid()
-        statuses.setblocking(False)
-        while True:
-            readable, _, _ = select.select([control], [], [], 0.2)
-            if os.getppid() != trainer:
-                break
-            with contextlib.suppress(ChildProcessError):
-                while (reaped := os.waitpid(-1, os.WNOHANG))[0]:
-                    with contextlib.suppress(OSError):
-                        statuses.send(struct.pack("qq", *reaped))
-            if not readable:
-                continue
-            requests = control.recv(64)
-            if not requests or requests.strip(b"F"):  # the trainer closed the socket (or garbage)
-                break
-            for _ in requests:
-                ours, theirs = socket.socketpair()
-                pid = _fork()
-                if pid == 0:
-                    control.close()
-                    statuses.close()
-                    ours.close()
-                    _worker_main(theirs, funcs, zygote)
-                theirs.close()
-                socket.send_fds(control, [struct.pack("q", pid)], [ours.fileno()])
-                ours.close()
-    finally:
-        os._exit(0)
-
-
-class _Zygote:
-    """The trainer's end of the zygote process: fork requests and their answers, the statuses of ended workers."""
-
-    def __init__(self, funcs: Sequence[Callable | None]):
-        control, control_child = socket.socketpair()
-        statuses, statuses_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        trainer = os.getpid()
-        pid = _fork()
-        if pid == 0:
-            control.close()
-            statuses.close()
-            _zygote_main(control_child, statuses_child, funcs, trainer)
-        control_child.close()
-        statuses_child.close()
-        self.pid, self.control, self.statuses = pid, control, statuses
-        self.ended: dict[int, int] = {}  # pid -> wait status (the last 1000)
-
-    def request(self, count: int) -> None:
-        """Ask for `count` more workers (answered by `receive`)."""
-        self.control.sendall(b"F" * count)
-
-    def receive(self) -> tuple[int, Connection]:
-        """The next forked worker: its pid and connection (blocks until the zygote answers)."""
-        data, fds, _, _ = socket.recv_fds(self.control, 8, 1)
-        if len(data) != 8 or len(fds) != 1:
-            raise EOFError("the reward runner's zygote process ended")
-        return struct.unpack("q", data)[0], Connection(fds[0])
-
-    def status(self, pid: int, timeout: float) -> int | None:
-        """The wait status of worker `pid`, which has ended, if the zygote reports it within `timeout` seconds."""
-        end = time.monotonic() + timeout
-        while pid not in self.ended:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([self.statuses], [], [], left)[0]:
-                return None
-            with contextlib.suppress(OSError):
-                reaped, status = struct.unpack("qq", self.statuses.recv(16))
-                self.ended[reaped] = status
-                if len(self.ended) > 1000:
-                    del self.ended[next(iter(self.ended))]
-        return self.ended.pop(pid)
-
-    def close(self) -> None:
-        for sock in (self.control, self.statuses):
-            with contextlib.suppress(OSError):
-                sock.close()  # the zygote reads the end of its socket and exits; its workers die with it
-        for _ in range(50):
-            with contextlib.suppress(ChildProcessError):
-                if os.waitpid(self.pid, os.WNOHANG)[0] != 0:
-                    return
-            time.sleep(0.01)
-        with contextlib.suppress(ProcessLookupError, ChildProcessError):
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-
-
-@dataclass(eq=False)
-class _Worker:
-    pid: int
-    connection: Connection
-
-
-class _Pool:
-    """`size` worker processes forked from one zygote; a worker that ends or is stopped is replaced. Forks are asked
-    for without waiting (under load a fork of a large process can take seconds): `workers` holds those that arrived."""
-
-    def __init__(self, funcs: Sequence[Callable | None], size: int):
-        self.funcs, self.size, self.owner = funcs, size, os.getpid()
-        self.zygote = _Zygote(funcs)
-        self.workers: list[_Worker] = []
-        self.forking = 0  # forks asked for and not yet received
-
-    def replenish(self, wait_for_all: bool = False) -> None:
-        """Ask for the workers missing and take those that arrived (with `wait_for_all`, wait until all have)."""
-        try:
-            if missing := self.size - len(self.workers) - self.forking:
-                self.zygote.request(missing)
-                self.forking += missing
-            while self.forking and (wait_for_all or select.select([self.zygote.control], [], [], 0)[0]):
-                self.workers.append(_Worker(*self.zygote.receive()))
-                self.forking -= 1
-        except (OSError, EOFError):  # the zygote itself ended (out of memory, killed): start another
-            logger.warning("The reward runner's zygote process ended; forking a new one from the trainer.")
-            self.zygote.close()
-            self.zygote, self.forking = _Zygote(self.funcs), 0
-            self.replenish(wait_for_all)
-
-    def retire(self, worker: _Worker) -> None:
-        """Remove `worker`, killing it if it still runs (the zygote reaps it)."""
-        self.workers.remove(worker)
-        with contextlib.suppress(OSError):
-            worker.connection.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signal.SIGKILL)
-
-    def stop_workers(self) -> None:
-        for worker in list(self.workers):
-            self.retire(worker)
-
-    def close(self) -> None:
-        if os.getpid() != self.owner:  # a forked copy of the trainer exiting (it inherited the finalizer): not ours
-            return
-        self.stop_workers()
-        self.zygote.close()
-
-
-def _describe_status(status: int | None) -> str:
-    if status is None or status < 0:
-        return "ended"
-    if os.WIFSIGNALED(status):
-        number = os.WTERMSIG(status)
-        with contextlib.suppress(ValueError):
-            return f"killed by signal {number} ({signal.Signals(number).name})"
-        return f"killed by signal {number}"
-    if os.WIFEXITED(status):
-        return f"exit status {os.WEXITSTATUS(status)}"
-    return "ended"
-
-
 # ---- the runner -------------------------------------------------------------------------------------------------------
 
 
@@ -490,9 +134,9 @@ class RewardRunner:
         if settings.workers and any(f is not None for f in self.funcs):
             if (problem := reward_call_problem()) is not None:
                 raise TRLCompatibilityError(f"reward_workers cannot be used: {problem}.")
-            self._pool = _Pool(self.funcs, settings.workers)
+            self._pool = Pool(self.funcs, settings.workers)
             self._pool.replenish(wait_for_all=True)
-        self._close = weakref.finalize(self, _Pool.close, self._pool) if self._pool else (lambda: None)
+        self._close = weakref.finalize(self, Pool.close, self._pool) if self._pool else (lambda: None)
         self._lock = threading.Lock()
         self._stats: dict[str, list[float]] = {}  # name -> [timeouts, errors, seconds] since the last take_metrics
         self._warned: set[tuple[str, str]] = set()
@@ -570,14 +214,14 @@ class RewardRunner:
         """reward_workers=0 (reward_on_error='none'): the call as TRL makes it, in this process; on an exception,
         halves called again until the completions that raise are alone. An async function runs on TRL's loop."""
         if loop is None:
-            run_coroutine = lambda c: asyncio.run(_awaited(c))  # noqa: E731
+            run_coroutine = lambda c: asyncio.run(awaited(c))  # noqa: E731
         else:
-            run_coroutine = lambda c: asyncio.run_coroutine_threadsafe(_awaited(c), loop).result()  # noqa: E731
+            run_coroutine = lambda c: asyncio.run_coroutine_threadsafe(awaited(c), loop).result()  # noqa: E731
         out, stack = _Outcome.empty(call.n), [tuple(range(call.n))]
         loggers = tuple(call.loggers)
         while stack:
             rows = stack.pop()
-            result = _run_piece(reward.func, reward.__name__, call.piece(rows), loggers, run_coroutine)
+            result = run_piece(reward.func, reward.__name__, call.piece(rows), loggers, run_coroutine)
             stack.extend(reversed(self._settle(reward, call, rows, result, out)))
         return out
 
@@ -593,7 +237,7 @@ class RewardRunner:
         queue = deque(self._pieces(reward, call.n, settings.workers))
         deadline = None if settings.timeout is None else time.monotonic() + settings.timeout
         narrow_stalls = deadline is not None and reward.__name__ not in settings.whole_batch
-        running: dict[_Worker, list] = {}  # worker -> [rows, when it acknowledged the piece (None before)]
+        running: dict[Worker, list] = {}  # worker -> [rows, when it acknowledged the piece (None before)]
         preempted: set[tuple] = set()  # single completions stopped once to let waiting pieces run
         try:
             while queue or running:
@@ -666,7 +310,7 @@ class RewardRunner:
             del running[worker]
             self._pool.retire(worker)
 
-    def _send(self, reward: RunnerReward, call: _Call, shared_blob: bytes, worker: _Worker, rows: tuple) -> bool:
+    def _send(self, reward: RunnerReward, call: _Call, shared_blob: bytes, worker: Worker, rows: tuple) -> bool:
         """Send a piece to an idle worker; False (the worker retired) if it had ended meanwhile."""
         try:
             message = pickle.dumps((reward.index, reward.__name__, shared_blob, call.piece(rows), tuple(call.loggers)))
@@ -702,7 +346,7 @@ class RewardRunner:
             if (name, kind) not in self._warned:
                 self._warned.add((name, kind))
                 if kind == "crash":  # how the worker ended, as the zygote reaped it
-                    detail = _describe_status(self._pool.zygote.status(detail, timeout=1.0))
+                    detail = describe_status(self._pool.zygote.status(detail, timeout=1.0))
                 logger.warning(_warning(name, kind, detail, call, row, out.count(kind)))
 
     def take_metrics(self) -> dict[str, float]:

@@ -16,53 +16,19 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..settings import not_allowed
+from .settings import HealthSettings
 
 logger = logging.getLogger(__name__)
 
-HEALTH_CHECK_MODES = ("warn", "stop", "off")
 # The entropy the guard watches: TRL's `entropy` where the run logs it, else the zero-waste pass's entropy of the
 # rows it trained (grpo_plus.algorithms.loss_metrics), each against its own starting value.
 ENTROPY_KEYS = ("entropy", "zero_waste/entropy_trained_rows")
-
-
-@dataclass(frozen=True)
-class HealthSettings:
-    """The `health_*` fields of GRPOConfig. A threshold of None turns its check off."""
-
-    check: str = "warn"
-    patience_steps: int = 5
-    zero_std_frac: float | None = 1.0
-    truncated_frac: float | None = 0.9
-    entropy_collapse_frac: float | None = 0.1
-
-    @classmethod
-    def from_args(cls, args: Any) -> HealthSettings:
-        """Each field from GRPOConfig's `health_<field>`."""
-        return cls(**{f.name: getattr(args, f"health_{f.name}") for f in fields(cls)})
-
-    def validate(self) -> None:
-        """Raise ConfigError, naming the GRPOConfig field, for a value the guard cannot use."""
-
-        def fail(name: str, allowed: str) -> None:
-            raise not_allowed(f"health_{name}", getattr(self, name), allowed)
-
-        if self.check not in HEALTH_CHECK_MODES:
-            fail("check", "one of 'warn' (one warning per problem), 'stop' (save and raise), 'off'")
-        if self.patience_steps < 1:
-            fail("patience_steps", ">= 1 (how many steps a condition must hold before it is reported)")
-        for name in ("zero_std_frac", "truncated_frac"):
-            value = getattr(self, name)
-            if value is not None and not 0 < value <= 1:
-                fail(name, "in (0, 1], or None to turn this check off")
-        if self.entropy_collapse_frac is not None and not 0 < self.entropy_collapse_frac < 1:
-            fail("entropy_collapse_frac", "in (0, 1) (a fraction of the starting entropy), or None to turn it off")
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..objective.common import nanstd
-from ..settings import ConfigError, not_allowed
+from ..settings import ConfigError
+from .settings import DynamicSamplingSettings
 
 # Generation-batch keys by how they pad when rounds of different lengths are concatenated.
 _LEFT_PADDED = {"prompt_ids": "pad", "prompt_mask": 0}
@@ -108,32 +108,6 @@ def refill_prompts(dataset_size: int, num_generations: int, prompts_per_draw: in
             pending += torch.randperm(dataset_size, generator=generator).tolist()
         draw, pending = pending[:prompts_per_draw], pending[prompts_per_draw:]
         yield [index for index in draw for _ in range(num_generations)]
-
-
-@dataclass(frozen=True)
-class DynamicSamplingSettings:
-    """GRPOConfig's dynamic-sampling fields: `dynamic_sampling`, `dynamic_sampling_min_std`, `max_sampling_rounds`."""
-
-    enabled: bool = False
-    min_std: float = 1e-4  # a group is informative when the std of its rewards exceeds this
-    max_rounds: int = 4  # generation rounds per generation batch (1 = filter only)
-
-    @classmethod
-    def from_args(cls, args: Any) -> DynamicSamplingSettings:
-        return cls(args.dynamic_sampling, args.dynamic_sampling_min_std, args.max_sampling_rounds)
-
-    def validate(self, per_device_train_batch_size: int, num_generations: int) -> None:
-        """Raise ConfigError, naming the GRPOConfig field, for a value dynamic sampling cannot use."""
-        if self.min_std < 0:
-            raise not_allowed("dynamic_sampling_min_std", self.min_std, ">= 0")
-        if self.max_rounds < 1:
-            raise not_allowed("max_sampling_rounds", self.max_rounds, ">= 1 (1 filters without refilling)")
-        if self.enabled and per_device_train_batch_size % num_generations:
-            raise ConfigError(
-                f"dynamic_sampling=True needs per_device_train_batch_size ({per_device_train_batch_size}) to be a "
-                f"multiple of num_generations ({num_generations}), so that groups are never split across processes "
-                "or micro-batches."
-            )
 
 
 class DynamicSampling:

@@ -14,13 +14,13 @@ the same history make the same decisions, and the state is a handful of numbers 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..settings import not_allowed
 from .dynamic_sampling import informative_groups
+from .settings import SelectiveRolloutSettings
 
 SOLVED, UNSOLVED = "solved", "unsolved"
 KINDS = (SOLVED, UNSOLVED)
@@ -31,49 +31,6 @@ MIN_KEEP_PROBABILITY = 0.01
 TARGET_SHARE = {SOLVED: 1 / 3, UNSOLVED: 2 / 3}
 STATE_VERSION = 1
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, pass) pairs over the generator's seed space
-
-
-@dataclass(frozen=True)
-class SelectiveRolloutSettings:
-    """The `selective_rollout_*` fields of GRPOConfig, plus the dead-group threshold shared with dynamic sampling."""
-
-    explore_solved: float = 0.5
-    explore_unsolved: float = 0.5
-    explore_min: float = 0.05
-    explore_max: float = 0.95
-    explore_step: float = 0.01
-    target_dead_frac: float = 0.25
-    history: int = 4
-    solved_reward: float | None = None
-    min_std: float = 1e-4
-
-    @classmethod
-    def from_args(cls, args: Any) -> SelectiveRolloutSettings:
-        """Each field from GRPOConfig's `selective_rollout_<field>`; `min_std` is `dynamic_sampling_min_std`."""
-        names = [f.name for f in fields(cls) if f.name != "min_std"]
-        settings = {name: getattr(args, f"selective_rollout_{name}") for name in names}
-        return cls(**settings, min_std=args.dynamic_sampling_min_std)
-
-    def validate(self) -> None:
-        """Raise ConfigError, naming the GRPOConfig field, for a value selective rollout cannot use."""
-
-        def fail(name: str, allowed: str) -> None:
-            raise not_allowed(f"selective_rollout_{name}", getattr(self, name), allowed)
-
-        low, high = self.explore_min, self.explore_max
-        if not 0 < low <= 1:
-            fail("explore_min", "in (0, 1] (the lowest exploration probability)")
-        if not low <= high <= 1:
-            fail("explore_max", f"in [selective_rollout_explore_min={low}, 1]")
-        for name in ("explore_solved", "explore_unsolved"):
-            if not low <= getattr(self, name) <= high:
-                fail(name, f"in [selective_rollout_explore_min={low}, selective_rollout_explore_max={high}]")
-        if not 0 <= self.explore_step <= 1:
-            fail("explore_step", "in [0, 1] (0 keeps the exploration probabilities fixed)")
-        if not 0 <= self.target_dead_frac <= 1:
-            fail("target_dead_frac", "in [0, 1]")
-        if self.history < 1:
-            fail("history", ">= 1 (the longest dead streak that counts)")
 
 
 @dataclass
@@ -110,12 +67,12 @@ class SelectiveRollout:
     checkpoint_name = "selective_rollout"
 
     @classmethod
-    def for_dataset(cls, enabled: bool, settings: SelectiveRolloutSettings, dataset: Any, seed: int,
+    def for_dataset(cls, settings: SelectiveRolloutSettings, dataset: Any, seed: int,
                     shuffle: bool) -> SelectiveRollout | None:  # fmt: skip
         """The trainer's selective rollout over `dataset` (rows addressed by index), or None when it is off."""
         from datasets import IterableDataset
 
-        if not enabled:
+        if not settings.enabled:
             return None
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError("selective_rollout=True needs a map-style train_dataset (rows addressed by index).")

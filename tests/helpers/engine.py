@@ -45,8 +45,8 @@ def engine_settings(**fields):
     (`fields`), so both sides of a comparison run on one engine of the same precision."""
     from grpo_plus.engine.precision import engine_precision
 
-    args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate", **{"vllm_quantization": "auto", **fields})
-    with engine_precision(args):
+    args = types.SimpleNamespace(use_vllm=True, vllm_mode="colocate")
+    with engine_precision(args, fields.get("vllm_quantization", "auto"), fields.get("vllm_dtype", "auto")):
         yield
 
 
