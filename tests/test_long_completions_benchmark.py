@@ -3,7 +3,6 @@ trains both sides on the same completions, and what it reports per step adds up 
 what stock TRL computes."""
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -14,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("generation", "scoring", "train_pass", "optimizer")
 
 
-def test_long_completions_smoke_reports_paired_steps_and_trl_positions(tmp_path):
+def test_long_completions_smoke_reports_paired_steps_and_trl_positions(tmp_path, monkeypatch):
     output = tmp_path / "long.json"
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(ROOT / "benchmarks")
     import long_completions
 
     threads = torch.get_num_threads()

@@ -257,15 +257,14 @@ def test_a_sliding_window_cache_is_not_kept_and_says_why():
 
 @needs_loop
 @needs_training
-def test_multi_turn_benchmark_smoke_matches_stock_trl_and_counts_the_saving(tool_model_dir, tmp_path):
+def test_multi_turn_benchmark_smoke_matches_stock_trl_and_counts_the_saving(tool_model_dir, tmp_path, monkeypatch):
     """benchmarks/multi_turn.py --smoke on the session's tool model, in this process: both trainers sample the same
     completions and log the same losses, and grpo_plus's prefills are a fraction of TRL's."""
     import json
-    import sys
 
     import transformers
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(Path(__file__).resolve().parents[1] / "benchmarks")
     import multi_turn
 
     verbosity = transformers.logging.get_verbosity()
