@@ -511,17 +511,27 @@ QUOTES += [
 # ---- docs/guide/memory.md and README.md: results/memory_real*.json ---------------------------------------------------
 
 
+def positions_and_tiles(data: dict, row: dict) -> tuple[str, int]:
+    """A row's training-forward positions (rows x (prompt + L)) and the tiled MLP's 4,096-position tiles over them."""
+    positions = data["rows"] * (data["prompt"] + row["length"])
+    return f"{positions:,}", math.ceil(positions / 4096)
+
+
+def counted_over_real(data: dict) -> list[float]:
+    return [
+        run["counted"] / run["increment"] for row in data["results"] for run in (row["TRL"], row["grpo_plus default"])
+    ]
+
+
 def memory_row(index: int) -> Callable[[dict], tuple]:
     def figures(data: dict) -> tuple:
         row = data["results"][index]
         trl, ours = row["TRL"], row["grpo_plus default"]
-        positions = data["rows"] * (data["prompt"] + row["length"])
         return (
             f"{row['length']:,}",
             mib(trl["increment"]),
             f"{ours['increment'] / trl['increment']:.3f}",
-            f"{positions:,}",
-            math.ceil(positions / 4096),
+            *positions_and_tiles(data, row),
             f"{trl['grad_norm']:.8g}",
             f"{ours['grad_norm']:.8g}",
             f"{trl['counted'] / trl['increment']:.3f}",
@@ -547,8 +557,8 @@ QUOTES += [
         "memory_real_rss_without_perturb.json",
         lambda d: (
             *(mib(row[side]["increment"]) for row in d["results"] for side in ("TRL", "grpo_plus default")),
-            f"{min(v['counted'] / v['increment'] for r in d['results'] for v in (r['TRL'], r['grpo_plus default'])):.3f}",
-            f"{max(v['counted'] / v['increment'] for r in d['results'] for v in (r['TRL'], r['grpo_plus default'])):.3f}",
+            f"{min(counted_over_real(d)):.3f}",
+            f"{max(counted_over_real(d)):.3f}",
         ),
     ),
     Quote(
@@ -566,11 +576,9 @@ def step_time_row(index: int) -> Callable[[dict], tuple]:
     def figures(data: dict) -> tuple:
         row = data["results"][index]
         tiled, whole = row["grpo_plus default"], row["grpo_plus, tiled MLP off"]
-        positions = data["rows"] * (data["prompt"] + row["length"])
         return (
             f"{row['length']:,}",
-            f"{positions:,}",
-            math.ceil(positions / 4096),
+            *positions_and_tiles(data, row),
             f"{tiled['seconds']:.1f}",
             mib(tiled["increment"]),
             f"{whole['seconds']:.1f}",
@@ -596,12 +604,6 @@ def tile_row(variant: str) -> Callable[[dict], tuple]:
         )
 
     return figures
-
-
-def counted_over_real(data: dict) -> list[float]:
-    return [
-        run["counted"] / run["increment"] for row in data["results"] for run in (row["TRL"], row["grpo_plus default"])
-    ]
 
 
 TILE = "memory_real_trl_lm_head_tile.json"
