@@ -97,6 +97,21 @@ def restore_registries():
         registry.restore(snapshot)
 
 
+@pytest.fixture
+def benchmark_in_this_process(monkeypatch):
+    """For a benchmark run in pytest's process (a subprocess would spend most of a smoke run importing torch,
+    transformers and TRL again): benchmarks/ importable, and what a benchmark sets for its own process (torch's thread
+    count, transformers' verbosity) put back after the test."""
+    import torch
+    import transformers
+
+    monkeypatch.syspath_prepend(Path(__file__).resolve().parents[1] / "benchmarks")
+    threads, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
+    yield
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity(verbosity)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama + character tokenizer saved once per session (read only)."""

@@ -26,35 +26,36 @@ def bench_module():
 
 
 MIB = 2**20
-TRANSIENT = 64 * MIB  # above glibc's largest mmap threshold (32 MiB): always fresh pages, never reused heap
+TRANSIENT = 64 * MIB
 
 
 @pytest.fixture
-def child_process_settings_undone(monkeypatch):
+def child_process_settings_undone(monkeypatch, benchmark_in_this_process):
     """`run_child` is a child process's main: it sets TRL's LM-head tile width and transformers' verbosity for its
     process. Run in pytest's process here, both are put back after the test."""
-    import transformers
     import trl.trainer.utils
 
     from grpo_plus.compat.lm_head import FUSED_LM_HEAD_COLUMNS
 
     monkeypatch.setattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS, getattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS))
-    verbosity = transformers.logging.get_verbosity()
-    yield
-    transformers.logging.set_verbosity(verbosity)
 
 
 class WithTransient:
-    """A counting trainer whose training pass also holds TRANSIENT bytes for a moment (written, then freed): a known
-    share of the step's peak. A wrapper: the trainers are cached per process, so theirs is left as it was."""
+    """A counting trainer whose training pass also holds TRANSIENT bytes for a moment: a known share of the step's
+    peak. A mapping of its own, every page written, then unmapped: a tensor could be served from heap memory this
+    long-lived process freed earlier, already resident, and add nothing. A wrapper: the trainers are cached per
+    process, so theirs is left as it was."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def _compute_loss(self, model, inputs):
+        import mmap
+
         import torch
 
-        torch.ones(TRANSIENT // 4)  # float32: TRANSIENT bytes, every page written
+        with mmap.mmap(-1, TRANSIENT) as pages:
+            torch.frombuffer(pages, dtype=torch.uint8)[:: mmap.PAGESIZE].fill_(1)  # one byte per page: all resident
         return self.trainer._compute_loss(model, inputs)
 
 

@@ -201,7 +201,6 @@ def test_stalls_crashes_and_errors_are_narrowed_to_the_completions_that_cause_th
     with caplog.at_level(logging.WARNING, logger="grpo_plus.rewards.runner"):
         answers, metrics = run(failing_reward, settings, calls, seconds)
     assert kept_on_time(seconds[0], settings.timeout), seconds  # narrowing 4 stalls down to 1 completion each
-    assert seconds[1] < settings.timeout, seconds  # nothing stalls: the call does not wait for its deadline
     for call, answer in zip(calls, answers, strict=True):
         assert_bitwise_equal(trl_floats(answer), trl_floats(failing_reward_twin(**call)))
     stalls = sum(kind(text) == "stall" for text in BATCH)
