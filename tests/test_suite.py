@@ -160,6 +160,8 @@ import logging
 
 import torch
 import trl.trainer.utils
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from grpo_plus.compat.lm_head import FUSED_LM_HEAD_COLUMNS
 from grpo_plus.objective.common import WARNED_ONCE
@@ -199,6 +201,18 @@ def test_6_warns_once():
 
 def test_7_starts_as_the_session_did():
     assert "said once per process" not in WARNED_ONCE
+
+
+ACCELERATOR = Accelerator(cpu=True)  # as a trainer built by a module-scoped fixture holds one
+
+
+def test_8_resets_accelerate_as_building_a_config_does():
+    AcceleratorState._reset_state(reset_partial_state=True)  # TrainingArguments' device set-up
+
+
+def test_9_the_accelerator_built_before_still_works():
+    with ACCELERATOR.autocast():
+        pass
 """
 
 
@@ -215,12 +229,14 @@ def test_a_test_that_leaves_state_changed_fails_and_the_next_gets_it_as_before(t
     tile = getattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS, None)  # None: TRL 1.14, no fused LM head
     assert tile is None or f"trl.trainer.utils.{FUSED_LM_HEAD_COLUMNS}: {tile} -> 4096" in message, message
     for name in ("test_2_gets_the_thread_count_as_before", "test_4_gets_them_as_before",
-                 "test_5_undoes_what_it_changes", "test_6_warns_once", "test_7_starts_as_the_session_did"):  # fmt: skip
+                 "test_5_undoes_what_it_changes", "test_6_warns_once", "test_7_starts_as_the_session_did",
+                 "test_8_resets_accelerate_as_building_a_config_does",
+                 "test_9_the_accelerator_built_before_still_works"):  # fmt: skip
         assert found[name] == ("passed", ""), (name, found[name])
 
     unguarded = generated(tmp_path / "unguarded", "", test_generated=LEAKS)
     run_pytest(unguarded, "-p", "no:randomly", f"--junitxml={unguarded / 'junit.xml'}")
     found = outcomes(unguarded / "junit.xml")
     for name in ("test_2_gets_the_thread_count_as_before", "test_4_gets_them_as_before",
-                 "test_7_starts_as_the_session_did"):  # fmt: skip
+                 "test_7_starts_as_the_session_did", "test_9_the_accelerator_built_before_still_works"):  # fmt: skip
         assert found[name][0] == "failure", (name, found[name])

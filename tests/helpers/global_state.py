@@ -8,6 +8,10 @@ Two kinds:
 - ONCE_ONLY: what grpo_plus remembers having said or done once per process (warnings shown once, entry points
   loaded). Running the code adds to them, so no test is asked to undo that: each test starts from the session's
   start instead, as it would in a fresh process.
+- accelerate's state: one per process (PartialState, AcceleratorState, GradientState, class-level dicts every instance
+  shares), which building any TrainingArguments (a GRPOConfig) clears. A trainer a module-scoped fixture built earlier
+  then fails in `accelerator.autocast()` ("Please make sure to properly initialize your accelerator") after any test
+  that built only a config. Building configs is what tests do, so each test ends with the state it started with.
 The registries are conftest's `restore_registries`, the environment variables its `restore_environment`.
 """
 
@@ -156,6 +160,19 @@ def reset_once_only(at_start: dict[str, set]) -> None:
         current.update(at_start[name])
 
 
+def accelerate_states() -> list[dict]:
+    """accelerate's process-wide state: the dicts its Borg classes share (`_reset_state` clears them in place)."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    return [PartialState._shared_state, AcceleratorState._shared_state, GradientState._shared_state]
+
+
+def put_back_in_place(states: list[dict], saved: list[dict]) -> None:
+    for state, before in zip(states, saved, strict=True):
+        state.clear()
+        state.update(before)
+
+
 # ---- the fixture (tests/conftest.py imports it) ----------------------------------------------------------------------
 
 
@@ -166,12 +183,14 @@ def process_at_session_start() -> tuple[list[Knob], dict[str, set]]:
 
 @pytest.fixture(autouse=True)
 def global_state_kept(request, process_at_session_start):
-    """Every test starts with grpo_plus's once-only notes as at the session's start, and fails if it leaves a knob
-    changed (after putting it back). Function-scoped fixtures (monkeypatch, caplog) have undone theirs by then."""
+    """Every test starts with grpo_plus's once-only notes as at the session's start, ends with accelerate's state as it
+    began, and fails if it leaves a knob changed (after putting it back). Function-scoped fixtures (monkeypatch,
+    caplog) have undone theirs by then."""
     kept, notes_at_start = process_at_session_start
     reset_once_only(notes_at_start)
-    before = snapshot(kept)
+    before, accelerate_before = snapshot(kept), [dict(state) for state in accelerate_states()]
     yield
+    put_back_in_place(accelerate_states(), accelerate_before)
     changed = put_back(kept, before)
     if changed:
         pytest.fail(
