@@ -72,7 +72,8 @@ def run(reward, settings: RewardRunnerSettings, calls: list[dict], seconds: list
 # running, asks the zygote for replacements without waiting for them, and reads what the workers it retired leave;
 # the first time a kind of failure is met, a worker's end is described from the zygote's report, waited for up to 1 s
 # (`_record`). Forking the first workers and narrowing failures down happen before the deadline, within the timeout.
-# Measured on 2 shared cores: 0.02-0.25 s past the deadline (benchmarks/reward_runner.py: 1.02-1.05x a 2 s timeout).
+# Measured on 2 cores at a load average of 15: 0.002-0.09 s past the deadline (7 calls of 1 s and 3 s; with stalls
+# only, and with every kind of failure). The margin: that 1 s wait, and 0.5 s for a machine busier still.
 DEADLINE_MARGIN = 1.5
 
 
