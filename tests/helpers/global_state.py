@@ -2,13 +2,13 @@
 runs in a random order (pytest-randomly), so such a change makes another test's outcome depend on the order; the
 autouse fixture `global_state_kept` in tests/conftest.py applies what is here around every test.
 
-Two kinds:
+Three kinds:
 - KNOBS: settings a test may change for itself only, undoing the change (monkeypatch, try/finally). A test that leaves
   one changed fails, naming it, and the knob is put back, so the tests after it run as before.
 - ONCE_ONLY: what grpo_plus remembers having said or done once per process (warnings shown once, entry points
   loaded). Running the code adds to them, so no test is asked to undo that: each test starts from the session's
   start instead, as it would in a fresh process.
-- accelerate's state: one per process (PartialState, AcceleratorState, GradientState, class-level dicts every instance
+- ACCELERATE's state: one per process (PartialState, AcceleratorState, GradientState, class-level dicts every instance
   shares), which building any TrainingArguments (a GRPOConfig) clears. A trainer a module-scoped fixture built earlier
   then fails in `accelerator.autocast()` ("Please make sure to properly initialize your accelerator") after any test
   that built only a config. Building configs is what tests do, so each test ends with the state it started with.
@@ -68,6 +68,11 @@ def _put_loggers(states: dict[str, tuple[int, bool, bool]]) -> None:
         lg.propagate, lg.disabled = propagate, disabled
 
 
+def _put_default_device(device: torch.device) -> None:
+    # None, not "cpu": setting any device installs a function mode every later torch call goes through
+    torch.set_default_device(None if device == torch.device("cpu") else device)
+
+
 def _put_list(target: list) -> Callable[[list], None]:
     def put(value: list) -> None:
         target[:] = value
@@ -98,7 +103,7 @@ def knobs() -> list[Knob]:
             "torch.get_float32_matmul_precision()",
             torch.get_float32_matmul_precision,
             torch.set_float32_matmul_precision,
-        ),  # fmt: skip
+        ),
         Knob("logging: (level, propagate, disabled) of each logger", _loggers, _put_loggers),
         Knob("logging.disable()", lambda: logging.root.manager.disable, logging.disable),
         Knob("sys.path", lambda: list(sys.path), _put_list(sys.path)),
@@ -107,7 +112,7 @@ def knobs() -> list[Knob]:
         _signal_knob(signal.SIGTERM),
     ]
     if hasattr(torch, "get_default_device"):  # torch >= 2.3
-        found.append(Knob("torch.get_default_device()", torch.get_default_device, torch.set_default_device))
+        found.append(Knob("torch.get_default_device()", torch.get_default_device, _put_default_device))
     return [knob for knob in found if knob is not None]
 
 
