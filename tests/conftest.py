@@ -23,8 +23,16 @@ from helpers.floors import (  # noqa: E402, F401
     pytest_runtest_makereport,
     pytest_runtest_setup,
 )
+
+# No test leaves process-wide state changed (the suite runs in a random order): tests/helpers/global_state.py.
+from helpers.global_state import global_state_kept, process_at_session_start  # noqa: E402, F401
 from helpers.models import save_tiny_model  # noqa: E402
 from helpers.probes import kept_unchanged  # noqa: E402
+from helpers.suite import (  # noqa: E402, F401  (the order's seed printed; the per-test timeout's backstop)
+    pytest_report_collectionfinish,
+    pytest_terminal_summary,
+    pytest_timeout_set_timer,
+)
 from helpers.tool_model import save_tool_model  # noqa: E402
 
 
@@ -40,6 +48,31 @@ def pytest_report_header(config) -> str:
 
     names = ("trl", "transformers", "peft", "accelerate", "datasets", "bitsandbytes", "torch", "huggingface_hub")
     return "versions: " + ", ".join(f"{name} {installed(name)}" for name in names)
+
+
+# make test-engines' and make test-vllm's tests: processes on real engines (DeepSpeed, DDP, FSDP2, vLLM), their
+# durations not measured one by one (592 s and 1,028 s for the whole targets on a clean clone; one engine test took
+# 425 s beside three other pytest runs); their subprocesses carry limits of 600-900 s of their own, and a vLLM module's
+# first test starts its engine (60-90 s).
+ENGINE_TEST_TIMEOUT = 1200
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        on_engines = item.get_closest_marker("engine") or item.get_closest_marker("vllm")
+        if on_engines and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(ENGINE_TEST_TIMEOUT))
+
+
+@pytest.fixture(autouse=True)
+def torch_seeded_per_test(request):
+    """torch's global RNG, seeded from the test's id: a test that draws from it without seeding it itself gets the
+    same numbers in every order (pytest-randomly does the same for `random` and NumPy, from the order's seed)."""
+    import zlib
+
+    import torch
+
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +96,21 @@ def restore_registries():
     yield
     for registry, snapshot in snapshots:
         registry.restore(snapshot)
+
+
+@pytest.fixture
+def benchmark_in_this_process(monkeypatch):
+    """For a benchmark run in pytest's process (a subprocess would spend most of a smoke run importing torch,
+    transformers and TRL again): benchmarks/ importable, and what a benchmark sets for its own process (torch's thread
+    count, transformers' verbosity) put back after the test."""
+    import torch
+    import transformers
+
+    monkeypatch.syspath_prepend(Path(__file__).resolve().parents[1] / "benchmarks")
+    threads, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
+    yield
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity(verbosity)
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 import grpo_plus
 
@@ -271,3 +272,140 @@ def test_the_private_name_check_finds_each_way_in():
         len(private_trl_reads((PACKAGE / "compat" / name).read_text())) for name in ("lm_head.py", "loss.py")
     )
     assert in_compat >= 3  # the tile width, `_use_triton`, TRL's own log-prob method
+
+
+# ---- the API reference: one page per concern, each module documented once, on its folder's page --------------------
+
+REFERENCE = PACKAGE.parent / "docs" / "reference"
+# The page of the modules at grpo_plus/'s top (the public face and the base); a folder's page is named after the folder
+# (zero_waste/ -> zero-waste.md). index.md is the reference's overview and documents no module.
+TOP_LEVEL_PAGE = "public.md"
+MODULE_BLOCK = re.compile(r"^::: (\S+)[ \t]*$", re.M)  # mkdocstrings' `::: identifier` line (options may follow)
+
+
+def is_private(path: Path) -> bool:
+    """A private helper (a part of its path with one leading underscore, e.g. rewards/_main_thread_worker.py, run by
+    path as its own process): the reference leaves it out. __init__ and __main__ are documented."""
+    return any(part.startswith("_") and not part.startswith("__") for part in path.parts)
+
+
+def documented_modules(package: Path) -> dict[str, str]:
+    """Every public module of the package (its dotted name) -> the reference page that must document it."""
+    pages = {}
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package.parent).with_suffix("")
+        if is_private(relative):
+            continue
+        parts = relative.parts[:-1] if relative.name == "__init__" else relative.parts
+        folder = relative.parts[1] if len(relative.parts) > 2 else None  # grpo_plus/<folder>/<module>
+        pages[".".join(parts)] = f"{folder.replace('_', '-')}.md" if folder else TOP_LEVEL_PAGE
+    return pages
+
+
+def nav_pages(mkdocs_yml: str) -> set[str]:
+    """The pages mkdocs.yml's nav lists, relative to docs/."""
+
+    def walk(entry):
+        if isinstance(entry, str):
+            yield entry
+        elif isinstance(entry, dict):
+            for value in entry.values():
+                yield from walk(value)
+        elif isinstance(entry, list):
+            for value in entry:
+                yield from walk(value)
+
+    return set(walk(yaml.safe_load(mkdocs_yml)["nav"]))
+
+
+def reference_problems(modules: dict[str, str], pages: dict[str, str], nav: set[str]) -> list[str]:
+    """What is wrong with the reference: `modules` maps each module to its page (documented_modules), `pages` each
+    reference page's name to its text, `nav` the pages in mkdocs.yml's nav. Empty when every module has exactly one
+    `:::` block, on its own page, and every page is in the nav."""
+    found: dict[str, list[str]] = {}
+    for page, text in sorted(pages.items()):
+        for module in MODULE_BLOCK.findall(text):
+            found.setdefault(module, []).append(page)
+    problems = [
+        f"{module} has no `:::` block (its page: {page})" for module, page in modules.items() if module not in found
+    ]
+    for module, where in sorted(found.items()):
+        if module not in modules:
+            problems.append(f"`::: {module}` on {', '.join(where)} names no public module of grpo_plus")
+        elif len(where) > 1:
+            problems.append(f"{module} is documented {len(where)} times: {', '.join(where)}")
+        elif where != [modules[module]]:
+            problems.append(f"{module} is documented on {where[0]}, its folder's page is {modules[module]}")
+    problems += [
+        f"reference/{page} is not in mkdocs.yml's nav" for page in sorted(pages) if f"reference/{page}" not in nav
+    ]
+    return problems
+
+
+def reference_pages() -> dict[str, str]:
+    return {path.name: path.read_text() for path in sorted(REFERENCE.glob("*.md"))}
+
+
+def test_the_reference_documents_every_module_once_on_its_folders_page():
+    """docs/reference/ has a page per concern folder (and one for the top level): a module added without its `:::`
+    line on its folder's page, documented twice or on another folder's page, or a page left out of the nav, fails
+    here. A new module needs only its `:::` line on its folder's page."""
+    modules = documented_modules(PACKAGE)
+    assert "grpo_plus.rewards._main_thread_worker" not in modules and "grpo_plus.fit.__main__" in modules
+    nav = nav_pages((PACKAGE.parent / "mkdocs.yml").read_text())
+    assert reference_problems(modules, reference_pages(), nav) == []
+    assert set(modules.values()) == set(reference_pages()) - {"index.md"}  # no page without a concern
+
+
+def test_the_reference_check_finds_what_it_guards():
+    """Negative controls for the check above, on the real pages: each defect is reported, and a new module is one
+    `:::` line on its folder's page."""
+    modules = documented_modules(PACKAGE)
+    pages = reference_pages()
+    nav = nav_pages((PACKAGE.parent / "mkdocs.yml").read_text())
+    assert reference_problems(modules, pages, nav) == []
+
+    without = {**pages, "run.md": pages["run.md"].replace("::: grpo_plus.run.faults\n", "")}
+    assert reference_problems(modules, without, nav) == ["grpo_plus.run.faults has no `:::` block (its page: run.md)"]
+
+    twice = {**pages, "run.md": pages["run.md"] + "\n::: grpo_plus.run.faults\n"}
+    assert reference_problems(modules, twice, nav) == ["grpo_plus.run.faults is documented 2 times: run.md, run.md"]
+
+    elsewhere = {**without, "app.md": pages["app.md"] + "\n::: grpo_plus.run.faults\n"}
+    assert reference_problems(modules, elsewhere, nav) == [
+        "grpo_plus.run.faults is documented on app.md, its folder's page is run.md"
+    ]
+
+    gone = {**pages, "run.md": pages["run.md"] + "\n::: grpo_plus.run.gone\n"}
+    assert reference_problems(modules, gone, nav) == [
+        "`::: grpo_plus.run.gone` on run.md names no public module of grpo_plus"
+    ]
+
+    assert reference_problems(modules, pages, nav - {"reference/sampling.md"}) == [
+        "reference/sampling.md is not in mkdocs.yml's nav"
+    ]
+
+    added = {**modules, "grpo_plus.zero_waste.new_saving": "zero-waste.md"}
+    assert reference_problems(added, pages, nav) == [
+        "grpo_plus.zero_waste.new_saving has no `:::` block (its page: zero-waste.md)"
+    ]
+    with_line = {**pages, "zero-waste.md": pages["zero-waste.md"] + "\n::: grpo_plus.zero_waste.new_saving\n"}
+    assert reference_problems(added, with_line, nav) == []
+
+
+def test_documented_modules_maps_each_module_to_its_folders_page(tmp_path):
+    """The mapping the reference check relies on, on a made-up package: top-level modules and the package itself go to
+    the top-level page, a folder's modules (its __init__ and __main__ too) to the folder's page, private helpers
+    nowhere."""
+    package = tmp_path / "grpo_plus"
+    for name in ("__init__.py", "config.py", "zero_waste/__init__.py", "zero_waste/rows.py", "fit/__main__.py",
+                 "rewards/_helper.py", "_private/thing.py"):  # fmt: skip
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).touch()
+    assert documented_modules(package) == {
+        "grpo_plus": TOP_LEVEL_PAGE,
+        "grpo_plus.config": TOP_LEVEL_PAGE,
+        "grpo_plus.zero_waste": "zero-waste.md",
+        "grpo_plus.zero_waste.rows": "zero-waste.md",
+        "grpo_plus.fit.__main__": "fit.md",
+    }

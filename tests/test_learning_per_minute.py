@@ -5,16 +5,12 @@ only evaluations made by then."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def benchmark(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports lockstep and train_pass as its neighbours
+def benchmark(benchmark_in_this_process):  # it imports lockstep and train_pass as its neighbours
     import learning_per_minute
 
     return learning_per_minute

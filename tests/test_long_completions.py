@@ -595,14 +595,13 @@ def test_bad_settings_fail_at_config_time(tmp_path, field, value, fragment):
 
 
 @needs_cpu_logps
-def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
+def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch, benchmark_in_this_process):
     """benchmarks/offload_cost.py --smoke times every variant, and the offloading variants pack tensors."""
     import runpy
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"
-    monkeypatch.syspath_prepend(str(script.parent))  # it imports benchmarks/shapes.py, as run from there
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"  # imports benchmarks/shapes.py
     output = tmp_path / "cost.json"
     monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(output)])
     monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # left as it was after the test

@@ -3,8 +3,6 @@ tool turn to the next, the same tokens as stock TRL's loop."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import trl
@@ -257,22 +255,16 @@ def test_a_sliding_window_cache_is_not_kept_and_says_why():
 
 @needs_loop
 @needs_training
-def test_multi_turn_benchmark_smoke_matches_stock_trl_and_counts_the_saving(tool_model_dir, tmp_path):
+def test_multi_turn_benchmark_smoke_matches_stock_trl_and_counts_the_saving(
+    tool_model_dir, tmp_path, benchmark_in_this_process
+):
     """benchmarks/multi_turn.py --smoke on the session's tool model, in this process: both trainers sample the same
     completions and log the same losses, and grpo_plus's prefills are a fraction of TRL's."""
     import json
-    import sys
 
-    import transformers
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import multi_turn
 
-    verbosity = transformers.logging.get_verbosity()
-    try:
-        multi_turn.main(["--smoke", "--model-dir", tool_model_dir, "--json", str(tmp_path / "out.json")])
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+    multi_turn.main(["--smoke", "--model-dir", tool_model_dir, "--json", str(tmp_path / "out.json")])
     result = json.loads((tmp_path / "out.json").read_text())["multi_turn"]
     assert result["same_completions"] and result["max_loss_difference"] == 0.0
     assert result["trl"]["turns"] >= 2 and result["trl"]["tool_calls_per_row"] > 0

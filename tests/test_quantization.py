@@ -33,7 +33,7 @@ def test_4bit_check_does_not_import_bitsandbytes():
     run_python(
         "-c",
         "import sys, torch\n"
-        "from grpo_plus.quantization import keep_4bit_trainable_on_cpu\n"
+        "from grpo_plus.compat.bitsandbytes import keep_4bit_trainable_on_cpu\n"
         "assert keep_4bit_trainable_on_cpu(torch.nn.Sequential(torch.nn.Linear(2, 2))) == 0\n"
         "assert 'bitsandbytes' not in sys.modules, 'bitsandbytes was imported'\n",
     )

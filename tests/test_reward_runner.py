@@ -51,16 +51,36 @@ def kwargs_like_trl(completions, **columns) -> dict:
     )  # fmt: skip
 
 
-def run(reward, settings: RewardRunnerSettings, calls: list[dict]) -> list:
-    """The runner's answers to `calls` of `reward` (its stand-in, as the trainer installs it)."""
+def run(reward, settings: RewardRunnerSettings, calls: list[dict], seconds: list | None = None) -> list:
+    """The runner's answers to `calls` of `reward` (its stand-in, as the trainer installs it); `seconds` gets how long
+    each call took, from TRL's call to its answer."""
     runner = RewardRunner(settings, [reward])
     try:
         (stand_in,) = runner.wrap([reward], [reward.__name__])
-        answers = [stand_in(**call) for call in calls]
-        answers = [asyncio.run(a) if inspect.iscoroutine(a) else a for a in answers]  # TRL awaits an async one
+        answers = []
+        for call in calls:
+            began = time.monotonic()
+            answer = stand_in(**call)
+            answers.append(asyncio.run(answer) if inspect.iscoroutine(answer) else answer)  # TRL awaits an async one
+            if seconds is not None:
+                seconds.append(time.monotonic() - began)
         return answers, runner.take_metrics()
     finally:
         runner.close()
+
+
+# How long past reward_timeout a call may take to return. After the deadline the runner SIGKILLs the workers still
+# running, asks the zygote for replacements without waiting for them, and reads what the workers it retired leave;
+# the first time a kind of failure is met, a worker's end is described from the zygote's report, waited for up to 1 s
+# (`_record`). Forking the first workers and narrowing failures down happen before the deadline, within the timeout.
+# Measured on 2 cores at a load average of 15: 0.002-0.09 s past the deadline (7 calls of 1 s and 3 s; with stalls
+# only, and with every kind of failure). The margin: that 1 s wait, and 0.5 s for a machine busier still.
+DEADLINE_MARGIN = 1.5
+
+
+def kept_on_time(seconds: float, timeout: float) -> bool:
+    """A call in which a completion stalls ends at its deadline: not before it, and at most DEADLINE_MARGIN past it."""
+    return timeout <= seconds <= timeout + DEADLINE_MARGIN
 
 
 def trl_floats(rewards) -> torch.Tensor:
@@ -179,8 +199,10 @@ def test_stalls_crashes_and_errors_are_narrowed_to_the_completions_that_cause_th
     call works on the workers that replaced those stopped or ended."""
     calls = [kwargs_like_trl(BATCH), kwargs_like_trl([text for text in BATCH if kind(text) != "stall"])]
     settings = RewardRunnerSettings(timeout=3.0, workers=2, on_error="none")
+    seconds = []
     with caplog.at_level(logging.WARNING, logger="grpo_plus.rewards.runner"):
-        answers, metrics = run(failing_reward, settings, calls)
+        answers, metrics = run(failing_reward, settings, calls, seconds)
+    assert kept_on_time(seconds[0], settings.timeout), seconds  # narrowing 4 stalls down to 1 completion each
     for call, answer in zip(calls, answers, strict=True):
         assert_bitwise_equal(trl_floats(answer), trl_floats(failing_reward_twin(**call)))
     stalls = sum(kind(text) == "stall" for text in BATCH)
@@ -193,6 +215,22 @@ def test_stalls_crashes_and_errors_are_narrowed_to_the_completions_that_cause_th
     assert any("raised ValueError: cannot score" in w for w in warnings)
     assert any("ended its worker process (" in w for w in warnings)
     assert all(any(repr(text) in w for text in FAILING) for w in warnings)
+
+
+def test_a_stalled_call_returns_at_its_deadline_and_a_late_one_is_caught():
+    """reward_timeout is kept on time: a call in which one completion sleeps forever returns at its deadline (plus
+    DEADLINE_MARGIN). The negative control: a runner that waits 4x the timeout fails the same check."""
+    call = kwargs_like_trl([text for text in BATCH if kind(text) in ("ok", "stall")][:8])
+    assert any(kind(text) == "stall" for text in call["completions"])
+    timeout, seconds = 1.0, []
+    answers, _ = run(
+        failing_reward, RewardRunnerSettings(timeout=timeout, workers=2, on_error="none"), [call], seconds
+    )
+    assert_bitwise_equal(trl_floats(answers[0]), trl_floats(failing_reward_twin(**call)))
+    assert kept_on_time(seconds[0], timeout), seconds
+    late = RewardRunnerSettings(timeout=4 * timeout, workers=2, on_error="none")  # the deadline a late runner keeps
+    run(failing_reward, late, [call], seconds)
+    assert not kept_on_time(seconds[1], timeout), seconds
 
 
 def test_in_process_errors_are_narrowed_too():
@@ -394,6 +432,9 @@ def test_a_run_whose_reward_stalls_and_crashes_trains_like_the_serial_run(tmp_pa
     assert sum(timeouts) + sum(errors) == sum(c[:, 0].isnan().sum().item() for c in serial_calls)
     assert logged(ours, "rewards/digit_reward/errors") == [0.0, 0.0]
     assert all(seconds > 0 for seconds in logged(ours, "rewards/digit_reward/seconds"))
+    # reward_timeout kept in training: one call per step, its time in the function's calls (to the stand-in's answer)
+    for stalled, seconds in zip(timeouts, logged(ours, "rewards/failing_reward/seconds"), strict=True):
+        assert kept_on_time(seconds, 4.0) if stalled else seconds < 4.0, (timeouts, seconds)
     assert ours._reward_runner.worker_pids[:-1] == []  # train() ended its workers; the zygote waits for evaluate()
     ours._reward_runner.close()
 

@@ -278,9 +278,16 @@ def test_evaluate_runs_a_real_tiny_model() -> None:
 
     tokenizer = make_tokenizer()
     model = make_model(tokenizer)
-    result = tasks.evaluate(model, tokenizer, make_dataset("test", "add-1d", 3), max_new_tokens=4, progress=False)
+    dataset = make_dataset("test", "add-1d", 3)
+    result = tasks.evaluate(model, tokenizer, dataset, max_new_tokens=4, progress=False)
     assert set(result) == {"accuracy", "format_rate", "format_reward", "n"} and result["n"] == 3
-    assert 0.0 <= result["accuracy"] <= 1.0
+    # its figures score model.generate's own greedy replies (zero_waste=False) with the task's reward functions
+    plain = tasks.evaluate(
+        model, tokenizer, dataset, max_new_tokens=4, progress=False, zero_waste=False, return_completions=True
+    )
+    assert len(plain["completions"]) == 3 and all(plain["completions"])
+    assert result["accuracy"] == sum(tasks.correctness_reward(plain["completions"], dataset["answer"])) / 3
+    assert result["format_reward"] == pytest.approx(sum(tasks.format_reward(plain["completions"])) / 3)
 
 
 def test_evaluate_rejects_an_empty_dataset() -> None:

@@ -592,13 +592,9 @@ def test_config_field_turns_it_off():
     ]
 
 
-def test_exact_entropy_benchmark_smoke(tmp_path):
+def test_exact_entropy_benchmark_smoke(tmp_path, benchmark_in_this_process):
     """benchmarks/exact_entropy.py --smoke, in process: every case runs, the three sides' losses are equal, exact
     entropy is TRL's, and without it `entropy` is not logged where groups were dead."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import exact_entropy
 
     rows = exact_entropy.run_cases(exact_entropy.build_trainers(smoke=True, output_dir=str(tmp_path)), repeats=1)

@@ -25,6 +25,7 @@ if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before tests/conftest.py's, which gives `vllm` tests their timeout
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/vllm_engine/" in str(item.fspath).replace(os.sep, "/"):
