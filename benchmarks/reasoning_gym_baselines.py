@@ -15,11 +15,12 @@ holding an <answer> tag.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
+
+from harness.flags import arguments
+from harness.report import write_report
 
 # (task, --dataset_config, most held-out prompts): small numbers, where a 135M model has a chance. One-digit products
 # have only ~15 distinct held-out questions.
@@ -75,12 +76,10 @@ def measure(model, tokenizer, task: str, config: str, prompts: int, samples: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, json=None, smoke="the random tiny model, 4 prompts (the script runs)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
 
     import torch
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json is not None and not args.smoke:
         result = {"model": args.model, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7, "tasks": rows}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_report(result, args.json)
     return 0
 
 

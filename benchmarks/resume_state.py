@@ -17,15 +17,15 @@ A part's bytes are those of torch.save of its state alone; the files hold every 
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import trl
+from harness.flags import arguments
+from harness.report import write_report
 
 import grpo_plus
 from grpo_plus.run.state import PROCESS_FILE, SHARED_FILE, stateful_parts
@@ -130,10 +130,7 @@ def resolve_smollm() -> str | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="the tiny case only (seconds)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
+    args = arguments(__doc__, json=None, smoke="the tiny case only (seconds)").parse_args()
     torch.set_num_threads(1)
     cases = ["tiny"]
     model_path = None if args.smoke else resolve_smollm()
@@ -151,7 +148,7 @@ def main() -> None:
             f"{'':12} buffer saved: {r['buffered_rows']} rows, {r['buffered_tensor_bytes']:,} tensor bytes; parts: {parts}"
         )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_report(results, args.json)
 
 
 if __name__ == "__main__":

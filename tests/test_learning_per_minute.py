@@ -14,7 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.fixture
 def benchmark(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports lockstep and train_pass as its neighbours
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # it imports benchmarks/harness/, as run from there
     import learning_per_minute
 
     return learning_per_minute

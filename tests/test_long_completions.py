@@ -601,7 +601,7 @@ def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch):
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"
-    monkeypatch.syspath_prepend(str(script.parent))  # it imports benchmarks/shapes.py, as run from there
+    monkeypatch.syspath_prepend(str(script.parent))  # it imports benchmarks/harness/, as run from there
     output = tmp_path / "cost.json"
     monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(output)])
     monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # left as it was after the test
