@@ -15,12 +15,11 @@ from __future__ import annotations
 import math
 import statistics
 import tempfile
-from pathlib import Path
 
 from harness.flags import arguments
 from harness.report import ROOT, markdown_table, start_report, write_report
 from harness.shapes import synthetic_micro_batch
-from harness.trainers import build_trainers, demo_lora, on_the_same_weights, time_training_pass
+from harness.trainers import build_trainers, demo_lora, model_path, on_the_same_weights, time_training_pass
 
 SIDES = ("trl", "ours", "exact")
 DEAD_SHARES = (0.0, 0.25, 0.5, 0.75)
@@ -33,14 +32,7 @@ def build_sides(smoke: bool, output_dir: str) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if smoke:
-        from grpo_plus.app.testing import save_tiny_model
-
-        path = save_tiny_model(Path(output_dir) / "tiny")
-    else:
-        from grpo_plus.app.embedded import resolve_model
-
-        path = resolve_model("smollm2-135m-instruct")
+    path = model_path(smoke, output_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     dataset = Dataset.from_list([{"prompt": "1+1="}] * 8)
     settings = dict(

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from harness.flags import arguments
 from harness.report import ROOT, start_report, write_report
-from harness.trainers import SIDES, demo_settings, demo_trainer, run_in_lockstep
+from harness.trainers import SIDES, demo_settings, demo_trainer, model_path, run_in_lockstep
 from transformers import PrinterCallback, TrainerCallback
 
 RESULTS = ROOT / "docs" / "guide" / "results"
@@ -232,7 +232,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     from grpo_plus.app import real_tasks
-    from grpo_plus.app.embedded import resolve_model
 
     args = parse_args(argv)
     report, started = start_report(args, versions=("torch", "transformers", "trl"))
@@ -242,12 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         f"reasoning-gym:{args.task}", args.task_config, args.train_size, args.eval_size, seed=0
     )
     rewards = real_tasks.task_rewards(train)  # the recipe's "correctness" and "format"
-    if args.smoke:
-        from grpo_plus.app.testing import save_tiny_model
-
-        model_path = str(save_tiny_model(args.output_dir / "model"))
-    else:
-        model_path = resolve_model(args.model)
+    model = model_path(args.smoke, args.output_dir, args.model)
     settings = demo_settings(args.steps)
     settings.update(output_dir=str(args.output_dir), bf16=args.precision == "bf16")
 
@@ -265,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} lock-step steps per trainer, {args.precision} ...",
         flush=True,
     )
-    make = demo_trainer(settings, dataset=train, reward_funcs=list(rewards), model_path=model_path)
+    make = demo_trainer(settings, dataset=train, reward_funcs=list(rewards), model_dir=model)
     built = run_in_lockstep(make, prepare=add_evaluations)
 
     sides = {}

@@ -53,7 +53,7 @@ from pathlib import Path
 from harness.flags import arguments
 from harness.report import ROOT, markdown_table, start_report, write_report
 from harness.timing import ForwardTimer, instrument_generation, wrap_timed
-from harness.trainers import SIDES, demo_settings, demo_trainer, run_in_lockstep, step_logs
+from harness.trainers import SIDES, demo_settings, demo_trainer, model_path, run_in_lockstep, step_logs
 from transformers import TrainerCallback
 
 from grpo_plus.compat.lm_head import fused_lm_head_columns, fused_lm_head_columns_default, has_fused_lm_head
@@ -131,12 +131,12 @@ def lm_head_columns(columns: int):
 
 
 def run_length(
-    length: int, steps: int, dataset, rewards, model_path, output_dir: Path, gradient_checkpointing: bool
+    length: int, steps: int, dataset, rewards, model_dir, output_dir: Path, gradient_checkpointing: bool
 ) -> dict:
     """Both trainers in lock-step at `max_completion_length` = `length`; per-step records and their summary."""
     reward_funcs, reward_weights = rewards
     settings = run_settings(length, steps, reward_weights, output_dir, gradient_checkpointing)
-    built = run_in_lockstep(demo_trainer(settings, dataset, reward_funcs, model_path), prepare=instrument)
+    built = run_in_lockstep(demo_trainer(settings, dataset, reward_funcs, model_dir), prepare=instrument)
     result = {"max_completion_length": length, "steps": {name: step_records(built[name]) for name in SIDES}}
     result.update(compare_sides(result["steps"]))
     return result
@@ -402,8 +402,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths: tuple, steps: dict) -> None:
     """Every length in turn, the report saved after each."""
-    from grpo_plus.app.testing import save_tiny_model  # --smoke's model
-
     level = "add-1d" if args.smoke else args.level  # short questions: the tiny model's positions stay small
     report.update(level=level, reward="smoke" if args.smoke else args.reward)
     report["conditions"] = f"{'tiny random Llama' if args.smoke else 'SmolLM2-135M-Instruct + LoRA'}, {level}, "
@@ -413,12 +411,12 @@ def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths:
     dataset, rewards = reasoning_dataset(level), reward_functions(args.reward, args.smoke)
     report["runs"] = []
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = save_tiny_model(Path(scratch) / "tiny") if args.smoke else None
+        model = model_path(True, scratch) if args.smoke else None  # None: the demo's model
         for length in lengths:
             print(f"max_completion_length {length}: {steps[length]} lock-step steps per trainer ...", flush=True)
             begun = time.perf_counter()
             checkpointing = args.gradient_checkpointing == "on"
-            run = run_length(length, steps[length], dataset, rewards, model_path, Path(scratch), checkpointing)
+            run = run_length(length, steps[length], dataset, rewards, model, Path(scratch), checkpointing)
             run["wall_minutes"] = (time.perf_counter() - begun) / 60
             report["runs"].append(run)
             ratios = run["ratios"]

@@ -16,11 +16,12 @@ holding an <answer> tag.
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
-from pathlib import Path
 
 from harness.flags import arguments
 from harness.report import write_report
+from harness.trainers import model_path
 
 # (task, --dataset_config, most held-out prompts): small numbers, where a 135M model has a chance. One-digit products
 # have only ~15 distinct held-out questions.
@@ -85,17 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_plus.app.embedded import resolve_model
-
     torch.manual_seed(0)
     if args.smoke:
-        import tempfile
-
-        from grpo_plus.app.testing import save_tiny_model
-
-        path, args.prompts, args.samples = str(save_tiny_model(Path(tempfile.mkdtemp()))), 4, 2
-    else:
-        path = resolve_model(args.model)
+        args.prompts, args.samples = 4, 2
+    path = model_path(args.smoke, tempfile.mkdtemp() if args.smoke else None, args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = []

@@ -25,6 +25,7 @@ from pathlib import Path
 from harness.flags import arguments
 from harness.report import write_report
 from harness.timing import alternating
+from harness.trainers import model_path
 
 ESTIMATORS = ("grpo", "remax")
 
@@ -87,15 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
-        if args.smoke:
-            from grpo_plus.app.testing import save_tiny_model
-
-            model_path, rounds = str(save_tiny_model(Path(scratch) / "tiny")), 2
-        else:
-            from grpo_plus.app.embedded import EMBEDDED_MODEL_NAME, resolve_model
-
-            model_path, rounds = resolve_model(args.model or EMBEDDED_MODEL_NAME), args.rounds
-        times = time_rounds(build_trainer(model_path, str(Path(scratch) / "out")), rounds)
+        model = model_path(args.smoke, scratch, args.model)
+        times = time_rounds(build_trainer(model, str(Path(scratch) / "out")), 2 if args.smoke else args.rounds)
     result = summary(times)
     print(f"{'estimator':<10} {'wall s/round':>13} {'CPU s/round':>12}")
     for name in ESTIMATORS:

@@ -26,6 +26,7 @@ import torch
 import trl
 from harness.flags import arguments
 from harness.report import write_report
+from harness.trainers import embedded_model_or_none
 
 import grpo_plus
 from grpo_plus.run.state import PROCESS_FILE, SHARED_FILE, stateful_parts
@@ -119,21 +120,11 @@ def measure(case: str, model_path: str | None) -> dict:
     return result
 
 
-def resolve_smollm() -> str | None:
-    try:
-        from grpo_plus.app.embedded import resolve_model
-
-        return resolve_model("smollm2-135m-instruct")
-    except ImportError as error:
-        print(f"smollm cases skipped: the embedded model is unavailable ({str(error).splitlines()[0]})")
-        return None
-
-
 def main() -> None:
     args = arguments(__doc__, json=None, smoke="the tiny case only (seconds)").parse_args()
     torch.set_num_threads(1)
     cases = ["tiny"]
-    model_path = None if args.smoke else resolve_smollm()
+    model_path = None if args.smoke else embedded_model_or_none()
     if model_path is not None:
         cases += ["demo", "demo-buffer"]
     results = [measure(case, model_path) for case in cases]

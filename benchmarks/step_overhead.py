@@ -32,6 +32,7 @@ from pathlib import Path
 from harness.flags import arguments
 from harness.process import PINNED_MALLOC, child_result, launch_child, reset_peak_rss, status_kib
 from harness.report import ROOT
+from harness.trainers import embedded_model_or_none, model_path
 
 TRAINERS = ("trl", "ours")
 TIMES = ("step_time", "wall", "cpu")
@@ -303,23 +304,6 @@ def memory_runs(case: str, repeats: int, common: dict, pinned_malloc: bool) -> d
     return runs
 
 
-def resolve_smollm() -> str | None:
-    """Local dir of SmolLM2-135M-Instruct, or None (with the reason printed) if it is unavailable."""
-    try:
-        from grpo_plus.app.embedded import resolve_model
-    except ImportError as exc:
-        print(f"smollm2: skipped, grpo_plus.app.embedded is not importable ({exc})")
-        return None
-    start = time.perf_counter()
-    try:
-        path = resolve_model("smollm2-135m-instruct")
-    except ImportError as exc:
-        print(f"smollm2: skipped, the embedded model is unavailable: {str(exc).splitlines()[0]}")
-        return None
-    print(f"smollm2: {path} (resolved in {time.perf_counter() - start:.1f} s)")
-    return path
-
-
 def _median(values) -> float:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else float("nan")
@@ -458,18 +442,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step_overhead-") as tmp:
         for case in cases:
-            if case == "smollm2":
-                model_path = resolve_smollm()
-                if model_path is None:
-                    continue
-            else:
-                from grpo_plus.app.testing import save_tiny_model
-
-                transformers.utils.logging.disable_progress_bar()
-                model_path = str(save_tiny_model(Path(tmp) / "tiny-model"))
+            transformers.utils.logging.disable_progress_bar()
+            model = embedded_model_or_none() if case == "smollm2" else model_path(True, tmp)
+            if model is None:
+                continue
             config, warmup = CASES[case]["config"], CASES[case]["warmup"]
             rounds = args.repeats or (4 if args.quick else CASES[case]["rounds"])
-            common = dict(tmp=tmp, spec=dict(model_path=model_path, threads=args.threads, device=device))
+            common = dict(tmp=tmp, spec=dict(model_path=model, threads=args.threads, device=device))
             print(
                 f"{case}: {rounds} lock-step rounds, {config['max_steps']} optimizer steps per trainer each, the "
                 f"first {warmup} excluded; {json.dumps(config)}"

@@ -41,6 +41,29 @@ def demo_settings(steps: int) -> dict:
     return settings
 
 
+def model_path(smoke: bool, folder, model: str | None = None) -> str:
+    """The model a benchmark runs: with `smoke`, grpo_plus.app.testing's random tiny model saved into `folder` (the
+    numbers then mean nothing: the script runs); else `model` (a name or a path), by default the embedded
+    SmolLM2-135M-Instruct."""
+    if smoke:
+        from grpo_plus.app.testing import save_tiny_model
+
+        return str(save_tiny_model(Path(folder) / "tiny"))
+    from grpo_plus.app.embedded import resolve_model
+
+    return resolve_model(model or "smollm2-135m-instruct")
+
+
+def embedded_model_or_none() -> str | None:
+    """The embedded SmolLM2-135M-Instruct's folder, or None, saying why, where the package shipping it is missing
+    (the benchmark then skips its cases)."""
+    try:
+        return model_path(False, None)
+    except ImportError as error:
+        print(f"SmolLM2-135M-Instruct cases skipped: the embedded model is unavailable ({str(error).splitlines()[0]})")
+        return None
+
+
 def demo_lora():
     """The demo's adapter: LoRA r=16 (alpha 32) on every linear layer, no dropout."""
     from peft import LoraConfig
@@ -78,17 +101,16 @@ def run_in_lockstep(make, sides=SIDES, prepare=None) -> dict[str, dict]:
     return built
 
 
-def demo_trainer(settings: dict, dataset=None, reward_funcs=None, model_path=None):
+def demo_trainer(settings: dict, dataset=None, reward_funcs=None, model_dir=None):
     """A `make` for build_trainers: the demo's run (the embedded SmolLM2-135M-Instruct in float32 + demo_lora(),
     one-digit sums, correctness + format rewards) with GRPOConfig `settings`, unless given a `dataset`, `reward_funcs`
-    and a model directory (`model_path`, with its tokenizer)."""
+    and a model directory (`model_dir`, with its tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_plus.app import tasks
-    from grpo_plus.app.embedded import resolve_model
 
-    path = model_path or resolve_model("smollm2-135m-instruct")
+    path = model_dir or model_path(False, None)
     tokenizer = AutoTokenizer.from_pretrained(path)
     dataset = tasks.make_dataset("train", "add-1d", seed=0) if dataset is None else dataset
     reward_funcs = [tasks.correctness_reward, tasks.format_reward] if reward_funcs is None else reward_funcs
