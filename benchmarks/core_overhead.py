@@ -1,6 +1,6 @@
 """Forward + backward cost of grpo_plus.objective.compute_policy_loss vs TRL 1.16's inline loss math.
 
-Run from the repo root:  .venv/bin/python benchmarks/core_overhead.py [--quick] [--device cpu|cuda|all]
+Run from the repo root:  .venv/bin/python benchmarks/core_overhead.py [--quick] [--repeats 20] [--device cpu|cuda|all]
 
 Contestants, each timed as forward + backward of the loss w.r.t. a (B, T) log-prob leaf, alternated within every
 repetition (rotating the order) so drift in machine load hits them alike; the table shows medians:
@@ -15,11 +15,11 @@ Ratios: ours / trl (the issue's target, <= 1.10), ours+metrics / trl (like for l
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from harness.flags import arguments
 from trl import GRPOTrainer
 
 import grpo_plus
@@ -114,22 +114,15 @@ def bench(fns: dict, reps: int, warmup: int, device: str) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="5 repetitions after 2 warm-up runs, T=1024 only")
-    parser.add_argument("--reps", type=int, default=20)
+    parser = arguments(
+        __doc__, repeats=20, threads=None, quick="5 repetitions after 2 warm-up runs, T=1024 only"
+    )  # --threads: torch's own unless given
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads (default: torch's). On a CPU shared with other jobs use 1: with more threads than "
-        "free cores every parallel op can stall for a scheduler slice waiting on a descheduled worker.",
-    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    reps, warmup = (5, 2) if args.quick else (args.reps, 5)
+    reps, warmup = (5, 2) if args.quick else (args.repeats, 5)
     lengths = [1024] if args.quick else [1024, 4096]
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]

@@ -15,56 +15,45 @@ from __future__ import annotations
 import math
 import statistics
 import tempfile
-import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, start_report, write_report
+from harness.shapes import synthetic_micro_batch
+from harness.trainers import build_trainers, demo_lora, model_path, on_the_same_weights, time_training_pass
 
 SIDES = ("trl", "ours", "exact")
 DEAD_SHARES = (0.0, 0.25, 0.5, 0.75)
 
 
-def build_trainers(smoke: bool, output_dir: str) -> dict:
-    """Stock TRL's and grpo_plus's trainer on the same model weights (grpo_plus's serves "ours" and "exact")."""
+def build_sides(smoke: bool, output_dir: str) -> dict:
+    """Stock TRL's and grpo_plus's sides (harness.trainers) on the same model weights, ready to time the training
+    pass alone; grpo_plus's trainer serves "ours" and "exact"."""
     import torch
-    import trl
     from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import grpo_plus
-
-    if smoke:
-        from grpo_plus.app.testing import save_tiny_model
-
-        path = save_tiny_model(Path(output_dir) / "tiny")
-    else:
-        from grpo_plus.app.embedded import resolve_model
-
-        path = resolve_model("smollm2-135m-instruct")
+    path = model_path(smoke, output_dir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     dataset = Dataset.from_list([{"prompt": "1+1="}] * 8)
     settings = dict(
         output_dir=output_dir, per_device_train_batch_size=8, num_generations=8, max_completion_length=20,
         loss_type="dapo", epsilon_high=0.28, use_cpu=True, bf16=False, report_to="none", save_strategy="no",
     )  # fmt: skip
-    trainers = {}
-    for name, package in (("trl", trl), ("ours", grpo_plus)):
-        set_seed(0)  # the LoRA init draws random numbers: the same for both
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        trainers[name] = package.GRPOTrainer(
-            model=model,
+
+    def make(name, package, callbacks):
+        return package.GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
             reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
             args=package.GRPOConfig(**settings),
             train_dataset=dataset,
             processing_class=tokenizer,
-            peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
+            peft_config=demo_lora(),
+            callbacks=callbacks,
         )
-    trainers["ours"].model.load_state_dict(trainers["trl"].model.state_dict())
-    for trainer in trainers.values():
-        trainer.current_gradient_accumulation_steps = 1
-        trainer.model.train()
-    return trainers
+
+    sides = build_trainers(make, ("trl", "ours"))
+    on_the_same_weights({name: side["trainer"] for name, side in sides.items()})
+    return sides
 
 
 def with_exact_entropy(trainer, exact: bool) -> None:
@@ -72,37 +61,29 @@ def with_exact_entropy(trainer, exact: bool) -> None:
     trainer._wire_training_pass(enabled=True, shared_prompt=True, exact_entropy=exact)
 
 
-def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
-    from shapes import synthetic_micro_batch
-
-    from grpo_plus.app.testing import ForwardLog
-
-    vocab = len(trainers["trl"].processing_class)
-    sides = {"trl": trainers["trl"], "ours": trainers["ours"], "exact": trainers["ours"]}
-    forwards = {name: ForwardLog(trainer.model) for name, trainer in trainers.items()}
+def run_cases(sides: dict, repeats: int, group_size: int = 8) -> list[dict]:
+    vocab = len(sides["trl"]["trainer"].processing_class)
+    trainers = {name: sides["trl" if name == "trl" else "ours"]["trainer"] for name in SIDES}
+    forwards = {name: sides["trl" if name == "trl" else "ours"]["forwards"] for name in SIDES}
     rows = []
     for case, dead_share in enumerate(DEAD_SHARES):
         rows_per_batch = 4 * group_size
         inputs = synthetic_micro_batch(
             rows_per_batch, group_size, 56, 20, vocab, dead_share, seed=case, ragged=True, first_token=10
         )
-        seconds = {name: [] for name in SIDES}
         losses, entropy, positions = {}, {}, {}
-        for repeat in range(repeats):
-            for name in SIDES if repeat % 2 == 0 else SIDES[::-1]:
-                trainer = sides[name]
-                if name != "trl":
-                    with_exact_entropy(trainer, exact=name == "exact")
-                trainer._metrics["train"].clear()
-                trainer.model.zero_grad(set_to_none=True)
-                log = forwards["trl" if name == "trl" else "ours"]
-                log.clear()
-                start = time.perf_counter()
-                loss = trainer._compute_loss(trainer.model, dict(inputs))
-                loss.backward()
-                seconds[name].append(time.perf_counter() - start)
-                losses[name], entropy[name] = loss.item(), trainer._metrics["train"]["entropy"][-1]
-                positions[name] = (log.training_positions, log.positions - log.training_positions)
+
+        def before(name, trainer):
+            if name != "trl":
+                with_exact_entropy(trainer, exact=name == "exact")
+            trainer._metrics["train"].clear()
+
+        def after(name, trainer, loss, losses=losses, entropy=entropy, positions=positions):
+            losses[name], entropy[name] = loss.item(), trainer._metrics["train"]["entropy"][-1]
+            log = forwards[name]
+            positions[name] = (log.training_positions, log.positions - log.training_positions)
+
+        seconds = time_training_pass(trainers, inputs, repeats, forwards, before=before, after=after)
         row = {"dead_share": dead_share, **{f"{name}_seconds": statistics.median(seconds[name]) for name in SIDES}}
         for name in SIDES:  # token positions the model computed with gradient, and without (exact entropy's)
             row[f"{name}_positions"], row[f"{name}_no_grad_positions"] = positions[name]
@@ -122,47 +103,32 @@ def run_cases(trainers: dict, repeats: int, group_size: int = 8) -> list[dict]:
     return rows
 
 
+def table(rows: list[dict]) -> str:
+    header = ["dead groups", "TRL (s)", "grpo_plus (s)", "ratio", "with exact entropy (s)", "ratio", "positions: TRL"]
+    header += ["grpo_plus", "exact entropy's no-grad forward"]
+    cells = [
+        [f"{row['dead_share']:.0%}", f"{row['trl_seconds']:.3f}", f"{row['ours_seconds']:.3f}",
+         f"{row['ours_ratio']:.2f}", f"{row['exact_seconds']:.3f}", f"{row['exact_ratio']:.2f}",
+         row["trl_positions"], row["ours_positions"], row["exact_no_grad_positions"]]
+        for row in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells)
+
+
 def main() -> None:
-    import argparse
-    import json
-
-    import torch
-    import transformers
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--group-size", type=int, default=8, help="completions per group (4 groups per micro-batch)")
-    parser.add_argument("--smoke", action="store_true", help="the tiny test model, 1 repeat: checks the script runs")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-exact-entropy" / "exact_entropy.json"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as output_dir:
-        trainers = build_trainers(args.smoke, output_dir)
-        rows = run_cases(trainers, 1 if args.smoke else args.repeats, args.group_size)
-    print(
-        "\n| dead groups | TRL (s) | grpo_plus (s) | ratio | with exact entropy (s) | ratio | positions: TRL | "
-        "grpo_plus | exact entropy's no-grad forward |\n|---|---|---|---|---|---|---|---|---|"
+    json_path = ROOT / "outputs" / "bench-exact-entropy" / "exact_entropy.json"
+    parser = arguments(
+        __doc__, repeats=5, threads=1, json=json_path, smoke="the tiny test model, 1 repeat: checks the script runs"
     )
-    for row in rows:
-        print(
-            f"| {row['dead_share']:.0%} | {row['trl_seconds']:.3f} | {row['ours_seconds']:.3f} | {row['ours_ratio']:.2f} "
-            f"| {row['exact_seconds']:.3f} | {row['exact_ratio']:.2f} | {row['trl_positions']} | "
-            f"{row['ours_positions']} | {row['exact_no_grad_positions']} |"
-        )
-    report = {
-        "threads": args.threads,
-        "smoke": args.smoke,
-        "group_size": args.group_size,
-        "torch": torch.__version__,
-        "cases": rows,
-    }
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {args.json}")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per group (4 groups per micro-batch)")
+    args = parser.parse_args()
+    report, started = start_report(args, versions=("torch",))
+    with tempfile.TemporaryDirectory() as output_dir:
+        sides = build_sides(args.smoke, output_dir)
+        rows = run_cases(sides, 1 if args.smoke else args.repeats, args.group_size)
+    print("\n" + table(rows))
+    report.update(smoke=args.smoke, group_size=args.group_size, cases=rows)
+    write_report(report, args.json, markdown=table(rows), started=started)
 
 
 if __name__ == "__main__":

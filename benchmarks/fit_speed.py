@@ -16,7 +16,6 @@ bytes of the worst step on both sides, the fixes, the longest completion, the la
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -25,11 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from shapes import markdown_table  # benchmarks/shapes.py
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, write_report
 
 from grpo_plus.fit import CARD_RESERVE_GIB
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes" / "configs"
 TEXT_CONFIGS = ("demo_cpu", "qwen2.5-0.5b_lora", "qwen2.5-1.5b_lora", "qwen2.5-7b_qlora", "qwen2.5-1.5b_lora+gspo_kl")
 CONFIGS = (*TEXT_CONFIGS, "qwen2.5-vl-3b_qlora")  # the VLM recipe's counts run its vision tower: minutes
@@ -122,11 +121,10 @@ def as_a_user_runs_it(config: str, folder: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__, json=None)
     parser.add_argument("--configs", nargs="+", default=list(TEXT_CONFIGS), choices=CONFIGS)
     parser.add_argument("--old-rev", default=OLD_REV)
     parser.add_argument("--no-groups", action="store_true", help="skip the largest-G searches on both sides")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows, results, same_everywhere = [], {}, True
     with tempfile.TemporaryDirectory(prefix="grpo-plus-fit-old-") as folder:
@@ -157,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(header, rows))
     print(f"load average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"old_rev": args.old_rev, "configs": results}, indent=1))
+        write_report({"old_rev": args.old_rev, "configs": results}, args.json, markdown=markdown_table(header, rows))
     return 0 if same_everywhere else 1
 
 

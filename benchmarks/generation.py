@@ -7,7 +7,7 @@ Model and data: the demo config (recipes/configs/demo_cpu.yaml): SmolLM2-135M-In
 all-linear, one-digit sums, 2 prompts x 8 completions of <= 20 tokens (temperature 0.7), seed 0.
 
 Part 1, the demo config: stock trl.GRPOTrainer and grpo_plus.GRPOTrainer train in lock-step in one process
-(benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...), each with its own random state, so they sample the
+(harness/lockstep.py: TRL's step 1, ours, TRL's step 2, ...), each with its own random state, so they sample the
 same completions and log the same losses (both checked). Per optimizer step after the warm-up steps, medians:
   generation   wall time of `_generate_single_turn` (the `model.generate` call with TRL's padding around it)
   step         on_step_begin -> on_step_end: generation, scoring, training pass, optimizer
@@ -24,102 +24,37 @@ Targets (issue 20), demo config: generation <= 0.6x TRL's time, whole step <= 0.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
-from pathlib import Path
+
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, side_by_side, start_report, write_report
+from harness.timing import ForwardTimer, alternating, instrument_generation
+from harness.trainers import SIDES, demo_settings, demo_trainer, run_in_lockstep, step_logs
 
 from grpo_plus.compat.model import completion_eos_token_ids
 
-ROOT = Path(__file__).resolve().parents[1]
-
-SIDES = ("trl", "ours")
 PROMPT_LENGTHS = (56, 256, 1024)
 GENERATIONS = (4, 8, 16)
 
 
-class ForwardTimer:
-    """Times every forward of a causal LM (its base model under PEFT): (input shape, seconds) per call, by `clock`
-    (wall time by default; `time.thread_time`: the calling thread's CPU time)."""
-
-    def __init__(self, model, clock=time.perf_counter):
-        self.calls: list[tuple[tuple[int, ...], float]] = []
-        self.clock = clock
-        self.model = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self.handles = [
-            self.model.register_forward_pre_hook(self._start, with_kwargs=True),
-            self.model.register_forward_hook(self._stop, with_kwargs=True),
-        ]
-
-    def _start(self, module, args, kwargs):
-        self.shape = tuple(kwargs.get("input_ids", args[0] if args else None).shape)
-        self.started = self.clock()
-
-    def _stop(self, module, args, kwargs, output):
-        self.calls.append((self.shape, self.clock() - self.started))
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-
-def instrument_generation(trainer, timer: ForwardTimer, eos_token_ids, record: list[dict]) -> None:
-    """Record every `_generate_single_turn` call: its time, its model forwards (prefill, decode steps) and their
-    positions, the completion ids, and the decode time spent on rows that had already ended (times by `timer.clock`)."""
-    original = trainer._generate_single_turn
-
-    def timed(prompt_ids, *args, **kwargs):
-        calls_before = len(timer.calls)
-        start = timer.clock()
-        completion_ids, logprobs = original(prompt_ids, *args, **kwargs)
-        seconds = timer.clock() - start
-        (prefill_shape, prefill), *decode = timer.calls[calls_before:]
-        lengths = [next((i + 1 for i, t in enumerate(ids) if t in eos_token_ids), len(ids)) for ids in completion_ids]
-        rows = len(completion_ids)
-        record.append(
-            dict(
-                seconds=seconds,
-                positions=math.prod(prefill_shape) + sum(math.prod(shape) for shape, _ in decode),
-                completion_ids=completion_ids,
-                prefill=prefill,
-                prefill_positions=math.prod(prefill_shape),
-                decode=sum(step_seconds for _, step_seconds in decode),
-                decode_positions=sum(math.prod(shape) for shape, _ in decode),
-                # a decode step's time shared out over the rows TRL computes: the share of rows that had ended
-                finished_rows=sum(
-                    step_seconds * sum(length <= step for length in lengths) / rows
-                    for step, (shape, step_seconds) in enumerate(decode, start=1)
-                    if shape[0] == rows
-                ),
-                other=seconds - prefill - sum(step_seconds for _, step_seconds in decode),
-                steps=len(decode),
-            )
-        )
-        return completion_ids, logprobs
-
-    trainer._generate_single_turn = timed
+def instrument(built: dict) -> None:
+    """Record every generation call of each side (harness.timing.instrument_generation) into its `generations`."""
+    for side in built.values():
+        side["generations"] = []
+        trainer = side["trainer"]
+        eos_token_ids = set(completion_eos_token_ids(trainer))
+        instrument_generation(trainer, ForwardTimer(trainer.model), eos_token_ids, side["generations"])
 
 
 def run_steps(steps: int, warmup: int) -> dict:
     """Part 1: both trainers in lock-step on the demo config; per-step medians, ratios and the sameness checks."""
-    from lockstep import Baton, RngStates, train_in_lockstep
-    from train_pass import build_trainers
-
-    baton, rng = Baton(list(SIDES)), RngStates()
-    built = build_trainers(steps, baton, rng)
-    for side in built.values():
-        side["generations"] = []
-        trainer = side["trainer"]
-        instrument_generation(
-            trainer, ForwardTimer(trainer.model), set(completion_eos_token_ids(trainer)), side["generations"]
-        )
-    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
-
+    built = run_in_lockstep(demo_trainer(demo_settings(steps)), prepare=instrument)
     result = {}
     measured = slice(warmup, None)
     for name in SIDES:
         side = built[name]
-        logs = [entry for entry in side["trainer"].state.log_history if "step_time" in entry]
+        logs = step_logs(side)
         generations = side["generations"]
         parts = ("prefill", "prefill_positions", "decode", "decode_positions", "finished_rows", "other", "steps")
         result[name] = dict(
@@ -199,14 +134,14 @@ def sweep(trainer, repeats: int) -> list[dict]:
             ids, mask = generation_inputs(tokenizer, questions, prompt_length, generations)
             seconds = {name: [] for name in SIDES}
             same, stats = True, None
-            for repeat in range(repeats):
-                outputs = {}
-                for name in SIDES if repeat % 2 == 0 else SIDES[::-1]:
-                    sequences, elapsed, side_stats = generate_once(name, model, ids, mask, config, seed=repeat)
-                    seconds[name].append(elapsed)
-                    outputs[name] = sequences
-                    stats = side_stats or stats
-                same = same and torch.equal(outputs["trl"], outputs["ours"])
+            outputs = {}
+            for repeat, name in alternating(SIDES, repeats):
+                sequences, elapsed, side_stats = generate_once(name, model, ids, mask, config, seed=repeat)
+                seconds[name].append(elapsed)
+                outputs[name] = sequences
+                stats = side_stats or stats
+                if len(outputs) == len(SIDES):  # both sides of this repeat
+                    same = same and torch.equal(outputs.pop("trl"), outputs.pop("ours"))
             row = dict(
                 prompt=int(ids.shape[1]),
                 generations=generations,
@@ -226,69 +161,66 @@ def sweep(trainer, repeats: int) -> list[dict]:
     return rows
 
 
-def print_demo(part1: dict) -> None:
-    trl_side, ours = part1["trl"], part1["ours"]
-
-    def ratio(key):
-        return ours[key] / trl_side[key]
-
-    print(
-        "\n| demo config (median per step) | stock TRL | grpo_plus | ratio |\n|---|---|---|---|\n"
-        f"| generation (s) | {trl_side['generation']:.2f} | {ours['generation']:.2f} | **{ratio('generation'):.2f}** |\n"
-        f"| whole step (s) | {trl_side['step']:.2f} | {ours['step']:.2f} | **{ratio('step'):.2f}** |\n"
-        f"| token positions in generation | {trl_side['generation_positions']:.0f} | "
-        f"{ours['generation_positions']:.0f} | **{ratio('generation_positions'):.2f}** |\n"
-        f"\nsame completions: {part1['same_completions']}; max |loss difference| over {len(trl_side['losses'])} "
-        f"steps: {part1['max_loss_difference']:.2e}; mean completion length {trl_side['mean_length']:.1f}",
-        flush=True,
+def demo_table(part1: dict) -> str:
+    rows = [
+        ("generation (s)", "generation", ".2f", True),
+        ("whole step (s)", "step", ".2f", True),
+        ("token positions in generation", "generation_positions", ".0f", True),
+    ]
+    trl_side = part1["trl"]
+    return (
+        side_by_side("demo config (median per step)", rows, trl_side, part1["ours"])
+        + f"\n\nsame completions: {part1['same_completions']}; max |loss difference| over {len(trl_side['losses'])} "
+        f"steps: {part1['max_loss_difference']:.2e}; mean completion length {trl_side['mean_length']:.1f}"
     )
 
 
-def print_breakdown(part1: dict) -> None:
+def breakdown_table(part1: dict) -> str:
     trl_side, ours = part1["trl"]["breakdown"], part1["ours"]["breakdown"]
-    print("\n| where generation time goes (median per step) | stock TRL (s) | grpo_plus (s) |\n|---|---|---|")
-    print(
-        f"| prefill | {trl_side['prefill']:.2f} ({trl_side['prefill_positions']:.0f} positions) | "
-        f"{ours['prefill']:.2f} ({ours['prefill_positions']:.0f} positions) |"
-    )
-    print(
-        f"| decode, {trl_side['steps']:.0f} steps | {trl_side['decode']:.2f} ({trl_side['decode_positions']:.0f} "
-        f"positions) | {ours['decode']:.2f} ({ours['decode_positions']:.0f} positions) |"
-    )
-    print(f"| of which rows that had ended (their share of each step) | {trl_side['finished_rows']:.2f} | 0 |")
-    print(f"| logits processing, sampling, padding, cache copies | {trl_side['other']:.2f} | {ours['other']:.2f} |")
+    rows = [
+        ["prefill", f"{trl_side['prefill']:.2f} ({trl_side['prefill_positions']:.0f} positions)",
+         f"{ours['prefill']:.2f} ({ours['prefill_positions']:.0f} positions)"],
+        [f"decode, {trl_side['steps']:.0f} steps", f"{trl_side['decode']:.2f} ({trl_side['decode_positions']:.0f} "
+         "positions)", f"{ours['decode']:.2f} ({ours['decode_positions']:.0f} positions)"],
+        ["of which rows that had ended (their share of each step)", f"{trl_side['finished_rows']:.2f}", "0"],
+        ["logits processing, sampling, padding, cache copies", f"{trl_side['other']:.2f}", f"{ours['other']:.2f}"],
+    ]  # fmt: skip
+    return markdown_table(["where generation time goes (median per step)", "stock TRL (s)", "grpo_plus (s)"], rows)
 
 
-def print_sweep(rows: list[dict]) -> None:
-    print(
-        "\n| prompt tokens | G | TRL (s) | grpo_plus (s) | time ratio | positions ratio | same ids |\n|---|---|---|---|---|---|---|"
-    )
-    for row in rows:
-        cells = (row["prompt"], row["generations"], f"{row['trl_seconds']:.2f}", f"{row['ours_seconds']:.2f}")
-        cells += (f"{row['time_ratio']:.2f}", f"{row['positions_ratio']:.2f}", row["same_ids"])
-        print("| " + " | ".join(str(cell) for cell in cells) + " |")
+def sweep_table(rows: list[dict]) -> str:
+    header = ["prompt tokens", "G", "TRL (s)", "grpo_plus (s)", "time ratio", "positions ratio", "same ids"]
+    cells = [
+        [row["prompt"], row["generations"], f"{row['trl_seconds']:.2f}", f"{row['ours_seconds']:.2f}",
+         f"{row['time_ratio']:.2f}", f"{row['positions_ratio']:.2f}", row["same_ids"]]
+        for row in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells)
 
 
 def main() -> None:
-    from lockstep import lockstep_arguments, start_report, write_report
-
     json_path = ROOT / "outputs" / "bench-generation" / "generation.json"
-    args = lockstep_arguments(__doc__, steps=10, repeats=3, json_path=json_path).parse_args()
+    parser = arguments(__doc__, steps=10, warmup=2, repeats=3, threads=1, json=json_path)
+    parser.add_argument("--skip-steps", action="store_true", help="one step in part 1, not reported (fresh trainers)")
+    parser.add_argument("--skip-sweep", action="store_true")
+    args = parser.parse_args()
 
     report, started = start_report(args)
+    tables = []
     if args.skip_steps:  # the later parts only need TRL's trainer (its model, data and GenerationConfig)
         trl_trainer = run_steps(1, warmup=0)["trainers"]["trl"]
     else:
         print(f"Part 1: demo config, {args.steps} lock-step optimizer steps per trainer ...", flush=True)
         report["demo"] = run_steps(args.steps, args.warmup)
         trl_trainer = report["demo"].pop("trainers")["trl"]
-        print_demo(report["demo"])
-        print_breakdown(report["demo"])
+        tables += [demo_table(report["demo"]), breakdown_table(report["demo"])]
+        print("\n" + "\n\n".join(tables), flush=True)
     if not args.skip_sweep:
         print(f"\nPart 2: 2 prompts x G completions, {args.repeats} repeats per case ...", flush=True)
         report["sweep"] = sweep(trl_trainer, args.repeats)
-        print_sweep(report["sweep"])
-    write_report(report, started, args.json)
+        tables.append(sweep_table(report["sweep"]))
+        print("\n" + tables[-1])
+    write_report(report, args.json, markdown="\n\n".join(tables), started=started)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 Per case, stock `trl.GRPOTrainer` and `grpo_plus.GRPOTrainer` with `zero_waste_pass` on and off train the same
 config from the same seed, each in a child process of its own (so each side's peak memory is its own and an
 out-of-memory error stays in its child), one after the other and in reverse order on every second round. Models are
-built from the architecture of the real Qwen2.5 models (benchmarks/shapes.py) with random weights: nothing is
+built from the architecture of the real Qwen2.5 models (harness/shapes.py) with random weights: nothing is
 downloaded. Every completion is forced to the configured length (EOS is never sampled), and sampling is a Gumbel-max
 whose noise depends only on (seed, generation call, position), so all sides sample the same completions as long as
 their logits agree. The reward (the share of even token ids) differs between the completions of a group, so every
@@ -43,23 +43,17 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from shapes import (  # benchmarks/shapes.py: the script's own folder is on the path
-    QWEN25_SHAPES,
-    markdown_table,
-    prompt_text,
-    qwen2_config,
-    recipe,
-    synthetic_micro_batch,
-    word_tokenizer,
-)
-
-ROOT = Path(__file__).resolve().parents[1]
+# benchmarks/harness/: the script's own folder is on the path; what these import runs on a bare GPU machine
+from harness.flags import arguments
+from harness.process import ChildFailed, child_result, launch_child
+from harness.report import ROOT, markdown_table, write_report
+from harness.shapes import QWEN25_SHAPES, prompt_text, qwen2_config, recipe, synthetic_micro_batch, word_tokenizer
+from harness.timing import StepTimer, alternating
 
 SIDES = ("trl", "ours", "ours_off")  # stock TRL; grpo_plus with zero_waste_pass on; and off
 # The training-pass ladders also run grpo_plus with its long-completion settings (docs/guide/long-completions.md).
@@ -214,20 +208,22 @@ def load_policy(case: Case, device: str, cache_dir: Path):
     return model
 
 
-class Probe:
-    """Times and peak memory per optimizer step, and what each generation produced."""
+class Probe(StepTimer):
+    """Each optimizer step's time (harness.timing.StepTimer, synchronized on CUDA), the generation and training-pass
+    time within it, peak memory (generation and training apart), and what each generation produced."""
 
     def __init__(self, cuda: bool):
         import torch
 
+        super().__init__(sync=self._synchronize if cuda else None)
         self.torch, self.cuda = torch, cuda
-        self.step_seconds, self.generation_seconds, self.train_seconds = [], [], []
+        self.generation_seconds, self.train_seconds = [], []
         self.generation_peak = self.train_peak = 0
         self.completion_hashes: list[str] = []
         self._generation = self._train = 0.0
         self._generated = False
 
-    def sync(self) -> None:
+    def _synchronize(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
 
@@ -245,14 +241,14 @@ class Probe:
         )  # fmt: skip
 
         def timed_prepare(*args, **kwargs):
-            self.sync()
+            self._synchronize()
             self.train_peak = max(self.train_peak, self._segment_peak())
             start = time.perf_counter()
             self._generated = False
             try:
                 return prepare(*args, **kwargs)
             finally:
-                self.sync()
+                self._synchronize()
                 seconds, peak = time.perf_counter() - start, self._segment_peak()
                 self._generation += seconds
                 self._train -= seconds  # training_step's time includes this call
@@ -262,12 +258,12 @@ class Probe:
                     self.train_peak = max(self.train_peak, peak)
 
         def timed_training_step(*args, **kwargs):
-            self.sync()
+            self._synchronize()
             start = time.perf_counter()
             try:
                 return training_step(*args, **kwargs)
             finally:
-                self.sync()
+                self._synchronize()
                 self._train += time.perf_counter() - start
 
         def recorded_generate(*args, **kwargs):
@@ -280,25 +276,15 @@ class Probe:
         trainer._prepare_inputs, trainer.training_step = timed_prepare, timed_training_step
         trainer._generate_and_score_completions = recorded_generate
 
-    def callback(self):
-        from transformers import TrainerCallback
+    def on_step_begin(self, args, state, control, **kwargs):
+        super().on_step_begin(args, state, control, **kwargs)
+        self._generation = self._train = 0.0
 
-        probe = self
-
-        class StepTimer(TrainerCallback):
-            def on_step_begin(self, args, state, control, **kwargs):
-                probe.sync()
-                self.start = time.perf_counter()
-                probe._generation = probe._train = 0.0
-
-            def on_step_end(self, args, state, control, **kwargs):
-                probe.sync()
-                probe.step_seconds.append(time.perf_counter() - self.start)
-                probe.generation_seconds.append(probe._generation)
-                probe.train_seconds.append(probe._train)
-                probe.train_peak = max(probe.train_peak, probe._segment_peak())
-
-        return StepTimer()
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        self.generation_seconds.append(self._generation)
+        self.train_seconds.append(self._train)
+        self.train_peak = max(self.train_peak, self._segment_peak())
 
 
 def build_trainer(case: Case, side: str, device: str, steps: int, output_dir: Path, cache_dir: Path,
@@ -358,7 +344,7 @@ def run_steps(case: Case, side: str, steps: int, warmup: int, work: Path, cache_
     trainer = build_trainer(case, side, device, steps, work / side, cache_dir, dead_share)
     probe = Probe(cuda)
     probe.wrap(trainer)
-    trainer.add_callback(probe.callback())
+    trainer.add_callback(probe)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -376,8 +362,8 @@ def run_steps(case: Case, side: str, steps: int, warmup: int, work: Path, cache_
         completion_lengths=[entry.get("completions/mean_length") for entry in logs],
         grad_norms=[entry.get("grad_norm") for entry in logs],
         completion_hashes=probe.completion_hashes,
-        step_seconds=probe.step_seconds,
-        step=_median(probe.step_seconds[measured]),
+        step_seconds=probe.step,
+        step=_median(probe.step[measured]),
         generation=_median(probe.generation_seconds[measured]),
         train_pass=_median(probe.train_seconds[measured]),
         positions_frac=_mean(entry.get("zero_waste/positions_frac") for entry in logs),
@@ -466,20 +452,10 @@ def run_side(spec: dict) -> dict:
 
 def run_child(spec: dict, timeout: float) -> dict:
     """Run one side in a fresh process; its result, or what went wrong."""
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
-        out = Path(handle.name)
-    spec = {**spec, "out": str(out)}
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"side": spec["side"], "error": f"timed out after {timeout:.0f} s"}
-    if completed.returncode != 0 or not out.stat().st_size:
-        tail = (completed.stderr or completed.stdout).strip().splitlines()[-8:]
-        return {"side": spec["side"], "error": "\n".join(tail)}
-    result = json.loads(out.read_text())
-    out.unlink()
-    return result
+        return launch_child(Path(__file__).resolve(), spec, dict(os.environ), timeout=timeout)
+    except ChildFailed as error:
+        return {"side": spec["side"], "error": str(error)}
 
 
 def compare_steps(runs: dict[str, list[dict]], completion_length: int) -> dict:
@@ -653,23 +629,21 @@ def format_table(cases: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    json_path = ROOT / "outputs" / "bench-gpu" / "gpu.json"
+    parser = arguments(
+        __doc__, steps=4, warmup=1, json=json_path, smoke="the same code at tiny shapes on CPU (for the tests)"
+    )
     parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per side and round")
-    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the time medians")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all sides (every second one reversed)")
     parser.add_argument("--dead-share", type=float, default=0.0, help="share of prompts whose groups get no signal")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-gpu" / "gpu.json"))
     parser.add_argument("--cache-dir", default=os.environ.get("GRPO_PLUS_BENCH_CACHE", "/tmp/grpo_plus_bench"),
                         help="where the 7B case writes its random checkpoint (15 GB) once")  # fmt: skip
     parser.add_argument("--fresh", action="store_true", help="drop the results of earlier runs from --json")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per side before it is stopped")
-    parser.add_argument("--smoke", action="store_true", help="the same code at tiny shapes on CPU (for the tests)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        spec = json.loads(args.child)
-        Path(spec["out"]).write_text(json.dumps(run_side(spec)))
+        child_result(run_side(json.loads(args.child)))
         return 0
 
     import torch
@@ -687,8 +661,7 @@ def main(argv=None) -> int:
     import transformers
     import trl
 
-    output = Path(args.json)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = args.json
     report = {} if args.fresh or not output.exists() else json.loads(output.read_text())
     report.setdefault("cases", {})
     environment = {
@@ -706,15 +679,13 @@ def main(argv=None) -> int:
         print(f"== {name}: {case.description}", flush=True)
         sides = LADDER_SIDES if case.ladder else SIDES
         runs: dict[str, list[dict]] = {side: [] for side in sides}
-        for round_index in range(1 if case.ladder else args.rounds):
-            order = sides if round_index % 2 == 0 else sides[::-1]
-            for side in order:
-                spec = dict(case=name, side=side, steps=args.steps, warmup=args.warmup, work=str(work),
-                            cache_dir=str(cache_dir), dead_share=args.dead_share)  # fmt: skip
-                # --smoke: in this process (a child's imports would cost more than its tiny run)
-                result = run_side(spec) if args.smoke else run_child(spec, args.timeout)
-                runs[side].append(result)
-                print(f"   {side:8s} {'error: ' + result['error'] if 'error' in result else 'done'}", flush=True)
+        for _, side in alternating(sides, 1 if case.ladder else args.rounds):
+            spec = dict(case=name, side=side, steps=args.steps, warmup=args.warmup, work=str(work),
+                        cache_dir=str(cache_dir), dead_share=args.dead_share)  # fmt: skip
+            # --smoke: in this process (a child's imports would cost more than its tiny run)
+            result = run_side(spec) if args.smoke else run_child(spec, args.timeout)
+            runs[side].append(result)
+            print(f"   {side:8s} {'error: ' + result['error'] if 'error' in result else 'done'}", flush=True)
         if case.ladder:
             summary = {side: results[0].get("rungs", [{"completion_length": 0, "error": results[0].get("error")}])
                        for side, results in runs.items()}  # fmt: skip
@@ -725,10 +696,7 @@ def main(argv=None) -> int:
     with contextlib.suppress(Exception):  # a report on the kernels is a bonus, never a reason to lose the run
         report["sdpa"] = sdpa_kernel_report(device, **({"shape": "tiny-qwen2", "completion_length": 16,
                                                        "prompt_length": 8, "group": 4} if args.smoke else {}))  # fmt: skip
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    output.write_text(json.dumps(report, indent=1))
     table = format_table(report["cases"])
-    output.with_suffix(".md").write_text(table + "\n")
     print("\n" + table)
     if "sdpa" in report:
         sdpa = report["sdpa"]
@@ -736,7 +704,7 @@ def main(argv=None) -> int:
         print(f"\nShared-prompt block mask ({sdpa['packs']} packs x {sdpa['pack_width']} positions) on {device}: "
               f"runs on {', '.join(runs_on)}; default dispatch {sdpa['default_ms']:.2f} ms via "
               f"{', '.join(sdpa['default_kernels']) or '?'}; TRL's causal rows {sdpa['trl_causal_ms']:.2f} ms")  # fmt: skip
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {output} and {output.with_suffix('.md')}")
+    write_report(report, output, markdown=table, started=started)
     return 0
 
 

@@ -12,7 +12,7 @@ rewards for a reasoning-gym task (correctness = the task's own scorer + 0.5 x th
 grpo_plus.GRPOTrainer with its defaults: zero-waste generation and training pass).
 
 Wall-clock accounting. Both trainers live in one process and alternate step by step (TRL's step 1, grpo_plus's step 1,
-TRL's step 2, ...; benchmarks/lockstep.py), one at a time, each with its own random state: both see the same load of
+TRL's step 2, ...; harness/lockstep.py), one at a time, each with its own random state: both see the same load of
 this shared machine within a step of each other, and both draw the numbers they would draw alone. A trainer's
 training time is the sum of its own optimizer steps (on_step_begin -> on_step_end: generation, scoring, training
 pass, optimizer), timed by the wall clock while the other trainer waits. Held-out evaluations (greedy replies to
@@ -41,11 +41,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.flags import arguments
+from harness.report import ROOT, start_report, write_report
+from harness.trainers import SIDES, demo_settings, demo_trainer, model_path, run_in_lockstep
 from transformers import PrinterCallback, TrainerCallback
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "guide" / "results"
-SIDES = ("trl", "ours")
 LABELS = {"trl": "stock TRL", "ours": "grpo_plus"}
 PRECISIONS = ("float32", "bf16")
 EVAL_MAX_NEW_TOKENS = 24  # the demo config's eval_max_new_tokens
@@ -53,11 +54,12 @@ EVAL_MAX_NEW_TOKENS = 24  # the demo config's eval_max_new_tokens
 
 class HeldOutEval(TrainerCallback):
     """Greedy held-out accuracy of one trainer before training and every `every` steps, against the summed step
-    times of its `timer` (lockstep.StepTimer). Added after the timer, so it runs outside the timed step; the random
-    state is put back after each evaluation, so evaluating changes nothing the trainer draws."""
+    times of its `timer` (harness.timing.StepTimer). Added after the timer, so it runs outside the timed step; the
+    random state is put back after each evaluation (the timer's RngStates), so evaluating changes nothing the trainer
+    draws."""
 
-    def __init__(self, name: str, timer, rng, dataset, tokenizer, every: int, scorers: tuple):
-        self.name, self.timer, self.rng, self.dataset, self.tokenizer = name, timer, rng, dataset, tokenizer
+    def __init__(self, name: str, timer, dataset, tokenizer, every: int, scorers: tuple):
+        self.name, self.timer, self.rng, self.dataset, self.tokenizer = name, timer, timer.rng, dataset, tokenizer
         self.every, self.scorers, self.points = every, scorers, []
 
     def _evaluate(self, model, step: int) -> None:
@@ -203,20 +205,18 @@ def plot(report: dict, path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps of each trainer")
+    parser = arguments(
+        __doc__, steps=30, threads=1, json=None, smoke="the tiny random model, 2 steps (the script runs)"
+    )  # --json's default: docs/guide/results/learning_per_minute.json
     parser.add_argument("--eval-every", type=int, default=5, help="steps between held-out evaluations")
     parser.add_argument("--eval-size", type=int, default=48, help="held-out questions (greedy)")
     parser.add_argument("--train-size", type=int, default=256, help="generated training questions")
     parser.add_argument("--task", default="chain_sum", help="a reasoning-gym task")
     parser.add_argument("--task-config", default="min_terms=2,max_terms=2,max_digits=1", help="its config fields")
     parser.add_argument("--precision", choices=PRECISIONS, default="float32", help="float32: the curves coincide")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--json", type=Path, default=None, help="default: docs/guide/results/learning_per_minute.json")
     parser.add_argument("--png", type=Path, default=None, help="default: the JSON's path with .png")
     parser.add_argument("--output-dir", type=Path, default=ROOT / "outputs" / "bench-learning-per-minute")
-    parser.add_argument("--smoke", action="store_true", help="the tiny random model, 2 steps (the script runs)")
     args = parser.parse_args(argv)
     for name in ("steps", "eval_every", "eval_size", "train_size", "threads"):
         if getattr(args, name) < 1:
@@ -231,59 +231,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
-    import torch
-    import transformers
-    from lockstep import Baton, RngStates, train_in_lockstep
-    from train_pass import build_trainers, demo_settings
-
     from grpo_plus.app import real_tasks
-    from grpo_plus.app.embedded import resolve_model
 
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    transformers.logging.set_verbosity_error()
-    started, load_before = time.perf_counter(), os.getloadavg()
+    report, started = start_report(args, versions=("torch", "transformers", "trl"))
+    load_before = os.getloadavg()
 
     train, held_out = real_tasks.reasoning_gym_datasets(
         f"reasoning-gym:{args.task}", args.task_config, args.train_size, args.eval_size, seed=0
     )
     rewards = real_tasks.task_rewards(train)  # the recipe's "correctness" and "format"
-    if args.smoke:
-        from grpo_plus.app.testing import save_tiny_model
-
-        model_path = str(save_tiny_model(args.output_dir / "model"))
-    else:
-        model_path = resolve_model(args.model)
+    model = model_path(args.smoke, args.output_dir, args.model)
     settings = demo_settings(args.steps)
     settings.update(output_dir=str(args.output_dir), bf16=args.precision == "bf16")
 
-    baton, rng = Baton(list(SIDES)), RngStates()
-    built = build_trainers(
-        args.steps, baton, rng, settings=settings, dataset=train, reward_funcs=list(rewards), model_path=model_path
-    )
-    evals = {}
-    for name in SIDES:
-        trainer = built[name]["trainer"]
-        evals[name] = HeldOutEval(
-            name, built[name]["timer"], rng, held_out, trainer.processing_class, args.eval_every, rewards
-        )
-        trainer.add_callback(evals[name])  # after the StepTimer: outside the timed step
-        trainer.remove_callback(PrinterCallback)  # every step's log dict, twice over: the JSON has what matters
+    def add_evaluations(built: dict) -> None:
+        for name, side in built.items():
+            trainer = side["trainer"]
+            side["evals"] = HeldOutEval(
+                name, side["timer"], held_out, trainer.processing_class, args.eval_every, rewards
+            )
+            trainer.add_callback(side["evals"])  # after the StepTimer: outside the timed step
+            trainer.remove_callback(PrinterCallback)  # every step's log dict, twice over: the JSON has what matters
+
     print(
         f"{args.task} ({args.task_config}), {len(train)} training / {len(held_out)} held-out questions, "
         f"{args.steps} lock-step steps per trainer, {args.precision} ...",
         flush=True,
     )
-    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
+    make = demo_trainer(settings, dataset=train, reward_funcs=list(rewards), model_dir=model)
+    built = run_in_lockstep(make, prepare=add_evaluations)
 
     sides = {}
-    for name in SIDES:
-        logs = [entry for entry in built[name]["trainer"].state.log_history if "loss" in entry]
+    for name, side in built.items():
+        logs = [entry for entry in side["trainer"].state.log_history if "loss" in entry]
         sides[name] = {
-            "evals": evals[name].points,
-            "step_seconds": built[name]["timer"].step,
+            "evals": side["evals"].points,
+            "step_seconds": side["timer"].step,
             "losses": [entry["loss"] for entry in logs],
             "rewards": [entry["reward"] for entry in logs],
             "completion_lengths": [entry["completions/mean_length"] for entry in logs],
@@ -293,21 +277,16 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
         "grpo_config": {key: settings[key] for key in sorted(settings) if key != "output_dir"},
         "train_size": len(train),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": __import__("trl").__version__,
+        **report,  # threads and versions
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "sides": sides,
         "summary": summarize(sides),
     }
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1) + "\n")
     plot(report, args.png)
     print_summary(report)
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {args.json} and {args.png}")
+    write_report(report, args.json, started=started)
+    print(f"plot in {args.png}")
     return 0
 
 

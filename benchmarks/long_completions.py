@@ -14,19 +14,19 @@ DAPO-style runs score; `demo` adds the demo's 0.5 x format reward, whose partial
 Whatever lengths the model writes and whatever share of groups ends up dead (every completion of a prompt scored
 alike) is what is measured: both are reported, not chosen. Two settings differ from the demo's, for memory: TRL's
 default gradient checkpointing (the demo turns it off), and LM-head tiles of 4096 vocabulary columns
-(`set_lm_head_chunk`); both apply to both sides.
+(`lm_head_columns`); both apply to both sides.
 
 Per length, stock trl.GRPOTrainer and grpo_plus.GRPOTrainer (all its defaults: zero-waste training pass and
-generation) train in one process in lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...), each
-with its own random state, so machine load hits both alike and, in float32, they sample the same completions
+generation) train in one process in lock-step (harness/lockstep.py: TRL's step 1, ours, TRL's step 2, ...),
+each with its own random state, so machine load hits both alike and, in float32, they sample the same completions
 (checked per step and reported). Per optimizer step and side, by two clocks (CLOCKS: wall time, and the trainer
 thread's CPU time, which does not count the time other processes hold the cores):
   step                on_step_begin -> on_step_end
   generation          `_generate_single_turn` (the generate call with TRL's padding around it), split into prefill,
                       decode steps (for TRL also the share of each decode step spent on rows that had already
-                      ended) and the rest (logits processing, sampling, padding, cache copies); benchmarks/generation.py
+                      ended) and the rest (logits processing, sampling, padding, cache copies); harness/timing.py
   scoring             the rest of `_prepare_inputs`: decoding text, rewards, advantages
-  training pass       `training_step` (TRL's `step_time`) minus `_prepare_inputs` (benchmarks/train_pass.py)
+  training pass       `training_step` (TRL's `step_time`) minus `_prepare_inputs` (harness/trainers.py)
   optimizer + rest    step minus `training_step`: optimizer step, scheduler, callbacks
   positions           token positions through the model: in generation, and in the forwards carrying gradient
 Also per step: completion lengths (mean, max, share truncated at `max_completion_length`), the dead-group share
@@ -41,6 +41,7 @@ of odd answers, run by tests/test_long_completions_benchmark.py (seconds).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import statistics
@@ -49,13 +50,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, start_report, write_report
+from harness.timing import ForwardTimer, instrument_generation, wrap_timed
+from harness.trainers import SIDES, demo_settings, demo_trainer, model_path, run_in_lockstep, step_logs
 from transformers import TrainerCallback
 
+from grpo_plus.compat.lm_head import fused_lm_head_columns, fused_lm_head_columns_default, has_fused_lm_head
 from grpo_plus.compat.model import completion_eos_token_ids
 
-ROOT = Path(__file__).resolve().parents[1]
-
-SIDES = ("trl", "ours")
 LENGTHS = (256, 512)
 SMOKE_LENGTHS = (8, 16)
 REASONING_INSTRUCTION = (
@@ -98,10 +101,8 @@ def reward_functions(reward: str, smoke: bool) -> tuple[list, list[float] | None
 def run_settings(
     max_completion_length: int, steps: int, reward_weights, output_dir: Path, gradient_checkpointing: bool = True
 ) -> dict:
-    """The demo config's GRPOConfig fields (benchmarks/train_pass.py), at `max_completion_length`, `steps` steps, with
-    TRL's default gradient checkpointing (the demo turns it off: at 20 tokens it only costs time)."""
-    from train_pass import demo_settings
-
+    """The demo config's GRPOConfig fields (harness.trainers.demo_settings), at `max_completion_length`, `steps` steps,
+    with TRL's default gradient checkpointing (the demo turns it off: at 20 tokens it only costs time)."""
     settings = demo_settings(steps)
     settings.update(
         max_completion_length=max_completion_length,
@@ -115,65 +116,56 @@ def run_settings(
     return settings
 
 
-def set_lm_head_chunk(columns: int) -> int | None:
-    """Set the vocabulary columns per tile of TRL's chunked log-prob LM head, which both sides run
-    (`trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE`, TRL >= 1.15); returns TRL's value, or None without it.
+def lm_head_columns(columns: int):
+    """The vocabulary columns per tile of TRL's chunked log-prob LM head, which both sides run, set to `columns` inside
+    the block (grpo_plus.compat.lm_head; TRL >= 1.15; 0: TRL's own); (TRL's default or None without it, the block).
 
     Without Triton (CPU) TRL runs that kernel's torch fallback on [4096 tokens x 32768 columns] tiles, whose temporaries
     take ~4 GB; at 4096 columns ~0.8 GB in the same time (measured here: 3664 tokens x SmolLM2's 49152-word head,
     forward + backward ~52 s either way). One process holding both trainers at the default peaked at 11.6 GB and was
     killed by the kernel's OOM killer on this shared 23 GB machine."""
-    import trl.trainer.utils as trl_utils
-
-    default = getattr(trl_utils, "_CHUNKED_LOGPROB_CHUNK_SIZE", None)
-    if default is not None and columns:
-        trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = columns
-    return default
+    default = fused_lm_head_columns_default() if has_fused_lm_head() else None
+    if default is None or not columns:
+        return default, contextlib.nullcontext()
+    return default, fused_lm_head_columns(columns)
 
 
 def run_length(
-    length: int, steps: int, dataset, rewards, model_path, output_dir: Path, gradient_checkpointing: bool
+    length: int, steps: int, dataset, rewards, model_dir, output_dir: Path, gradient_checkpointing: bool
 ) -> dict:
     """Both trainers in lock-step at `max_completion_length` = `length`; per-step records and their summary."""
-    from generation import ForwardTimer, instrument_generation
-    from lockstep import Baton, RngStates, train_in_lockstep
-    from train_pass import build_trainers, wrap_timed
-
     reward_funcs, reward_weights = rewards
     settings = run_settings(length, steps, reward_weights, output_dir, gradient_checkpointing)
-    baton, rng = Baton(list(SIDES)), RngStates()
-    built = build_trainers(steps, baton, rng, settings, dataset, reward_funcs, model_path)
-    for side in built.values():  # build_trainers times steps and `_prepare_inputs` by the wall clock
-        trainer = side["trainer"]
-        side.update(train_positions=[], loads=[], generations={clock: [] for clock in CLOCKS})
-        side["cpu"] = {"prepare": [], "training_step": [], "step": []}
-        for clock, read in CLOCKS.items():
-            timer = ForwardTimer(trainer.model, read)
-            instrument_generation(trainer, timer, set(completion_eos_token_ids(trainer)), side["generations"][clock])
-        wrap_timed(trainer, "_prepare_inputs", side["cpu"]["prepare"], time.thread_time)
-        wrap_timed(trainer, "training_step", side["cpu"]["training_step"], time.thread_time)
-        trainer.add_callback(StepProbe(side["forwards"], side["train_positions"], side["loads"], side["cpu"]["step"]))
-    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
-
+    built = run_in_lockstep(demo_trainer(settings, dataset, reward_funcs, model_dir), prepare=instrument)
     result = {"max_completion_length": length, "steps": {name: step_records(built[name]) for name in SIDES}}
     result.update(compare_sides(result["steps"]))
     return result
 
 
+def instrument(built: dict) -> None:
+    """Beside what harness.trainers records by the wall clock (the step, `_prepare_inputs`) and its StepTimer's CPU time
+    of each step: generation by both clocks, `_prepare_inputs` and `training_step` by the CPU clock, and per step the
+    training positions and the machine's load."""
+    for side in built.values():
+        trainer = side["trainer"]
+        side.update(train_positions=[], loads=[], generations={clock: [] for clock in CLOCKS})
+        side["cpu"] = {"prepare": [], "training_step": []}
+        for clock, read in CLOCKS.items():
+            timer = ForwardTimer(trainer.model, read)
+            instrument_generation(trainer, timer, set(completion_eos_token_ids(trainer)), side["generations"][clock])
+        wrap_timed(trainer, "_prepare_inputs", side["cpu"]["prepare"], time.thread_time)
+        wrap_timed(trainer, "training_step", side["cpu"]["training_step"], time.thread_time)
+        trainer.add_callback(StepProbe(side["forwards"], side["train_positions"], side["loads"]))
+
+
 class StepProbe(TrainerCallback):
-    """Per step: the trainer thread's CPU time, the training positions a ForwardLog (grpo_plus.app.testing) has
-    counted since the run began (the step records take differences), and the machine's 1-minute load average."""
+    """At each step's end: the training positions a ForwardLog (grpo_plus.app.testing) has counted since the run began
+    (the step records take differences), and the machine's 1-minute load average."""
 
-    def __init__(self, forwards, totals: list[int], loads: list[float], cpu_seconds: list[float]):
-        self.forwards, self.totals, self.loads, self.cpu_seconds = forwards, totals, loads, cpu_seconds
-        self.started = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.started = time.thread_time()
+    def __init__(self, forwards, totals: list[int], loads: list[float]):
+        self.forwards, self.totals, self.loads = forwards, totals, loads
 
     def on_step_end(self, args, state, control, **kwargs):
-        # runs after build_trainers' StepTimer waited for the other trainer's step: a waiting thread takes no CPU time
-        self.cpu_seconds.append(time.thread_time() - self.started)
         self.totals.append(self.forwards.training_positions)
         self.loads.append(os.getloadavg()[0])
 
@@ -192,8 +184,7 @@ def phase_times(step: float, training_step: float, prepare: float, generation: d
 
 def step_records(side: dict) -> list[dict]:
     """One dict per optimizer step of one trainer: times by both clocks, positions, lengths, dead groups, ids."""
-    trainer = side["trainer"]
-    logs = [entry for entry in trainer.state.log_history if "step_time" in entry]
+    logs = step_logs(side)
     totals, cpu = side["train_positions"], side["cpu"]
     records = []
     for index, log in enumerate(logs):
@@ -203,7 +194,7 @@ def step_records(side: dict) -> list[dict]:
                 # TRL's `step_time` is its training_step's wall time
                 wall=phase_times(side["timer"].step[index], log["step_time"], side["prepare"][index], generation),
                 cpu=phase_times(
-                    cpu["step"][index],
+                    side["timer"].cpu[index],
                     cpu["training_step"][index],
                     cpu["prepare"][index],
                     side["generations"]["cpu"][index],
@@ -279,7 +270,6 @@ def seconds(value: float) -> str:
 def markdown(report: dict) -> str:
     """The report's tables: per length, where each side's time goes and the ratios; generation's parts; the
     completions (lengths, dead groups, sameness); step by step."""
-    from shapes import markdown_table
 
     def ratio_cell(value, bold=False):
         text = "-" if value is None else f"{value:.2f}"
@@ -370,9 +360,8 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lockstep import start_report
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    json_path = ROOT / "outputs" / "bench-long-completions" / "long_completions.json"
+    parser = arguments(__doc__, threads=1, json=json_path, smoke="tiny random model, 8 and 16 tokens, 2 steps")
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="max_completion_length values")
     parser.add_argument(
         "--steps",
@@ -381,7 +370,6 @@ def main(argv: list[str] | None = None) -> None:
         default=[2],
         help="optimizer steps of each trainer: one value, or one per length",
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
     parser.add_argument("--level", default="word-mixed", help="task level (grpo_plus.app.tasks.LEVELS)")
     parser.add_argument("--reward", choices=REWARDS, default="correctness")
     parser.add_argument(
@@ -395,10 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=4096,
         help="vocabulary columns per tile of TRL's chunked log-prob LM head, both sides (0: TRL's 32768; see "
-        "set_lm_head_chunk: memory, not time)",
+        "lm_head_columns: memory, not time)",
     )
-    parser.add_argument("--smoke", action="store_true", help="tiny random model, 8 and 16 tokens, 2 steps")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-long-completions" / "long_completions.json"))
     args = parser.parse_args(argv)
 
     report, started = start_report(args)
@@ -407,19 +393,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--steps takes one value or one per length ({len(lengths)}), got {len(steps)}")
     steps = dict(zip(lengths, steps * len(lengths) if len(steps) == 1 else steps, strict=True))
     report["command"] = " ".join(sys.argv if argv is None else ["long_completions.py", *argv])
-    trl_columns = set_lm_head_chunk(args.lm_head_columns)
+    trl_columns, columns = lm_head_columns(args.lm_head_columns)
     report["lm_head_columns"] = {"trl_default": trl_columns, "used": args.lm_head_columns or trl_columns}
-    try:
+    with columns:  # restored afterwards: main() may run inside another process (the smoke test)
         run_lengths(args, report, started, lengths, steps)
-    finally:
-        set_lm_head_chunk(trl_columns)  # main() may run inside another process (the smoke test)
     print("\n" + markdown(report))
 
 
 def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths: tuple, steps: dict) -> None:
     """Every length in turn, the report saved after each."""
-    from grpo_plus.app.testing import save_tiny_model  # --smoke's model
-
     level = "add-1d" if args.smoke else args.level  # short questions: the tiny model's positions stay small
     report.update(level=level, reward="smoke" if args.smoke else args.reward)
     report["conditions"] = f"{'tiny random Llama' if args.smoke else 'SmolLM2-135M-Instruct + LoRA'}, {level}, "
@@ -429,12 +411,12 @@ def run_lengths(args: argparse.Namespace, report: dict, started: float, lengths:
     dataset, rewards = reasoning_dataset(level), reward_functions(args.reward, args.smoke)
     report["runs"] = []
     with tempfile.TemporaryDirectory() as scratch:
-        model_path = save_tiny_model(Path(scratch) / "tiny") if args.smoke else None
+        model = model_path(True, scratch) if args.smoke else None  # None: the demo's model
         for length in lengths:
             print(f"max_completion_length {length}: {steps[length]} lock-step steps per trainer ...", flush=True)
             begun = time.perf_counter()
             checkpointing = args.gradient_checkpointing == "on"
-            run = run_length(length, steps[length], dataset, rewards, model_path, Path(scratch), checkpointing)
+            run = run_length(length, steps[length], dataset, rewards, model, Path(scratch), checkpointing)
             run["wall_minutes"] = (time.perf_counter() - begun) / 60
             report["runs"].append(run)
             ratios = run["ratios"]
@@ -459,14 +441,11 @@ def release_memory() -> None:
         pass
 
 
-def save(report: dict, started: float, json_path: str) -> None:
-    """Write the report as JSON (lockstep.write_report) and its tables as Markdown beside it."""
-    from lockstep import write_report
-
+def save(report: dict, started: float, json_path: Path) -> None:
+    """Write the report as JSON and its tables as Markdown beside it."""
     # the whole process's peak resident memory (both trainers, their models and the allocator's reserve)
     report["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    write_report(report, started, json_path)
-    Path(json_path).with_suffix(".md").write_text(markdown(report))
+    write_report(report, json_path, markdown=markdown(report), started=started)
 
 
 if __name__ == "__main__":

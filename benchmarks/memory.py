@@ -23,21 +23,17 @@ every group with signal: the worst step. Sections:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import torch
-from shapes import markdown_table  # benchmarks/shapes.py
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, start_report, write_report
 
 from grpo_plus import fit
 from grpo_plus.app.cli import fit_spec_from_yaml
 from grpo_plus.fit import GIB
-
-ROOT = Path(__file__).resolve().parents[1]
 
 RECIPES = ROOT / "recipes" / "configs"
 FIT_RECIPES = ("demo_cpu", "qwen2.5-0.5b_lora", "qwen2.5-1.5b_lora", "qwen2.5-7b_qlora")
@@ -206,24 +202,18 @@ def long_markdown(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="the fit table only (no validation, no long table)")
+    json_path = ROOT / "outputs" / "bench-memory" / "memory.json"
+    parser = arguments(__doc__, json=json_path, quick="the fit table only (no validation, no long table)")
     parser.add_argument("--configs", nargs="+", choices=FIT_RECIPES, default=list(FIT_RECIPES))
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-memory" / "memory.json"))
     parser.add_argument("--equal-prompts", action="store_true",
                         help="prompts of one length (no padding); default: prompts of different lengths")  # fmt: skip
     args = parser.parse_args()
     global EQUAL_PROMPTS
     EQUAL_PROMPTS = args.equal_prompts
 
-    import transformers
-
     torch.set_num_threads(1)
-    transformers.logging.set_verbosity_error()
-    started = time.perf_counter()
-    output = Path(args.json)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    report: dict = {"torch": torch.__version__, "budget_bytes": BUDGET, "equal_prompts": EQUAL_PROMPTS}
+    report, started = start_report(args, versions=("torch",))
+    report.update(budget_bytes=BUDGET, equal_prompts=EQUAL_PROMPTS)
     markdown = []
     if not args.quick:
         print("1. Validation: fake count vs real compute vs the CPU allocator (tiny Qwen2, eager attention) ...")
@@ -247,11 +237,8 @@ def main() -> None:
     print("3. The 24 GB fit (22 GiB of tensors) ...", flush=True)
     report["fit"] = fit_rows(args.configs)
     markdown.append(fit_table(report["fit"]))
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    output.write_text(json.dumps(report, indent=1, default=str))
-    output.with_suffix(".md").write_text("\n\n".join(markdown) + "\n")
     print("\n" + "\n\n".join(markdown))
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {output} and {output.with_suffix('.md')}")
+    write_report(report, args.json, markdown="\n\n".join(markdown), started=started)
 
 
 if __name__ == "__main__":

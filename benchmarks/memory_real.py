@@ -36,22 +36,22 @@ Results: docs/guide/results/memory_real.json (and --quick: outputs/bench-memory-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from shapes import markdown_table  # benchmarks/shapes.py
-
-ROOT = Path(__file__).resolve().parents[1]
+from harness.flags import arguments
+from harness.process import PINNED_MALLOC as PINNED
+from harness.process import child_result, launch_child, reset_peak_rss, status_kib
+from harness.report import ROOT, markdown_table, write_report
 
 MIB = 2**20
 # Every large block its own mapping, returned when freed; MALLOC_PERTURB_ fills each block when allocated, so its pages
 # count in the RSS from then on, as a GPU's max_memory_allocated counts an allocation (an untouched page of
 # torch.empty never enters the RSS: a buffer filled tile by tile would count only as far as it is filled).
-PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_PERTURB_": "165"}
+PINNED_MALLOC = {**PINNED, "MALLOC_PERTURB_": "165"}
 LM_HEAD_CHUNK = 4096  # TRL's vocabulary columns per LM-head tile on both sides (see the module docstring)
 
 MODEL = dict(
@@ -89,31 +89,25 @@ def fit_spec(model: dict, length: int, changes: dict):
     )  # fmt: skip
 
 
-def set_lm_head_chunk(job: dict) -> None:
-    """TRL's LM-head tile width for this process: the job's (LM_HEAD_CHUNK unless it says otherwise; None: TRL's own)."""
-    import trl.trainer.utils
+def lm_head_tile(job: dict):
+    """TRL's LM-head tile width inside the block: the job's (LM_HEAD_CHUNK unless it says otherwise; None: TRL's
+    own)."""
+    from grpo_plus.compat.lm_head import fused_lm_head_columns
 
     chunk = job.get("lm_head_chunk", LM_HEAD_CHUNK)
-    if chunk:
-        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = chunk
+    return fused_lm_head_columns(chunk) if chunk else contextlib.nullcontext()
 
 
 # ---- the child: one configuration ---------------------------------------------------------------------------------
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def run_child(job: dict) -> dict:
     """Set up, then one training pass; the step increment, its time and the gradient norm."""
+    with lm_head_tile(job):
+        return measure(job)
+
+
+def measure(job: dict) -> dict:
     import torch
     import transformers
 
@@ -121,7 +115,6 @@ def run_child(job: dict) -> dict:
     from grpo_plus.fit.count import build_policy, counting_trainer, synthetic_micro_batch
 
     transformers.logging.set_verbosity_error()
-    set_lm_head_chunk(job)
     device = job["device"]
     spec = for_side(fit_spec(job["model"], job["length"], job["changes"]), job["side"])  # TRL: none of grpo_plus's
     trainer = counting_trainer(job["side"], spec)
@@ -147,8 +140,8 @@ def run_child(job: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before_allocated, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     else:
-        _reset_peak()
-        before = _status_kib("VmRSS")
+        reset_peak_rss()
+        before = status_kib("VmRSS")
     began = time.perf_counter()
     step(inputs)
     if cuda:
@@ -159,7 +152,7 @@ def run_child(job: dict) -> dict:
         result["increment"] = torch.cuda.max_memory_allocated() - before_allocated
         result["reserved_increment"] = torch.cuda.max_memory_reserved() - before_reserved
     else:
-        result["increment"] = (_status_kib("VmHWM") - before) * 1024
+        result["increment"] = (status_kib("VmHWM") - before) * 1024
         result["rss_before"] = before * 1024
     result["grad_norm"] = float(torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in trainable])))
     result["tiled_calls"] = sum(getattr(m.__dict__.get("forward"), "tiled_calls", 0) for m in model.modules())
@@ -175,9 +168,9 @@ def counted(job: dict) -> int:
 
     from grpo_plus import fit
 
-    set_lm_head_chunk(job)
     spec = fit_spec(job["model"], job["length"], job["changes"])
-    points = [fit.measure_pass(spec, job["side"], layers, lm_head="cpu") for layers in (1, 2)]
+    with lm_head_tile(job):
+        points = [fit.measure_pass(spec, job["side"], layers, lm_head="cpu") for layers in (1, 2)]
     return fit.extrapolate(points, spec.layers).peak
 
 
@@ -187,11 +180,7 @@ def counted(job: dict) -> int:
 def launch(job: dict, threads: int) -> dict:
     env = {**os.environ, **PINNED_MALLOC, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(threads)}
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")  # this checkout
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(job)], env=env, capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"child {job} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return launch_child(Path(__file__), job, env)
 
 
 def mib(value: float) -> str:
@@ -222,14 +211,6 @@ def tables(rows: list[dict], labels: list[str]) -> str:
     return f"{memory}\n\n{timing}\n\n{counter}"
 
 
-def markdown_path(output: Path) -> Path:
-    """Where the tables go: outputs/bench-memory-real/ (docs/guide/results/ holds the JSON only; mkdocs builds every
-    page under docs/)."""
-    folder = ROOT / "outputs" / "bench-memory-real"
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / output.with_suffix(".md").name
-
-
 def recount(path: Path) -> None:
     """fit's count beside every real peak of a results file, made again with this checkout's counter."""
     report = json.loads(path.read_text())
@@ -243,32 +224,28 @@ def recount(path: Path) -> None:
                 row[label]["counted"] = counted(job)
                 print(f"  L={row['length']:5d} {label:34s}: real {mib(row[label]['increment'])} MiB, counted "
                       f"{mib(row[label]['counted'])} MiB ({row[label]['counted'] / row[label]['increment']:.3f}x)")  # fmt: skip
-    path.write_text(json.dumps(report, indent=1))
-    markdown_path(path).write_text(tables(report["results"], labels) + "\n")
     print("\n" + tables(report["results"], labels))
+    write_report(report, path, markdown=tables(report["results"], labels))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, threads=2, json=None, quick="a 2-layer, hidden-128 model at L = 256 (CI smoke)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--quick", action="store_true", help="a 2-layer, hidden-128 model at L = 256 (CI smoke)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--trl-lm-head-tile",
         action="store_true",
         help=f"keep TRL's LM-head tile width (32,768) instead of setting {LM_HEAD_CHUNK} on both sides",
     )
     parser.add_argument("--no-count", action="store_true", help="skip grpo_plus.fit's count beside each real peak")
-    parser.add_argument("--json", default=None)
     parser.add_argument(
         "--recount", metavar="JSON", help="recompute fit's count beside the real peaks of a results file"
     )
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_child(json.loads(args.child))))
+        child_result(run_child(json.loads(args.child)))
         return
     if args.recount:
         recount(Path(args.recount))
@@ -276,8 +253,7 @@ def main() -> None:
     model = QUICK_MODEL if args.quick else MODEL
     lengths = [256] if args.quick else args.lengths
     default_json = ROOT / ("outputs/bench-memory-real" if args.quick else "docs/guide/results") / "memory_real.json"
-    output = Path(args.json or default_json)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = args.json or default_json
     started = time.perf_counter()
     lm_head_chunk = None if args.trl_lm_head_tile else LM_HEAD_CHUNK
     rows = []
@@ -297,12 +273,10 @@ def main() -> None:
         rows.append(row)
     markdown = tables(rows, args.variants)
     report = {"device": args.device, "model": model, "rows": ROWS, "group": GROUP, "prompt": PROMPT, "lora": LORA,
-              "lm_head_chunk": lm_head_chunk, "threads": args.threads, "malloc": PINNED_MALLOC, "results": rows,
-              "wall_minutes": (time.perf_counter() - started) / 60}  # fmt: skip
-    output.write_text(json.dumps(report, indent=1))
-    markdown_path(output).write_text(markdown + "\n")
+              "lm_head_chunk": lm_head_chunk, "threads": args.threads, "malloc": PINNED_MALLOC,
+              "results": rows}  # fmt: skip
     print("\n" + markdown)
-    print(f"\nwall time {report['wall_minutes']:.1f} min; results in {output}")
+    write_report(report, output, markdown=markdown, started=started)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ TRL's tool loop runs `tools=[increment]`: a row that calls the tool gets the too
 three turns per row here (one or two calls, then the answer).
 
 Stock trl.GRPOTrainer, grpo_plus.GRPOTrainer and grpo_plus with its tool turns re-prefilling whole histories (as TRL
-does; its other savings on) train in lock-step in one process (benchmarks/lockstep.py: TRL's step 1, ours, ours
+does; its other savings on) train in lock-step in one process (harness/lockstep.py: TRL's step 1, ours, ours
 re-prefilling, TRL's step 2, ...), each with its own random state, so they sample the same completions and log the
 same losses (both checked). Per optimizer step after the warm-up steps, medians:
   generation          wall time of all `_generate_single_turn` calls of the step (TRL's first turn + tool turns)
@@ -36,13 +36,15 @@ tokens (10 seeds), and how many of 40 sampled second turns differ in any token.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, start_report, write_report
+from harness.timing import alternating
+from harness.trainers import run_in_lockstep
 
 # "ours_reprefill": grpo_plus with its tool turns prefilling whole histories as TRL does (everything else on): the
 # difference to "ours" is what keeping the caches across turns saves.
@@ -79,18 +81,14 @@ def model_dir(smoke: bool, given: str | None) -> Path:
     return path
 
 
-def build_trainers(path: Path, smoke: bool, steps: int, baton, rng) -> dict:
-    """Stock TRL's and grpo_plus's trainers with tools on the tool model, each timing its steps and passing the
-    baton after each; each records its generation calls (grpo_plus.app.tool_model's TurnRecorder)."""
+def tool_trainers(path: Path, smoke: bool, steps: int):
+    """A `make` for harness.trainers: the side's trainer with tools on the tool model; "ours_reprefill" re-prefills
+    whole histories at every tool turn."""
     import contextlib
 
-    import trl
     from datasets import Dataset
-    from lockstep import StepTimer
-    from transformers import set_seed
 
-    import grpo_plus
-    from grpo_plus.app.tool_model import TurnRecorder, increment, number_prompts, tool_trainer
+    from grpo_plus.app.tool_model import increment, number_prompts, tool_trainer
 
     rows = number_prompts(10)
     if not smoke:
@@ -99,18 +97,25 @@ def build_trainers(path: Path, smoke: bool, steps: int, baton, rng) -> dict:
     settings = dict(max_steps=steps, learning_rate=0.01)
     if not smoke:
         settings.update(per_device_train_batch_size=16, num_generations=8)
-    built = {}
-    for name, package in zip(SIDES, (trl, grpo_plus, grpo_plus), strict=True):
-        set_seed(0)
-        timer = StepTimer(name, baton, rng)
+
+    def make(name, package, callbacks):
         trainer = tool_trainer(
             package, path, ROOT / "outputs" / "bench-multi-turn" / "run", train_dataset=Dataset.from_list(rows),
-            tools=[increment], callbacks=[timer], **settings,
+            tools=[increment], callbacks=callbacks, **settings,
         )  # fmt: skip
         if name == "ours_reprefill":  # no TurnCache for the rounds: every tool turn prefills whole histories
             trainer._tool_turns = contextlib.nullcontext
-        built[name] = dict(trainer=trainer, timer=timer, turns=TurnRecorder(trainer))
-    return built
+        return trainer
+
+    return make
+
+
+def record_turns(built: dict) -> None:
+    """Each side records its generation calls (grpo_plus.app.tool_model's TurnRecorder) into `turns`."""
+    from grpo_plus.app.tool_model import TurnRecorder
+
+    for side in built.values():
+        side["turns"] = TurnRecorder(side["trainer"])
 
 
 def summarize(side: dict, warmup: int) -> dict:
@@ -135,11 +140,7 @@ def summarize(side: dict, warmup: int) -> dict:
 
 
 def run(path: Path, smoke: bool, steps: int, warmup: int) -> dict:
-    from lockstep import Baton, RngStates, train_in_lockstep
-
-    baton, rng = Baton(list(SIDES)), RngStates()
-    built = build_trainers(path, smoke, steps, baton, rng)
-    train_in_lockstep({name: built[name]["trainer"] for name in SIDES}, baton)
+    built = run_in_lockstep(tool_trainers(path, smoke, steps), SIDES, prepare=record_turns)
     result = {name: summarize(built[name], warmup) for name in SIDES}
     theirs = result["trl"]
     completions = [result[name].pop("completions") for name in SIDES]
@@ -153,7 +154,7 @@ def run(path: Path, smoke: bool, steps: int, warmup: int) -> dict:
     return result
 
 
-def print_result(result: dict) -> None:
+def result_table(result: dict) -> str:
     theirs, ours, reprefill = result["trl"], result["ours"], result["ours_reprefill"]
     rows = [
         ("generation, all turns (s)", "generation", ".3f"),
@@ -161,20 +162,17 @@ def print_result(result: dict) -> None:
         ("positions in generation", "positions", ".0f"),
         ("whole step (s)", "step", ".3f"),
     ]
-    print(
-        "\n| multi-turn tools (median per step) | stock TRL | grpo_plus, histories re-prefilled | grpo_plus | ratio |"
-        "\n|---|---|---|---|---|"
-    )
-    for label, key, spec in rows:
-        print(
-            f"| {label} | {theirs[key]:{spec}} | {reprefill[key]:{spec}} ({result[key + '_ratio_reprefill']:.2f}x) | "
-            f"{ours[key]:{spec}} | **{result[key + '_ratio']:.2f}** |"
-        )
-    print(
-        f"\nsame completions: {result['same_completions']}; max |loss difference| over {len(ours['losses'])} steps: "
-        f"{result['max_loss_difference']:.2e}; generation calls (turns) per step {ours['turns']:.1f}; tool calls "
-        f"per row {ours['tool_calls_per_row']:.2f}",
-        flush=True,
+    header = ["multi-turn tools (median per step)", "stock TRL", "grpo_plus, histories re-prefilled", "grpo_plus"]
+    cells = [
+        [label, format(theirs[key], spec), f"{reprefill[key]:{spec}} ({result[key + '_ratio_reprefill']:.2f}x)",
+         format(ours[key], spec), f"**{result[key + '_ratio']:.2f}**"]
+        for label, key, spec in rows
+    ]  # fmt: skip
+    return (
+        markdown_table([*header, "ratio"], cells)
+        + f"\n\nsame completions: {result['same_completions']}; max |loss difference| over {len(ours['losses'])} "
+        f"steps: {result['max_loss_difference']:.2e}; generation calls (turns) per step {ours['turns']:.1f}; tool "
+        f"calls per row {ours['tool_calls_per_row']:.2f}"
     )
 
 
@@ -231,23 +229,22 @@ def sweep(prompt_lengths: list[int], repeats: int) -> list[dict]:
         second_ids, second_mask = tool_turn_inputs(tokenizer, first, ids, mask)
         config = GenerationConfig(max_new_tokens=16, **settings)
         seconds, outputs, stats = {"trl": [], "ours": []}, {}, None
-        for repeat in range(repeats):
-            for side in ("trl", "ours") if repeat % 2 == 0 else ("ours", "trl"):
-                torch.manual_seed(repeat)
-                start = time.perf_counter()
-                with torch.no_grad():
-                    if side == "trl":
-                        outputs[side] = model.generate(
-                            input_ids=second_ids, attention_mask=second_mask, generation_config=config
-                        )
-                    else:
-                        turns._current = list(kept)
-                        outputs[side], stats = generate(
-                            model, turns=turns, input_ids=second_ids, attention_mask=second_mask,
-                            generation_config=config,
-                        )  # fmt: skip
-                seconds[side].append(time.perf_counter() - start)
-            same = torch.equal(outputs["trl"], outputs["ours"])
+        for repeat, side in alternating(("trl", "ours"), repeats):
+            torch.manual_seed(repeat)
+            start = time.perf_counter()
+            with torch.no_grad():
+                if side == "trl":
+                    outputs[side] = model.generate(
+                        input_ids=second_ids, attention_mask=second_mask, generation_config=config
+                    )
+                else:
+                    turns._current = list(kept)
+                    outputs[side], stats = generate(
+                        model, turns=turns, input_ids=second_ids, attention_mask=second_mask,
+                        generation_config=config,
+                    )  # fmt: skip
+            seconds[side].append(time.perf_counter() - start)
+        same = torch.equal(outputs["trl"], outputs["ours"])  # the last repeat's
         row = dict(
             prompt=int(ids.shape[1]),
             history=int(second_ids.shape[1]),
@@ -268,15 +265,16 @@ def sweep(prompt_lengths: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def print_sweep(rows: list[dict]) -> None:
-    print(
-        "\n| prompt tokens | history tokens (turn 2) | TRL (s) | grpo_plus (s) | time ratio | prefill positions ratio "
-        "| positions ratio | same ids |\n|---|---|---|---|---|---|---|---|"
-    )
-    for row in rows:
-        cells = (row["prompt"], row["history"], f"{row['trl_seconds']:.2f}", f"{row['ours_seconds']:.2f}")
-        cells += (f"{row['time_ratio']:.2f}", f"{row['prefill_positions_ratio']:.3f}", f"{row['positions_ratio']:.2f}")
-        print("| " + " | ".join(str(cell) for cell in (*cells, row["same_ids"])) + " |")
+def sweep_table(rows: list[dict]) -> str:
+    header = ["prompt tokens", "history tokens (turn 2)", "TRL (s)", "grpo_plus (s)", "time ratio"]
+    header += ["prefill positions ratio", "positions ratio", "same ids"]
+    cells = [
+        [row["prompt"], row["history"], f"{row['trl_seconds']:.2f}", f"{row['ours_seconds']:.2f}",
+         f"{row['time_ratio']:.2f}", f"{row['prefill_positions_ratio']:.3f}", f"{row['positions_ratio']:.2f}",
+         row["same_ids"]]
+        for row in rows
+    ]  # fmt: skip
+    return markdown_table(header, cells)
 
 
 class ForcedTokens:
@@ -334,19 +332,14 @@ def exactness(seeds: int = 40, forced_seeds: int = 10) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from lockstep import start_report, write_report
-
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="the tiny model, 1 step, no warm-up (seconds)")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps of each trainer")
-    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: stable on a shared box)")
+    json_path = ROOT / "outputs" / "bench-multi-turn" / "multi_turn.json"
+    parser = arguments(
+        __doc__, steps=6, warmup=1, repeats=3, threads=1, json=json_path, smoke="the tiny model, 1 step, no warm-up"
+    )
     parser.add_argument("--model-dir", default=None, help="a tool model saved by grpo_plus.app.tool_model")
     parser.add_argument("--skip-sweep", action="store_true", help="no part 2 (always skipped with --smoke)")
     parser.add_argument("--sweep-prompt", type=int, nargs="+", default=[256, 1024], help="part 2 prompt lengths")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per part 2 case")
     parser.add_argument("--exactness", action="store_true", help="part 3 only: continued caches against fresh ones")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-multi-turn" / "multi_turn.json"))
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps, args.warmup = 1, 0
@@ -355,18 +348,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.exactness:
         print("Part 3: a continued cache against a fresh prefill of the whole history", flush=True)
         report["exactness"] = exactness()
-        write_report(report, started, args.json)
+        write_report(report, args.json, started=started)
         return report
     path = model_dir(args.smoke, args.model_dir)
     print("Part 1: training with tools, stock TRL against grpo_plus", flush=True)
     print(f"{args.steps} lock-step optimizer steps per trainer, tools on {path.name} ...", flush=True)
     report["multi_turn"] = run(path, args.smoke, args.steps, args.warmup)
-    print_result(report["multi_turn"])
+    tables = [result_table(report["multi_turn"])]
+    print("\n" + tables[-1], flush=True)
     if not (args.smoke or args.skip_sweep):
         print(f"\nPart 2: one tool turn of SmolLM2-135M, 2 prompts x 8 rows, {args.repeats} repeats ...", flush=True)
         report["tool_turn"] = sweep(args.sweep_prompt, args.repeats)
-        print_sweep(report["tool_turn"])
-    write_report(report, started, args.json)
+        tables.append(sweep_table(report["tool_turn"]))
+        print("\n" + tables[-1])
+    write_report(report, args.json, markdown="\n\n".join(tables), started=started)
     return report
 
 

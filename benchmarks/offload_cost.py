@@ -24,20 +24,17 @@ both on a GPU (the `ours_long` side).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from shapes import markdown_table  # benchmarks/shapes.py
+from harness.flags import arguments
+from harness.report import ROOT, markdown_table, write_report
+from harness.timing import alternating
 
 from grpo_plus import fit
-
-ROOT = Path(__file__).resolve().parents[1]
 
 VARIANTS = {
     "plain": {},
@@ -75,13 +72,11 @@ def timed_pass(trainer, model, batch: dict, offload: bool) -> tuple[float, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    json_path = ROOT / "outputs" / "bench-offload" / "offload_cost.json"
+    parser = arguments(__doc__, repeats=5, json=json_path, smoke="a tiny model, one length, one round (for the tests)")
     parser.add_argument("--lengths", nargs="+", type=int, default=[256, 512])
     parser.add_argument("--rows", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tiled-tokens", type=int, default=256, help="small enough that these sequences are tiled")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, one length, one round (for the tests)")
-    parser.add_argument("--json", default=str(ROOT / "outputs" / "bench-offload" / "offload_cost.json"))
     args = parser.parse_args()
 
     import transformers
@@ -106,13 +101,11 @@ def main() -> None:
         batch = fit.synthetic_micro_batch(args.rows, args.rows, spec.prompt_tokens, length, model_config.vocab_size)
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
         packed = {}
-        for round_index in range(args.repeats):
-            order = list(VARIANTS) if round_index % 2 == 0 else list(VARIANTS)[::-1]
-            for name in order:
-                variant = VARIANTS[name]
-                model = models[bool(variant.get("tiled"))]
-                seconds, packed[name] = timed_pass(trainer, model, batch, bool(variant.get("offload")))
-                times[name].append(seconds)
+        for _, name in alternating(VARIANTS, args.repeats):
+            variant = VARIANTS[name]
+            model = models[bool(variant.get("tiled"))]
+            seconds, packed[name] = timed_pass(trainer, model, batch, bool(variant.get("offload")))
+            times[name].append(seconds)
         del models
         medians = {name: statistics.median(values) for name, values in times.items()}
         row = {"completion_tokens": length, "rows": args.rows, "seconds": medians, "tensors_offloaded": packed,
@@ -131,11 +124,8 @@ def main() -> None:
              for row in rows]  # fmt: skip
     table = markdown_table(header, cells)
     print("\n" + table)
-    output = Path(args.json)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows},
-                                 indent=1))  # fmt: skip
-    output.with_suffix(".md").write_text(table + "\n")
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+    write_report(report, args.json, markdown=table)
 
 
 if __name__ == "__main__":

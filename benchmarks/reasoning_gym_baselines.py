@@ -15,11 +15,13 @@ holding an <answer> tag.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+import tempfile
 import time
-from pathlib import Path
+
+from harness.flags import arguments
+from harness.report import write_report
+from harness.trainers import model_path
 
 # (task, --dataset_config, most held-out prompts): small numbers, where a 135M model has a chance. One-digit products
 # have only ~15 distinct held-out questions.
@@ -75,28 +77,19 @@ def measure(model, tokenizer, task: str, config: str, prompts: int, samples: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, json=None, smoke="the random tiny model, 4 prompts (the script runs)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from grpo_plus.app.embedded import resolve_model
-
     torch.manual_seed(0)
     if args.smoke:
-        import tempfile
-
-        from grpo_plus.app.testing import save_tiny_model
-
-        path, args.prompts, args.samples = str(save_tiny_model(Path(tempfile.mkdtemp()))), 4, 2
-    else:
-        path = resolve_model(args.model)
+        args.prompts, args.samples = 4, 2
+    path = model_path(args.smoke, tempfile.mkdtemp() if args.smoke else None, args.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rows = []
@@ -110,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.json is not None and not args.smoke:
         result = {"model": args.model, "max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.7, "tasks": rows}
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_report(result, args.json)
     return 0
 
 

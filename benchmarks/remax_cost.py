@@ -15,14 +15,17 @@ disturbed by other load on the machine than wall time.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from harness.flags import arguments
+from harness.report import write_report
+from harness.timing import alternating
+from harness.trainers import model_path
 
 ESTIMATORS = ("grpo", "remax")
 
@@ -56,16 +59,15 @@ def time_rounds(trainer, rounds: int) -> dict[str, dict[str, list[float]]]:
     prompts_per_round = trainer.args.per_device_train_batch_size // num_generations
     dataset = trainer.train_dataset
     times = {name: {"wall": [], "cpu": []} for name in ESTIMATORS}
-    for index in range(rounds):
+    for index, name in alternating(ESTIMATORS, rounds):
         first = index * prompts_per_round % (len(dataset) - prompts_per_round)
         batch = [dataset[first + p] for p in range(prompts_per_round) for _ in range(num_generations)]
-        for name in ESTIMATORS if index % 2 == 0 else reversed(ESTIMATORS):
-            algorithms = dataclasses.replace(trainer.plus.algorithms, advantage_estimator=name)
-            trainer.plus = dataclasses.replace(trainer.plus, algorithms=algorithms)
-            wall, cpu = time.perf_counter(), time.process_time()
-            trainer._generate_and_score_completions(batch)
-            times[name]["wall"].append(time.perf_counter() - wall)
-            times[name]["cpu"].append(time.process_time() - cpu)
+        algorithms = dataclasses.replace(trainer.plus.algorithms, advantage_estimator=name)
+        trainer.plus = dataclasses.replace(trainer.plus, algorithms=algorithms)
+        wall, cpu = time.perf_counter(), time.process_time()
+        trainer._generate_and_score_completions(batch)
+        times[name]["wall"].append(time.perf_counter() - wall)
+        times[name]["cpu"].append(time.process_time() - cpu)
     return times
 
 
@@ -81,29 +83,20 @@ def summary(times: dict[str, dict[str, list[float]]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, json=None, smoke="the random tiny model, 2 rounds (the script runs)")
     parser.add_argument("--model", default=None, help="model id or local path (default: the embedded SmolLM2)")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--json", default=None, help="write the timings and the summary here")
-    parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
-        if args.smoke:
-            from grpo_plus.app.testing import save_tiny_model
-
-            model_path, rounds = str(save_tiny_model(Path(scratch) / "tiny")), 2
-        else:
-            from grpo_plus.app.embedded import EMBEDDED_MODEL_NAME, resolve_model
-
-            model_path, rounds = resolve_model(args.model or EMBEDDED_MODEL_NAME), args.rounds
-        times = time_rounds(build_trainer(model_path, str(Path(scratch) / "out")), rounds)
+        model = model_path(args.smoke, scratch, args.model)
+        times = time_rounds(build_trainer(model, str(Path(scratch) / "out")), 2 if args.smoke else args.rounds)
     result = summary(times)
     print(f"{'estimator':<10} {'wall s/round':>13} {'CPU s/round':>12}")
     for name in ESTIMATORS:
         print(f"{name:<10} {result[f'{name}_wall_s']:>13.2f} {result[f'{name}_cpu_s']:>12.2f}")
     print(f"remax / grpo: wall {result['remax_over_grpo_wall']:.2f}x, CPU {result['remax_over_grpo_cpu']:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": times, "summary": result}, indent=2))
+        write_report({"rounds": times, "summary": result}, args.json)
     return 0
 
 

@@ -17,15 +17,16 @@ A part's bytes are those of torch.save of its state alone; the files hold every 
 
 from __future__ import annotations
 
-import argparse
 import io
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import trl
+from harness.flags import arguments
+from harness.report import write_report
+from harness.trainers import embedded_model_or_none
 
 import grpo_plus
 from grpo_plus.run.state import PROCESS_FILE, SHARED_FILE, stateful_parts
@@ -119,24 +120,11 @@ def measure(case: str, model_path: str | None) -> dict:
     return result
 
 
-def resolve_smollm() -> str | None:
-    try:
-        from grpo_plus.app.embedded import resolve_model
-
-        return resolve_model("smollm2-135m-instruct")
-    except ImportError as error:
-        print(f"smollm cases skipped: the embedded model is unavailable ({str(error).splitlines()[0]})")
-        return None
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="the tiny case only (seconds)")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args()
+    args = arguments(__doc__, json=None, smoke="the tiny case only (seconds)").parse_args()
     torch.set_num_threads(1)
     cases = ["tiny"]
-    model_path = None if args.smoke else resolve_smollm()
+    model_path = None if args.smoke else embedded_model_or_none()
     if model_path is not None:
         cases += ["demo", "demo-buffer"]
     results = [measure(case, model_path) for case in cases]
@@ -151,7 +139,7 @@ def main() -> None:
             f"{'':12} buffer saved: {r['buffered_rows']} rows, {r['buffered_tensor_bytes']:,} tensor bytes; parts: {parts}"
         )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+        write_report(results, args.json)
 
 
 if __name__ == "__main__":

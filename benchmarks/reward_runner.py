@@ -20,7 +20,6 @@ The load average before and after is recorded: on a shared machine other work in
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -29,10 +28,11 @@ import sys
 import tempfile
 import time
 import zlib
-from pathlib import Path
 
 import torch
 import trl
+from harness.flags import arguments
+from harness.report import write_report
 
 import grpo_plus
 from grpo_plus.app.testing import digit_reward, make_model, make_tokenizer, prompt_dataset, tiny_run_kwargs
@@ -154,9 +154,7 @@ def ratio_case(reward, steps: int, folder: str, name: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", default=None, help="write the results here")
-    parser.add_argument("--steps", type=int, default=6)
+    parser = arguments(__doc__, steps=6, json=None)
     parser.add_argument("--timeout", type=float, default=2.0, help="reward_timeout of the stalled case (seconds)")
     parser.add_argument("--cpu-ms", type=float, default=50.0, help="CPU milliseconds per completion of the cpu case")
     args = parser.parse_args()
@@ -181,7 +179,7 @@ def main() -> None:
         print("fast:", json.dumps(report["fast"]), flush=True)
     report["machine"]["loadavg_after"] = os.getloadavg()
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        write_report(report, args.json)
     if not (report["stalled"]["rewards_equal"] and report["cpu"]["rewards_equal"] and fast["rewards_equal"]):
         sys.exit("the runner's rewards differ from stock TRL's")
 

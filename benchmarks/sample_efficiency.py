@@ -36,6 +36,9 @@ import statistics
 import time
 from pathlib import Path
 
+from harness.flags import arguments
+from harness.report import markdown_table, write_json, write_report
+
 from grpo_plus.app import tasks
 from grpo_plus.app.compare import BASE_SETTINGS, run_configuration
 
@@ -119,24 +122,25 @@ def markdown(summary: list[dict]) -> str:
     headers = ["side", "steps", "generation calls", "passes over train set", "skipped", "precision",
                "informative (generated)", "informative (trained)", "held-out acc at budget (per seed)", "mean acc",
                "acc gain per CPU-min", "vs TRL"]  # fmt: skip
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    rows = []
     for r in summary:
-        cells = [
-            r["side"],
-            f"{r['steps']:.1f}",
-            f"{r['generation_calls']:.1f}",
-            f"{r['passes']:.1f}",
-            f"{r['skipped']:.1f}",
-            "—" if math.isnan(r["precision"]) else f"{r['precision']:.2f}",
-            f"{r['generated_informative']:.3f}",
-            f"{r['trained_informative']:.3f}",
-            " / ".join(f"{a:.3f}" for a in r["acc_per_seed"]),
-            f"{r['acc']:.3f} ± {r['acc_spread']:.3f}",
-            f"{r['gain_per_cpu_min']:+.4f} ± {r['gain_spread']:.4f}",
-            "—" if math.isnan(r["gain_vs_trl"]) else f"{r['gain_vs_trl']:.2f}x",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(
+            [
+                r["side"],
+                f"{r['steps']:.1f}",
+                f"{r['generation_calls']:.1f}",
+                f"{r['passes']:.1f}",
+                f"{r['skipped']:.1f}",
+                "—" if math.isnan(r["precision"]) else f"{r['precision']:.2f}",
+                f"{r['generated_informative']:.3f}",
+                f"{r['trained_informative']:.3f}",
+                " / ".join(f"{a:.3f}" for a in r["acc_per_seed"]),
+                f"{r['acc']:.3f} ± {r['acc_spread']:.3f}",
+                f"{r['gain_per_cpu_min']:+.4f} ± {r['gain_spread']:.4f}",
+                "—" if math.isnan(r["gain_vs_trl"]) else f"{r['gain_vs_trl']:.2f}x",
+            ]
+        )
+    return markdown_table(headers, rows)
 
 
 def without_nan(value):
@@ -151,7 +155,7 @@ def without_nan(value):
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__)
     parser.add_argument("--setting", choices=list(SETTINGS), default="fresh")
     parser.add_argument("--budget-minutes", type=float, default=None, help="training CPU minutes per run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -225,8 +229,7 @@ def main() -> None:
             }
             row["gain_per_cpu_min"] = (row["acc"] - row["acc0"]) / row["cpu_min"]
             rows[side].append(row)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            saved_row.write_text(json.dumps(row))
+            write_json(saved_row, row)
             print(f"{side:17s} seed {seed}: " + ", ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "seed"))
 
     summary = summarize(rows)
@@ -237,12 +240,11 @@ def main() -> None:
         f"budget {args.budget_minutes} training CPU-minutes per run, seeds {args.seeds}, wall {wall_minutes:.1f} min"
     )
     print(f"\n{header}\n\n{table}")
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "results.md").write_text(f"{header}\n\n{table}\n")
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     results = {"settings": settings, "train_size": train_size, "wall_minutes": wall_minutes, "runs": rows}
-    (args.output_dir / "results.json").write_text(json.dumps(without_nan({**results, "summary": summary}), indent=1))
-    print(f"\nwrote {args.output_dir / 'results.json'} and {args.output_dir / 'results.md'}")
+    write_report(
+        without_nan({**results, "summary": summary}), args.output_dir / "results.json", f"{header}\n\n{table}"
+    )
 
 
 if __name__ == "__main__":

@@ -20,25 +20,23 @@ zero-waste pass saves.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
 import random
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULT_TAG = "STEP_OVERHEAD_RESULT "
+from harness.flags import arguments
+from harness.process import PINNED_MALLOC, child_result, launch_child, reset_peak_rss, status_kib
+from harness.report import ROOT
+from harness.trainers import embedded_model_or_none, model_path
+
 TRAINERS = ("trl", "ours")
 TIMES = ("step_time", "wall", "cpu")
 MIB = 1024 * 1024
-PINNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 # Per case: GRPOConfig overrides (on top of grpo_plus.app.testing.tiny_run_kwargs: seed 0, use_cpu, bf16=False, no saving),
 # the warm-up steps excluded from the timings, and the optimizer steps of a memory run.
@@ -86,24 +84,6 @@ CASES = {
 # ---- child: training runs ---------------------------------------------------------------------------------------
 
 
-def _proc_status_kib(field: str) -> int | None:
-    """A memory field of /proc/self/status (VmRSS, VmHWM) in KiB, or None off Linux."""
-    try:
-        match = re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (Linux >= 4.0); False if not possible."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
 # Methods whose CPU time is recorded per trainer (inclusive), to isolate the code where the two trainers differ:
 # the loss side is `_compute_loss` minus the model forward inside it, the scoring side is
 # `_generate_and_score_completions` (grpo_plus wraps TRL's to recompute the advantages) minus generation.
@@ -149,7 +129,7 @@ def attribute_time(trainer) -> dict[str, float]:
 
 
 def run_child(spec: dict) -> None:
-    """Train as `spec` says and print one RESULT_TAG line of JSON: a list of rounds, each {trainer: results}.
+    """Train as `spec` says and hand back (harness.process.child_result) a list of rounds, each {trainer: results}.
 
     One trainer: a single round that also measures memory. Several: `rounds` lock-step rounds, each building every
     trainer afresh (so each round samples a new memory layout), the one that moves first rotating every round.
@@ -158,11 +138,12 @@ def run_child(spec: dict) -> None:
     import gc
 
     import torch
-    from lockstep import Baton, RngStates, run_threads
+    from harness.lockstep import Baton, RngStates, train_in_lockstep
+    from harness.timing import StepTimer
 
     torch.set_num_threads(spec["threads"])
     import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
     import grpo_plus
     from grpo_plus.app.testing import digit_reward, length_reward, make_tokenizer, prompt_dataset, tiny_run_kwargs
@@ -170,30 +151,7 @@ def run_child(spec: dict) -> None:
     case, device = CASES[spec["case"]], spec["device"]
     classes = {"trl": (trl.GRPOConfig, trl.GRPOTrainer), "ours": (grpo_plus.GRPOConfig, grpo_plus.GRPOTrainer)}
     rng = RngStates(cuda=device == "cuda")
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    class StepTimer(TrainerCallback):
-        """Times each optimizer step; in lock-step mode, hands the baton to the next trainer after each one."""
-
-        def __init__(self, name, baton):
-            self.name, self.baton, self.wall, self.cpu, self.start = name, baton, [], [], (0.0, 0.0)
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            sync()
-            self.start = (time.perf_counter(), time.thread_time())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            sync()
-            self.wall.append(time.perf_counter() - self.start[0])
-            self.cpu.append(time.thread_time() - self.start[1])
-            if self.baton is not None:
-                rng.save(self.name)
-                self.baton.pass_on(self.name)
-                self.baton.wait(self.name)
-                rng.restore(self.name)
+    sync = torch.cuda.synchronize if device == "cuda" else None
 
     def build(name, baton):
         set_seed(0)  # LoRA init draws random numbers: the same state for every trainer, in-process or not
@@ -215,7 +173,7 @@ def run_child(spec: dict) -> None:
         else:
             tokenizer = make_tokenizer()
             dataset = prompt_dataset(case["prompts"])
-        timer = StepTimer(name, baton)
+        timer = StepTimer(name, baton, rng, sync)  # in lock-step mode, hands the baton on after each step
         trainer = trainer_cls(
             model=model,
             reward_funcs=[length_reward, digit_reward],
@@ -228,25 +186,10 @@ def run_child(spec: dict) -> None:
         timer.own = attribute_time(trainer)
         return trainer, timer
 
-    def train(name, trainer, timer, baton, results, errors):
-        try:
-            if baton is not None:
-                baton.wait(name)
-            set_seed(0)
-            start = time.perf_counter()
-            trainer.train()
-            results[name] = dict(
-                train_seconds=time.perf_counter() - start, wall=timer.wall, cpu=timer.cpu, own=dict(timer.own)
-            )
-        except BaseException as exc:  # re-raised from the main thread
-            errors.append(exc)
-            raise
-        finally:
-            if baton is not None:
-                baton.pass_on(name, finished=True)
-
-    def collect(built, results):
-        for name, (trainer, _) in built.items():
+    def collect(built):
+        results = {}
+        for name, (trainer, timer) in built.items():
+            results[name] = dict(wall=timer.step, cpu=timer.cpu, own=dict(timer.own))
             logs = [entry for entry in trainer.state.log_history if "step_time" in entry]
             for key in ("step_time", "loss", "completions/mean_length"):
                 results[name][key] = [entry.get(key) for entry in logs]
@@ -260,32 +203,34 @@ def run_child(spec: dict) -> None:
     if len(names) == 1:  # one trainer: measure its memory too
         (name,) = names
         built = {name: build(name, None)}
-        results, errors = {}, []
-        rss_before = _proc_status_kib("VmRSS")
-        hwm_reset = _reset_peak_rss() and rss_before is not None
+        rss_before = status_kib("VmRSS")
+        hwm_reset = reset_peak_rss() and rss_before is not None
         if device == "cuda":
             sync()
             torch.cuda.reset_peak_memory_stats()
             cuda_before = torch.cuda.memory_allocated()
-        train(name, *built[name], None, results, errors)
+        set_seed(0)
+        built[name][0].train()
+        memory = {}  # read before collect() allocates
         if device == "cuda":
             peak, increase = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_allocated() - cuda_before
-            results[name].update(peak_mib=peak / MIB, increase_mib=increase / MIB)
+            memory = dict(peak_mib=peak / MIB, increase_mib=increase / MIB)
         elif hwm_reset:
-            peak = _proc_status_kib("VmHWM")
-            results[name].update(peak_mib=peak / 1024, increase_mib=(peak - rss_before) / 1024)
-        rounds.append(collect(built, results))
+            peak = status_kib("VmHWM")
+            memory = dict(peak_mib=peak / 1024, increase_mib=(peak - rss_before) / 1024)
+        results = collect(built)
+        results[name].update(memory)
+        rounds.append(results)
     else:
         for r in range(spec["rounds"]):
             order = names[r % len(names) :] + names[: r % len(names)]
             baton = Baton(order)
             built = {name: build(name, baton) for name in order}
-            results, errors = {}, []
-            run_threads({name: functools.partial(train, name, *built[name], baton, results, errors) for name in order})
-            rounds.append(dict(collect(built, results), order=order))
+            train_in_lockstep({name: trainer for name, (trainer, _) in built.items()}, baton)
+            rounds.append(dict(collect(built), order=order))
             del built
             gc.collect()
-    print(RESULT_TAG + json.dumps(rounds), flush=True)
+    child_result(rounds)
 
 
 # ---- parent: orchestration and report -----------------------------------------------------------------------------
@@ -309,13 +254,7 @@ def launch(spec: dict, pinned_malloc: bool) -> list[dict]:
         env.pop(name, None)
     if pinned_malloc:
         env.update(PINNED_MALLOC)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG) :])
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    raise RuntimeError(f"child run {spec['case']} {spec['trainers']} failed (rc {proc.returncode}):\n{tail}")
+    return launch_child(Path(__file__).resolve(), spec, env, cwd=ROOT)
 
 
 def timing_rounds(case: str, rounds: int, common: dict, calibrate: bool = False) -> list[dict]:
@@ -372,23 +311,6 @@ def memory_runs(case: str, repeats: int, common: dict, pinned_malloc: bool) -> d
                 flush=True,
             )
     return runs
-
-
-def resolve_smollm() -> str | None:
-    """Local dir of SmolLM2-135M-Instruct, or None (with the reason printed) if it is unavailable."""
-    try:
-        from grpo_plus.app.embedded import resolve_model
-    except ImportError as exc:
-        print(f"smollm2: skipped, grpo_plus.app.embedded is not importable ({exc})")
-        return None
-    start = time.perf_counter()
-    try:
-        path = resolve_model("smollm2-135m-instruct")
-    except ImportError as exc:
-        print(f"smollm2: skipped, the embedded model is unavailable: {str(exc).splitlines()[0]}")
-        return None
-    print(f"smollm2: {path} (resolved in {time.perf_counter() - start:.1f} s)")
-    return path
 
 
 def _median(values) -> float:
@@ -487,11 +409,9 @@ def summarize(case: str, rounds: list[dict], memory: dict[str, list[dict]], warm
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model only, 4 lock-step rounds")
-    parser.add_argument(
-        "--repeats", type=int, default=None, help="lock-step rounds per case (default: tiny 12, smollm2 3)"
-    )
+    parser = arguments(
+        __doc__, repeats=None, threads=1, quick="tiny model only, 4 lock-step rounds"
+    )  # --repeats: lock-step rounds per case (default: tiny 12, smollm2 3)
     parser.add_argument(
         "--memory-runs",
         type=int,
@@ -503,13 +423,6 @@ def main() -> None:
         "--calibrate",
         action="store_true",
         help="also run the same rounds with stock TRL in both slots (A/A): the ratio that noise alone produces",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch intra-op threads in every run (default 1). On a CPU shared with other jobs keep 1: with more "
-        "threads than free cores every parallel op can stall for a scheduler slice waiting on a descheduled worker.",
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -538,18 +451,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="step_overhead-") as tmp:
         for case in cases:
-            if case == "smollm2":
-                model_path = resolve_smollm()
-                if model_path is None:
-                    continue
-            else:
-                from grpo_plus.app.testing import save_tiny_model
-
-                transformers.utils.logging.disable_progress_bar()
-                model_path = str(save_tiny_model(Path(tmp) / "tiny-model"))
+            transformers.utils.logging.disable_progress_bar()
+            model = embedded_model_or_none() if case == "smollm2" else model_path(True, tmp)
+            if model is None:
+                continue
             config, warmup = CASES[case]["config"], CASES[case]["warmup"]
             rounds = args.repeats or (4 if args.quick else CASES[case]["rounds"])
-            common = dict(tmp=tmp, spec=dict(model_path=model_path, threads=args.threads, device=device))
+            common = dict(tmp=tmp, spec=dict(model_path=model, threads=args.threads, device=device))
             print(
                 f"{case}: {rounds} lock-step rounds, {config['max_steps']} optimizer steps per trainer each, the "
                 f"first {warmup} excluded; {json.dumps(config)}"

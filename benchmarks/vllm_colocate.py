@@ -9,7 +9,7 @@ correction, on vLLM's CPU build (`make test-vllm`'s environment). Both trainers 
 (`grpo_plus.app.testing.shared_vllm_engine`); each loads its own weights into it at each of its steps through vLLM's
 reload (`grpo_plus.engine`, which stock TRL gets too: its own sync cannot load on the CPU build), stock TRL with its
 own stream (the adapter merged into the base in place), grpo_plus with its out-of-place one. They train in
-lock-step (benchmarks/lockstep.py: TRL's step 1, ours, TRL's step 2, ...) with their own random state, so they sample
+lock-step (harness/lockstep.py: TRL's step 1, ours, TRL's step 2, ...) with their own random state, so they sample
 the same completions from the same weights: the first step's completion ids are checked equal (the script stops
 otherwise); later steps part where the two runs' weights, 1e-7 apart, round to different bfloat16 values in the engine
 (TRL leaves vLLM's dtype on "auto"), so their mean completion lengths are printed to show the work stayed alike.
@@ -37,7 +37,9 @@ import os
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from train_pass import ROOT, SIDES, demo_settings, run_steps  # noqa: E402
+from harness.flags import arguments  # noqa: E402
+from harness.report import ROOT, start_report, write_report  # noqa: E402
+from harness.trainers import SIDES, demo_settings, run_demo_steps  # noqa: E402
 
 VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
 
@@ -66,22 +68,21 @@ def main() -> None:
     import time
 
     import torch
-    from lockstep import lockstep_arguments, start_report, write_report
 
     from grpo_plus.app.testing import shared_vllm_engine
     from grpo_plus.engine import reload_on_sync
 
     json_path = ROOT / "docs" / "guide" / "results" / "vllm.json"
-    parser = lockstep_arguments(__doc__, steps=10, repeats=0, json_path=json_path)
-    args = parser.parse_args()
+    args = arguments(__doc__, steps=10, warmup=2, threads=1, json=json_path).parse_args()
     report, started = start_report(args)
     settings = {**demo_settings(args.steps), **VLLM_SETTINGS, "output_dir": str(ROOT / "outputs" / "bench-vllm")}
 
     generated = {name: [] for name in ("trl", "ours")}
 
-    def prepare(trainers: dict) -> None:
-        reload_on_sync(trainers["trl"].vllm_generation, lora_merge_in_place=True)  # TRL's own stream, reloaded
-        for name, trainer in trainers.items():  # each generation batch's completion ids, to compare step 1's
+    def prepare(built: dict) -> None:
+        reload_on_sync(built["trl"]["trainer"].vllm_generation, lora_merge_in_place=True)  # TRL's own stream, reloaded
+        for name, side in built.items():  # each generation batch's completion ids, to compare step 1's
+            trainer = side["trainer"]
             generate = trainer._generate_and_score_completions
 
             def recording(inputs, generate=generate, name=name):
@@ -94,7 +95,7 @@ def main() -> None:
     print(f"demo config + colocated vLLM, {args.steps} lock-step optimizer steps per trainer ...", flush=True)
     with shared_vllm_engine() as engine:
         built = time.perf_counter()
-        result = run_steps(args.steps, args.warmup, settings=settings, prepare=prepare)
+        result = run_demo_steps(args.steps, args.warmup, settings=settings, prepare=prepare)
         trainers = result.pop("trainers")
         probes = {  # the sync checks' forwards during training (the cost measurement below adds its own)
             name: sum(r.trainer_positions for r in trainers[name].vllm_generation.sync_log.receipts) for name in SIDES
@@ -132,8 +133,8 @@ def main() -> None:
     logged = (entry.get(key) for entry in trainers["ours"].state.log_history for key in keys)
     mismatch = [value for value in logged if value is not None and not math.isnan(value)]
     report["sampling_logp_difference_mean"] = mismatch
-    print(
-        "\n| demo config, colocated vLLM (median per step) | stock TRL + vLLM | grpo_plus + vLLM | ratio |\n"
+    table = (
+        "| demo config, colocated vLLM (median per step) | stock TRL + vLLM | grpo_plus + vLLM | ratio |\n"
         "|---|---|---|---|\n"
         f"| whole step (s) | {trl_side['step']:.2f} | {ours['step']:.2f} | **{ours['step'] / trl_side['step']:.2f}** |\n"
         f"| generation + scoring + old log-probs (s) | {trl_side['generation']:.2f} | {ours['generation']:.2f} | "
@@ -151,10 +152,10 @@ def main() -> None:
         f"(mean length {lengths['trl'][0]:.2f}), |loss difference| {first_loss_difference:.1e}; "
         f"over all {len(lengths['trl'])} steps mean completion length TRL {statistics.fmean(lengths['trl']):.2f}, "
         f"grpo_plus {statistics.fmean(lengths['ours']):.2f}; dead-group share {trl_side['dead_groups']:.2f}; "
-        f"sampler/trainer log-prob difference (mean per step) {min(mismatch):.3f}-{max(mismatch):.3f}",
-        flush=True,
+        f"sampler/trainer log-prob difference (mean per step) {min(mismatch):.3f}-{max(mismatch):.3f}"
     )
-    write_report(report, started, args.json)
+    print("\n" + table, flush=True)
+    write_report(report, args.json, markdown=table, started=started)
 
 
 if __name__ == "__main__":

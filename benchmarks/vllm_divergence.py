@@ -24,14 +24,14 @@ The JSON goes beside the docs' table (docs/guide/results/vllm_divergence_<dtype>
 
 from __future__ import annotations
 
-import argparse
 import os
-from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.flags import arguments  # noqa: E402
+from harness.report import ROOT, write_report  # noqa: E402
+
 RUNS = {  # in this order: the first run finds the engine as vLLM started it (its head packed from the checkpoint)
     "stock TRL, head not reprocessed": dict(package="trl", stale_head=True),
     "stock TRL": dict(package="trl"),
@@ -119,18 +119,14 @@ def run(name: str, spec: dict, steps: int, engine_dtype: str, reference: dict | 
 
 
 def main() -> None:
-    import json
     import time
 
     import torch
 
     from grpo_plus.app.testing import shared_vllm_engine
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arguments(__doc__, steps=4, threads=1, json=None)
     parser.add_argument("--engine-dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -169,17 +165,14 @@ def main() -> None:
                 f"{row['sampler_trainer']:.2e} | {'yes' if row['same_completions'] else 'no'} | "
                 f"{row['weights_from_reference']:.1e} |"
             )
-    print(
-        f"\n{args.engine_dtype} engine, SmolLM2-135M full model, AdamW lr 1e-5, {args.steps} steps\n"
+    markdown = (
+        f"{args.engine_dtype} engine, SmolLM2-135M full model, AdamW lr 1e-5, {args.steps} steps\n"
         "| run | step | loss | IS ratio mean / max | sampler-trainer mean | stock TRL's completions | max weight diff |\n"
-        "|---|---|---|---|---|---|---|\n" + "\n".join(table),
-        flush=True,
+        "|---|---|---|---|---|---|---|\n" + "\n".join(table)
     )
-    report["wall_minutes"] = (time.perf_counter() - started) / 60
-    path = Path(args.json or ROOT / "docs" / "guide" / "results" / f"vllm_divergence_{args.engine_dtype}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wall time {report['wall_minutes']:.1f} min; results in {path}")
+    print("\n" + markdown, flush=True)
+    path = args.json or ROOT / "docs" / "guide" / "results" / f"vllm_divergence_{args.engine_dtype}.json"
+    write_report(report, path, markdown=markdown, started=started)
 
 
 if __name__ == "__main__":

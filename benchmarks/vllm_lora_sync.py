@@ -23,7 +23,6 @@ the adapter, against the merged engine of part 1 on the same batch; and its adap
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -34,31 +33,36 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.flags import arguments  # noqa: E402
+from harness.report import ROOT, write_report  # noqa: E402
+from harness.trainers import build_trainers, demo_lora, demo_settings  # noqa: E402
+
 VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
 PROBE = "What is 7 + 5? The answer is 12, because seven plus five makes twelve."
 BASES = ("float32", "bfloat16", "nf4")
 
 
-def build(package, path, tokenizer, base: str, settings: dict):
-    from peft import LoraConfig
-    from transformers import set_seed
-
+def build(path, tokenizer, base: str, settings: dict, sides) -> dict:
+    """The `sides`' trainers (harness.trainers) on the embedded model with a `base` of that precision, each syncing
+    through vLLM's reload; name -> trainer."""
     from grpo_plus.app import tasks
     from grpo_plus.app.testing import load_with_base
     from grpo_plus.engine import reload_on_sync
 
-    set_seed(0)
-    trainer = package.GRPOTrainer(
-        model=load_with_base(path, base),
-        reward_funcs=[tasks.correctness_reward, tasks.format_reward],
-        args=package.GRPOConfig(**settings),
-        train_dataset=tasks.make_dataset("train", "add-1d", seed=0),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear"),
-    )
-    reload_on_sync(trainer.vllm_generation, lora_merge_in_place=True)  # stock TRL: its stream; ours has its own
-    return trainer
+    def make(name, package, callbacks):
+        trainer = package.GRPOTrainer(
+            model=load_with_base(path, base),
+            reward_funcs=[tasks.correctness_reward, tasks.format_reward],
+            args=package.GRPOConfig(**settings),
+            train_dataset=tasks.make_dataset("train", "add-1d", seed=0),
+            processing_class=tokenizer,
+            peft_config=demo_lora(),
+            callbacks=callbacks,
+        )
+        reload_on_sync(trainer.vllm_generation, lora_merge_in_place=True)  # stock TRL: its stream; ours has its own
+        return trainer
+
+    return {name: side["trainer"] for name, side in build_trainers(make, sides).items()}
 
 
 def new_adapter(models, seed: int) -> None:
@@ -101,15 +105,9 @@ def logp_gap(trainer, tokenizer) -> float:
 
 
 def part_syncs(path, tokenizer, settings: dict, syncs: int) -> dict:
-    import trl
-
-    import grpo_plus
-
     results = {}
     for base in BASES:
-        sides = {"ours": build(grpo_plus, path, tokenizer, base, settings)}
-        if base != "nf4":
-            sides["trl"] = build(trl, path, tokenizer, base, settings)
+        sides = build(path, tokenizer, base, settings, ("ours",) if base == "nf4" else ("ours", "trl"))
         before = {name: frozen(trainer.model) for name, trainer in sides.items()}
         for index in range(syncs):
             new_adapter([trainer.model for trainer in sides.values()], seed=index)
@@ -153,7 +151,7 @@ def timed_generations(llm, batch, lora_request=None, repeats: int = 5) -> float:
 def part_vllm_lora(path, tokenizer, settings: dict, merged_llm) -> dict:
     """vLLM's own LoRA against the merged engine: generation of the demo batch and the adapter load per sync."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
@@ -170,9 +168,7 @@ def part_vllm_lora(path, tokenizer, settings: dict, merged_llm) -> dict:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     start_seconds = time.perf_counter() - started
-    model = get_peft_model(
-        load_with_base(path, "float32"), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
-    )
+    model = get_peft_model(load_with_base(path, "float32"), demo_lora())
     new_adapter([model], seed=0)
     folder = tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
     loads = []
@@ -193,16 +189,14 @@ def part_vllm_lora(path, tokenizer, settings: dict, merged_llm) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    json_path = ROOT / "docs" / "guide" / "results" / "vllm_lora_sync.json"
+    parser = arguments(__doc__, threads=1, json=json_path)
     parser.add_argument("--syncs", type=int, default=8, help="syncs per trainer and base (the first is full)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--skip-vllm-lora", action="store_true", help="skip part 2 (vLLM's own LoRA)")
-    parser.add_argument("--json", default=str(ROOT / "docs" / "guide" / "results" / "vllm_lora_sync.json"))
     args = parser.parse_args()
 
     import torch
     import transformers
-    from train_pass import demo_settings
     from transformers import AutoTokenizer
 
     from grpo_plus.app.embedded import resolve_model
@@ -257,9 +251,7 @@ def main() -> None:
             f"| adapter load per sync (s) | (sync above) | {lora['vllm_lora_adapter_load']:.3f} | |",
         ]
     print("\n".join(lines), flush=True)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"\nwritten to {args.json}")
+    write_report(report, args.json, markdown="\n".join(lines))
 
 
 if __name__ == "__main__":

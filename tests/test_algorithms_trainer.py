@@ -238,9 +238,10 @@ def test_compare_presets_for_the_new_methods_are_valid_configs(preset):
     check_configuration(preset, PRESETS[preset])
 
 
-def test_remax_cost_benchmark_smoke(tmp_path, capsys):
+def test_remax_cost_benchmark_smoke(tmp_path, capsys, monkeypatch):
     """benchmarks/remax_cost.py runs (in process: the tiny model, 2 rounds) and reports both estimators and the ratio."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "remax_cost.py"
+    monkeypatch.syspath_prepend(str(path.parent))  # it imports benchmarks/harness/, as run from there
     spec = importlib.util.spec_from_file_location("remax_cost", path)
     remax_cost = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(remax_cost)

@@ -18,6 +18,7 @@ import yaml
 import grpo_plus
 
 PACKAGE = Path(grpo_plus.__file__).parent
+BENCHMARKS = PACKAGE.parent / "benchmarks"
 # The app modules' paths before they moved into grpo_plus.app; nothing may answer to them now.
 OLD_PATHS = ("grpo_plus.tasks", "grpo_plus.recipe", "grpo_plus.hub")
 # The flat modules before the house's round 4 (a folder per concern), and where each went: none answers any more.
@@ -180,8 +181,8 @@ def test_benchmarks_reach_shared_code_without_editing_sys_path():
     """What the benchmarks share with the tests (tiny models, rewards, the forward-position counter, TRL's loss on a
     stand-in) lives in grpo_plus.app.testing; a script that edited sys.path to reach tests/ would break when run from
     anywhere else."""
-    scripts = sorted((PACKAGE.parent / "benchmarks").glob("*.py"))
-    assert scripts
+    scripts = sorted(BENCHMARKS.rglob("*.py"))  # the harness's modules too
+    assert scripts and any(path.parent.name == "harness" for path in scripts)
     edits = [path.name for path in scripts if "sys.path" in path.read_text()]
     reaching_into_tests = [
         path.name for path in scripts if re.search(r"^\s*from (helpers|trl_oracle)\b", path.read_text(), re.M)
@@ -409,3 +410,43 @@ def test_documented_modules_maps_each_module_to_its_folders_page(tmp_path):
         "grpo_plus.zero_waste.rows": "zero-waste.md",
         "grpo_plus.fit.__main__": "fit.md",
     }
+
+
+def absolute_imports(source: str) -> list[str]:
+    """Every module a Python source imports by absolute name, at any depth (inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append(node.module)
+    return found
+
+
+def benchmark_imports(source: str, benchmarks: set[str]) -> tuple[list[str], bool, bool]:
+    """What a benchmark's source imports of `benchmarks` (the scripts' names), whether it imports the harness, and
+    whether it builds its own command line (argparse.ArgumentParser) instead of harness.flags'."""
+    modules = absolute_imports(source)
+    siblings = [name for name in modules if name.split(".")[0] in benchmarks]
+    return siblings, any(name.split(".")[0] == "harness" for name in modules), "ArgumentParser(" in source
+
+
+def test_every_benchmark_uses_the_harness_and_none_imports_another():
+    """benchmarks/harness/ is what the benchmarks share (building both trainers, timing, flags, the report); a benchmark
+    that imported another benchmark script would make that script a second, hidden harness."""
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    names = {path.stem for path in scripts}
+    assert {"train_pass", "generation", "gpu"} <= names and "harness" not in names
+    # negative controls: an import of a sibling is found wherever it stands and however it is written; a script
+    # without the harness, or with its own parser, is told apart
+    source = "import os\ndef f():\n    from train_pass import demo_settings\n    import generation.sub, json\n"
+    assert benchmark_imports(source, names) == (["train_pass", "generation.sub"], False, False)
+    source = "import argparse\nfrom harness.report import write_report\nparser = argparse.ArgumentParser()\n"
+    assert benchmark_imports(source, names) == ([], True, True)
+
+    found = {path.relative_to(BENCHMARKS).as_posix(): benchmark_imports(path.read_text(), names) for path in scripts}
+    assert {script: siblings for script, (siblings, _, _) in found.items() if siblings} == {}
+    assert [script for script, (_, harness, _) in found.items() if not harness] == []
+    assert [script for script, (_, _, own_parser) in found.items() if own_parser] == []
+    harness = {path.name: benchmark_imports(path.read_text(), names)[0] for path in BENCHMARKS.glob("harness/*.py")}
+    assert {module: siblings for module, siblings in harness.items() if siblings} == {}

@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.fixture
-def benchmark(benchmark_in_this_process):  # it imports lockstep and train_pass as its neighbours
+def benchmark(benchmark_in_this_process):  # it imports benchmarks/harness/, as run from there
     import learning_per_minute
 
     return learning_per_minute

@@ -601,7 +601,7 @@ def test_offload_cost_benchmark_smoke(tmp_path, monkeypatch, benchmark_in_this_p
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"  # imports benchmarks/shapes.py
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_cost.py"  # imports benchmarks/harness/
     output = tmp_path / "cost.json"
     monkeypatch.setattr(sys, "argv", [str(script), "--smoke", "--json", str(output)])
     monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # left as it was after the test

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reas
 
 
 def bench_module():
-    sys.path.insert(0, str(BENCH.parent))  # the bench imports benchmarks/shapes.py as its neighbour
+    sys.path.insert(0, str(BENCH.parent))  # the bench imports benchmarks/harness/, as run from there
     try:
         spec = importlib.util.spec_from_file_location("memory_real", BENCH)
         module = importlib.util.module_from_spec(spec)

@@ -470,6 +470,7 @@ def test_a_trl_without_the_state_grpo_plus_checkpoints_is_named():
 
 
 def test_the_size_benchmark_smoke_run_reports_what_a_checkpoint_gains(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # it imports benchmarks/harness/, as run from there
     spec = importlib.util.spec_from_file_location("resume_state", ROOT / "benchmarks" / "resume_state.py")
     benchmark = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(benchmark)

@@ -597,7 +597,7 @@ def test_exact_entropy_benchmark_smoke(tmp_path, benchmark_in_this_process):
     entropy is TRL's, and without it `entropy` is not logged where groups were dead."""
     import exact_entropy
 
-    rows = exact_entropy.run_cases(exact_entropy.build_trainers(smoke=True, output_dir=str(tmp_path)), repeats=1)
+    rows = exact_entropy.run_cases(exact_entropy.build_sides(smoke=True, output_dir=str(tmp_path)), repeats=1)
     assert [row["dead_share"] for row in rows] == list(exact_entropy.DEAD_SHARES)
     assert all(row["max_loss_difference"] <= 1e-6 and row["exact_entropy_difference"] <= 1e-5 for row in rows), rows
     assert [row["default_entropy_logged"] for row in rows] == [share == 0 for share in exact_entropy.DEAD_SHARES]

@@ -1,4 +1,4 @@
-"""Model shapes, tokenizer and synthetic batches shared by benchmarks/gpu.py and benchmarks/memory.py.
+"""Model shapes, a tokenizer and synthetic micro-batches (benchmarks/gpu.py, the training-pass sweeps).
 
 The Qwen2.5 entries are the architecture fields of the real models' config.json (Qwen/Qwen2.5-{0.5B,1.5B,7B}-Instruct),
 so a model built from them with random weights has the real parameter count, layer shapes and memory, without a
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE_CONFIGS = ROOT / "recipes" / "configs"
 
 QWEN25_SHAPES: dict[str, dict] = {
@@ -111,10 +111,3 @@ def synthetic_micro_batch(
         "advantages": advantages,
         "num_items_in_batch": completion_mask.sum().float(),
     }
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    """A Markdown table: one header row, then `rows` (cells are str()-ed)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
