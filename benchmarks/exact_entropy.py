@@ -57,10 +57,8 @@ def build_sides(smoke: bool, output_dir: str) -> dict:
 
 
 def with_exact_entropy(trainer, exact: bool) -> None:
-    """Set the run's `zero_waste_exact_entropy` (settings are read once at construction)."""
-    from grpo_plus.zero_waste.training_pass import ZeroWastePass
-
-    trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True, exact_entropy=exact)
+    """Set the run's `zero_waste_exact_entropy` (settings are read once at construction: the pass is wired again)."""
+    trainer._wire_training_pass(enabled=True, shared_prompt=True, exact_entropy=exact)
 
 
 def run_cases(sides: dict, repeats: int, group_size: int = 8) -> list[dict]:

@@ -95,17 +95,22 @@ def attribute_time(trainer) -> dict[str, float]:
     (key "forward_in_loss" for the model forward called from inside `_compute_loss`)."""
     totals = dict.fromkeys((*ATTRIBUTED, "forward_in_loss"), 0.0)
     inside_loss = [False]
+    running = dict.fromkeys(ATTRIBUTED, False)
 
     def wrap(name, method):
         def timed(*args, **kwargs):
+            if running[name]:  # inside a timed call of the same name (grpo_plus's forward calls its pass's): once
+                return method(*args, **kwargs)
             entered = name == "_compute_loss" and not inside_loss[0]
             if entered:
                 inside_loss[0] = True
+            running[name] = True
             start = time.thread_time()
             try:
                 return method(*args, **kwargs)
             finally:
                 seconds = time.thread_time() - start
+                running[name] = False
                 totals[name] += seconds
                 if name == "_get_per_token_logps_and_entropies" and inside_loss[0]:
                     totals["forward_in_loss"] += seconds
@@ -116,6 +121,10 @@ def attribute_time(trainer) -> dict[str, float]:
 
     for name in ATTRIBUTED:
         setattr(trainer, name, wrap(name, getattr(trainer, name)))
+    zero_waste = getattr(trainer, "_zero_waste", None)
+    if zero_waste is not None:  # grpo_plus's training forward calls its zero-waste pass, not the trainer's method
+        name = "_get_per_token_logps_and_entropies"
+        zero_waste.logps_and_entropies = wrap(name, zero_waste.logps_and_entropies)
     return totals
 
 

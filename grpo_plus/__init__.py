@@ -31,7 +31,7 @@ from .objective import (
 
 __version__ = "0.1.0"
 
-# Before trl/peft import bitsandbytes: its notice about an optional Hub kernel is noise on every run (see quantization).
+# Before trl/peft import bitsandbytes: its notice about an optional Hub kernel is noise on every run (see compat.bitsandbytes).
 hide_bitsandbytes_kernel_notice()
 
 _LAZY = {"GRPOConfig": ".config", "GRPOTrainer": ".trainer"}

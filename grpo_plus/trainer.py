@@ -1,10 +1,10 @@
 """GRPOTrainer: TRL's trainer with grpo_plus's capabilities wired in.
 
-Each override is a few lines that call the module holding the capability: the objective (`objective`), what the
-published algorithms need around it (`algorithms`), verl's rollout correction of the sampler/trainer mismatch
-(`sampler_mismatch`), the zero-waste pass (`zero_waste`, `train_pass`), zero-waste generation (`generation`), dynamic
-sampling (`sampling`), selective rollout (`selective_rollout`), crashes and resuming (`faults`, `checkpoints`,
-`training_state`), input checks (`validation`, `distributed`). Everything else
+Each override is a few lines that call the concern folder holding the capability: the micro-batch loss around the
+objective, the published algorithms and verl's rollout correction (`algorithms`), the zero-waste pass and generation
+(`zero_waste`), dynamic sampling and selective rollout (`sampling`), long completions (`long_completions`), crashes,
+resuming and input checks (`run`), the vLLM engine (`engine`), the reward runner (`rewards`); what TRL resolved and
+TRL's private protocols are read through `compat`. Each helper gets what it needs, not the trainer. Everything else
 (TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
 types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
 """
@@ -12,6 +12,7 @@ types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run throug
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -22,24 +23,25 @@ import trl
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .algorithms.estimators import KLCoefficient, estimator_inputs, greedy_rewards, local_advantages
-from .algorithms.loss_metrics import log_loss_metrics
-from .algorithms.rollout_correction import (
-    OnPolicyCorrection,
-    RolloutCorrector,
-    TRLSamplerCorrection,
-    sampler_blocker,
-    sampler_logps,
-)
+from .algorithms.micro_batch_loss import MicroBatchLoss
+from .algorithms.rollout_correction import OnPolicyCorrection, RolloutCorrector, sampler_blocker
 from .compat.bitsandbytes import keep_4bit_trainable_on_cpu
 from .compat.loss import (
     TRL_NATIVE_LOSS_TYPES,
     TRL_SCALE_REWARDS,
-    entropy_bonus,
     logps_unavailable_reason,
-    policy_weights,
-    split_tensor_dict,
+    trl_logps_and_entropies,
+    trl_loss_methods,
+    trl_sampler_correction_off,
+    trl_training_settings,
 )
-from .compat.model import environment_routing, uses_continuous_batching
+from .compat.model import (
+    environment_routing,
+    greedy_completions,
+    reference_model,
+    trl_pad_token_id,
+    uses_continuous_batching,
+)
 from .compat.rewards import get_soft_overlong_punishment, is_async_callable
 from .compat.versions import TRLCompatibilityError, check_trl_compatibility
 from .config import PlusSettings
@@ -51,21 +53,22 @@ from .fit.check import check_before_training
 from .long_completions.lm_head_tiles import size_lm_head_tiles
 from .long_completions.offloading import training_step_context
 from .long_completions.tiled_mlp import tile_mlps
-from .objective import combine_rewards, compute_policy_loss
+from .objective import combine_rewards
 from .rewards.runner import RewardRunner
 from .run.checkpoints import hide_local_base_model_path, without_hub_token
-from .run.distributed import check_launch, whole_model_for_generation
+from .run.distributed import check_launch, gather_rows, whole_model_for_generation
 from .run.faults import CrashCheckpoint, finish_without_training, prepare_resume
 from .run.health import TrainingHealthError as TrainingHealthError  # re-exported: what health_check="stop" raises
 from .run.health import TrainingHealthGuard
 from .run.state import TrainingState, carry_running_loss, stateful_parts
 from .run.validation import RewardFunctionError as RewardFunctionError  # re-exported: grpo_plus.trainer's error type
 from .run.validation import check_dataset, guard_reward_funcs
-from .sampling.dynamic_sampling import DynamicSampling, shuffle_groups
+from .sampling.dynamic_sampling import DynamicSampling
+from .sampling.rounds import BatchLayout, buffered_by_group, generation_batch
 from .sampling.selective_rollout import SelectiveRollout
 from .zero_waste.generation import generate_patched, generation_blocker
 from .zero_waste.multi_turn import TurnCache
-from .zero_waste.training_pass import ZeroWastePass
+from .zero_waste.training_pass import PassSettings, ZeroWastePass
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +106,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(f"grpo_plus cannot correct this sampler: {reason}.")
         if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
             self._sync_weights_checked()
-        self.dual_clip = self.plus.algorithms.dual_clip
         self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None  # the last round's rewards, gathered from all processes
@@ -113,29 +115,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._selective_rollout = SelectiveRollout.for_dataset(
             self.plus.selective_rollout, self.train_dataset, self.args.seed, self.shuffle_dataset
         )
-        self._selective_draw = None  # the draw whose completions are being generated and scored
-        self._turn_cache: TurnCache | None = (
-            None  # the caches of a round's tool turns (grpo_plus.zero_waste.multi_turn)
+        self._turn_cache: TurnCache | None = None  # a round's tool-turn caches (grpo_plus.zero_waste.multi_turn)
+        self._batch_layout = BatchLayout(  # a generation batch's groups and micro-batches (grpo_plus.sampling.rounds)
+            self.num_generations, self.args.steps_per_generation, self.num_iterations, trl_pad_token_id(self)
         )
         self.reward_funcs = guard_reward_funcs(self.reward_funcs, self.reward_func_names, is_async_callable)
         self.reward_funcs = self._reward_runner.wrap(self.reward_funcs, self.reward_func_names)
         if (overlong := self.plus.overlong).buffer_length is not None:
             punishment = get_soft_overlong_punishment(self.max_completion_length, overlong.buffer_length)
             self._add_reward(punishment, weight=overlong.penalty)
-        rollout, zero_waste = self.plus.rollout, self.plus.zero_waste
-        self._zero_waste = ZeroWastePass(
-            self, zero_waste.training_pass, zero_waste.shared_prompt, zero_waste.exact_entropy,
-            old_logps=rollout.old_logps_source, row_skip_blocker=rollout.row_skip_blocker(),
-            correction_blocker=rollout.in_loss_blocker(),
-        )  # fmt: skip
-        trained_rows_only = self._zero_waste.row_skip_blocker is None
-        self._rollout_correction = RolloutCorrector(rollout, self.plus.algorithms.policy_loss, trained_rows_only)
-        trl_correction = TRLSamplerCorrection(
-            self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
-        )
-        self._on_policy_correction = OnPolicyCorrection(self._rollout_correction, trl_correction, trained_rows_only)
+        self._wire_training_pass()
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
         self._crash_checkpoint = CrashCheckpoint(self, parts)
@@ -145,7 +134,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.add_callback(self._health)
         self._long_completions_setup()
 
-    # ---- long completions: offloading, tiled MLP, the fit check (grpo_plus.long_completions.offloading, tiled_mlp, fit) ----------------
+    def _wire_training_pass(self, **pass_settings) -> None:
+        """The zero-waste pass, the sampler corrections and the micro-batch loss, each handed what it reads: the run's
+        settings and what TRL resolved, built here once (`pass_settings` replace `PassSettings` fields: the pass a run
+        built with them would have), TRL's methods as callables, the accelerator."""
+        plus, rollout, trl_settings = self.plus, self.plus.rollout, trl_training_settings(self)
+        settings = PassSettings(
+            enabled=plus.zero_waste.training_pass, shared_prompt=plus.zero_waste.shared_prompt, trl=trl_settings,
+            exact_entropy=plus.zero_waste.exact_entropy, old_logps=rollout.old_logps_source,
+            row_skip_blocker=rollout.row_skip_blocker(), correction_blocker=rollout.in_loss_blocker(),
+            policy_loss=plus.algorithms.policy_loss,
+        )  # fmt: skip
+        settings = dataclasses.replace(settings, **pass_settings)
+        accelerator = self.accelerator
+        self._zero_waste = ZeroWastePass(settings, trl_logps_and_entropies(self), accelerator)
+        trained_rows_only = self._zero_waste.row_skip_blocker is None
+        self._rollout_correction = RolloutCorrector(rollout, plus.algorithms.policy_loss, trained_rows_only)
+        on_policy = OnPolicyCorrection(self._rollout_correction, trl_settings.sampler, trained_rows_only)
+        self._on_policy_correction = on_policy
+        self._loss = MicroBatchLoss(
+            trl_settings, trl_loss_methods(self), plus.algorithms, plus.algorithms.dual_clip, self._kl_coefficient,
+            self._zero_waste, self._rollout_correction, on_policy, accelerator,
+        )  # fmt: skip
+
+    # ---- long completions: offloading, tiled MLP, the fit check (grpo_plus.long_completions, grpo_plus.fit) ----------
 
     def _long_completions_setup(self) -> None:
         policy = self.accelerator.unwrap_model(self.model)
@@ -246,15 +258,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        selective = self._selective_rollout is not None and self.model.training
-        if selective:
-            inputs = self._draw_selective_inputs(len(inputs))
-        output = self._score_round(inputs)
-        if self._dynamic_sampling is not None and self.model.training:
-            output = self._keep_informative_groups(inputs, output)
-        if selective:
-            for name, value in self._selective_rollout.end_batch().items():
-                self._metrics["train"][f"selective_rollout/{name}"].append(value)
+        dynamic, selective = self._dynamic_sampling, self._selective_rollout
+        if self.model.training and (dynamic is not None or selective is not None):  # grpo_plus.sampling.rounds
+            output = generation_batch(
+                inputs, self._score_round, self._round_rewards, self.train_dataset, self._batch_layout, dynamic,
+                selective, self.accelerator, self.current_gradient_accumulation_steps, self._metrics["train"],
+            )  # fmt: skip
+        else:
+            output = self._score_round(inputs)
         in_loss = self._zero_waste.correction_in_loss  # on-policy: the sampler correction from the training forward
         if self._rollout_correction.decoupled and not in_loss:
             output = self._correct_generation_batch(output)
@@ -267,21 +278,16 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _correct_generation_batch(self, output: dict[str, Any]) -> dict[str, Any]:
         """Decoupled mode: the old log-probs of every row (TRL's, else one no-grad pass), the IS weights and the mask
         after rejection over every process's generation batch, its metrics logged."""
-        training = self.model.training
+        training, accelerator = self.model.training, self.accelerator
         batch_size = self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
-        accelerator = self.accelerator
         return self._rollout_correction.correct_generation_batch(
             output,
-            old_logps_pass=lambda: self._zero_waste.old_logps_of_every_row(output, batch_size),
-            gather_rows=self._gather_rows,
+            old_logps_pass=lambda: self._zero_waste.old_logps_of_every_row(output, batch_size, self.model),
+            gather_rows=functools.partial(gather_rows, accelerator),
             process_index=accelerator.process_index,
             count_tokens=lambda mask: accelerator.gather(mask.sum()).sum(),
             metrics=self._metrics["train" if training else "eval"],
         )
-
-    def _gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """(B, T) rows of every process, padded to the widest, stacked in process order."""
-        return self.accelerator.gather(self.accelerator.pad_across_processes(rows, dim=1))
 
     def _score_round(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's generation and scoring, with the advantages recomputed by grpo_plus's normalizer."""
@@ -289,14 +295,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         if normalizer not in TRL_SCALE_REWARDS:
             self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
         try:
-            with self._zero_waste.generation_step() as record_placeholders, self._tool_turns():
+            trl_correction_off = functools.partial(trl_sampler_correction_off, self)
+            with self._zero_waste.generation_step(self.model, trl_correction_off) as record, self._tool_turns():
                 output = super()._generate_and_score_completions(inputs)
-                record_placeholders(output)
+                record(output)
         finally:
             self.scale_rewards = normalizer
-        if self._selective_draw is not None and self.model.training:  # the history learns from every round
-            self._selective_rollout.record(self._selective_draw, self._round_rewards(), self.num_generations)
-            self._selective_draw = None
         if self.multi_objective_aggregation == "sum_then_normalize":
             output["advantages"] = self._round_advantages(inputs, output)
         return output
@@ -316,70 +320,26 @@ class GRPOTrainer(trl.GRPOTrainer):
         return combine_rewards(self._rewards_per_func, self.reward_weights)
 
     def _greedy_rewards(self, inputs: list[dict[str, Any]]) -> torch.Tensor:
-        """ReMax's baseline (grpo_plus.algorithms.estimators.greedy_rewards), scored by TRL's own `_calculate_rewards`."""
+        """ReMax's baseline (grpo_plus.algorithms.estimators.greedy_rewards): TRL's own generation, greedy, scored by
+        TRL's own `_calculate_rewards`."""
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        return greedy_rewards(self, inputs, num_generations, super()._calculate_rewards, self._metrics[mode])
+        return greedy_rewards(
+            inputs, num_generations, functools.partial(greedy_completions, self), super()._calculate_rewards,
+            self.reward_weights, self._metrics[mode], self.state,
+        )  # fmt: skip
 
     def _prepare_inputs(self, generation_batch):
-        if self._dynamic_sampling is not None and self.model.training:
-            inputs = self._prepare_informative_inputs(generation_batch)
+        if self._dynamic_sampling is not None and self.model.training:  # micro-batches of whole groups (sampling)
+            generate = functools.partial(self._generate_and_score_completions, generation_batch)
+            self._buffered_inputs = buffered_by_group(self._step, self._buffered_inputs, generate, self._batch_layout)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         else:
             inputs = super()._prepare_inputs(generation_batch)
         if self._zero_waste.pending:  # a new generation batch was just split into micro-batches
-            self._zero_waste.fill_deferred(self._buffered_inputs if self.model.training else [inputs])
+            micro_batches = self._buffered_inputs if self.model.training else [inputs]
+            self._zero_waste.fill_deferred(micro_batches, self.model, functools.partial(reference_model, self))
         return inputs
-
-    # ---- dynamic sampling (DAPO, grpo_plus.sampling.dynamic_sampling) ---------------------------------------------------------------
-
-    def _prepare_informative_inputs(self, generation_batch):
-        """TRL's buffering, but shuffling whole groups so no micro-batch holds part of a group."""
-        steps_per_generation = self.args.steps_per_generation
-        if self._step % (steps_per_generation * self.num_iterations) == 0 or self._buffered_inputs is None:
-            batch = shuffle_groups(self._generate_and_score_completions(generation_batch), self.num_generations)
-            self._buffered_inputs = split_tensor_dict(batch, steps_per_generation)
-        return self._buffered_inputs[self._step % steps_per_generation]
-
-    def _keep_informative_groups(self, inputs: list[dict[str, Any]], first_round: dict[str, Any]) -> dict[str, Any]:
-        """Drop zero-variance groups, generating more prompts until this batch is full or the round limit hits."""
-        device = self.accelerator.device
-        output, stats = self._dynamic_sampling.collect(
-            first_round,
-            wanted=len(inputs) // self.num_generations,
-            process_index=self.accelerator.process_index,
-            round_rewards=self._round_rewards,
-            next_round=lambda: self._score_round(self._draw_refill_inputs(len(inputs))),
-            fewest_across_processes=lambda n: int(self.accelerator.gather(torch.tensor([n], device=device)).min()),
-            loss_tokens_across_processes=lambda mask: self.accelerator.gather(mask.sum()).sum(),
-            pad_token_id=self._tokenizer.pad_token_id,
-            micro_batches=self.args.steps_per_generation,
-        )
-        per_step = self.args.steps_per_generation * self.num_iterations / self.current_gradient_accumulation_steps
-        self._dynamic_sampling.log(stats, self._metrics["train"], per_step, self.accelerator.num_processes)
-        return output
-
-    def _draw_refill_inputs(self, num_rows: int) -> list[dict[str, Any]]:
-        """This process's slice of a fresh draw of prompts, each repeated num_generations times."""
-        if self._selective_rollout is not None:
-            return self._draw_selective_inputs(num_rows)
-        prompts_per_draw = num_rows // self.num_generations * self.accelerator.num_processes
-        return self._local_rows(self._dynamic_sampling.refill_rows(prompts_per_draw), num_rows)
-
-    def _local_rows(self, rows: list[int], num_rows: int) -> list[dict[str, Any]]:
-        """This process's `num_rows` dataset rows of a draw that spans all processes."""
-        start = self.accelerator.process_index * num_rows
-        return [self.train_dataset[i] for i in rows[start : start + num_rows]]
-
-    # ---- selective rollout (GRESO, grpo_plus.sampling.selective_rollout) ------------------------------------------------------
-    # Every process holds the same history (it is updated from the rewards TRL gathers from all processes) and draws
-    # the same global batch, then takes its slice.
-
-    def _draw_selective_inputs(self, num_rows: int) -> list[dict[str, Any]]:
-        """Replace a generation round's prompts with a selective draw (predicted-dead prompts skipped, the round
-        kept full); the dataset row index is the prompt's identity, so reward functions see the rows unchanged."""
-        num_prompts = num_rows * self.accelerator.num_processes // self.num_generations
-        self._selective_draw = self._selective_rollout.draw(num_prompts)
-        return self._local_rows(self._selective_draw.rows(self.num_generations), num_rows)
 
     # ---- zero-waste generation (grpo_plus.zero_waste.generation) -------------------------------------------------------------
 
@@ -413,107 +373,16 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- the zero-waste pass (grpo_plus.zero_waste.training_pass) -----------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        **model_inputs,
-    ):
-        """TRL's log-probs (entropies, aux loss), computing only what the zero-waste pass cannot skip. Also serves
-        TRL's no-grad old / reference passes (with placeholders, filled after the micro-batch split)."""
-        full = functools.partial(
-            super()._get_per_token_logps_and_entropies,
-            model,
-            batch_size=batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=compute_aux_loss,
-        )
-        return self._zero_waste.logps_and_entropies(
-            full, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-            model_inputs,
-        )  # fmt: skip
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        """TRL's log-probs (entropies, aux loss), computing only what the zero-waste pass cannot skip, for TRL's callers
+        (its no-grad old / reference passes get placeholders, filled after the micro-batch split; its own loss types)."""
+        return self._zero_waste.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-    # ---- loss (grpo_plus.objective) -------------------------------------------------------------------------------
+    # ---- loss (grpo_plus.algorithms.micro_batch_loss) --------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
         if self.loss_type in TRL_NATIVE_LOSS_TYPES:
             return super()._compute_loss(model, inputs)
-
-        mode = "train" if self.model.training else "eval"
-        mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
-        advantages = inputs["advantages"]
-        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-        correction = self._rollout_correction
-        if correction.bypass:  # the sampler's log-probs are the old ones (rows left out of the forward keep them)
-            inputs = {**inputs, "old_per_token_logps": torch.nan_to_num(sampler_logps(inputs), nan=0.0)}
-        policy = self._zero_waste.policy_forward(model, inputs, self._metrics[mode])
-        logps, entropies = policy.logps, policy.entropies
-        correction_weights = None
-        if self._on_policy_correction.active:  # the sampler correction from this forward: no old-log-prob pass ran
-            inputs, corrected = self._on_policy_correction.loss_inputs(
-                logps, inputs, mask, policy.computed_rows, self.accelerator.gather, self._gather_rows,
-                self._metrics[mode],
-            )  # fmt: skip
-            old_logps, correction_weights, mask = corrected.old_logps, corrected.weights, corrected.mask
-        elif correction.active:  # verl's IS weights and rejection (grpo_plus.algorithms.rollout_correction)
-            reduce_sum = functools.partial(self.accelerator.reduce, reduction="sum")
-            corrected = correction.loss_inputs(
-                logps, inputs, mask, policy.computed_rows, reduce_sum, self._metrics[mode]
-            )
-            old_logps, correction_weights, mask = corrected.old_logps, corrected.weights, corrected.mask
-        else:
-            old_logps = inputs.get("old_per_token_logps")
-            old_logps = logps.detach() if old_logps is None else old_logps
-
-        entropy_mask, weights = policy_weights(self, inputs, advantages, logps, old_logps, entropies, mask)
-        if correction_weights is not None:
-            weights = correction_weights if weights is None else weights * correction_weights
-
-        accumulation_steps = self.current_gradient_accumulation_steps if mode == "train" else 1
-        num_items = inputs["num_items_in_batch"]
-        if mode == "train":  # TRL's count spans the generation batch; rescale it to one accumulation window
-            num_items = num_items * accumulation_steps / self.args.steps_per_generation
-        algorithms = self.plus.algorithms
-        out = compute_policy_loss(
-            logps,
-            old_logps,
-            advantages,
-            mask,
-            loss_type=self.loss_type,
-            importance_sampling_level=self.importance_sampling_level,
-            policy_loss=algorithms.policy_loss,
-            kl_estimator=algorithms.kl_estimator,
-            policy_loss_options=algorithms.policy_loss_options,
-            epsilon=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            delta=self.args.delta,
-            dual_clip=self.dual_clip,
-            beta=self._kl_coefficient.value,
-            ref_logps=inputs.get("ref_per_token_logps"),
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
-            max_completion_length=self.max_completion_length,
-            num_items_in_batch=num_items,
-            num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=accumulation_steps,
-            policy_weights=weights,
-        )
-        loss = out.loss
-        if mode == "train":
-            self._kl_coefficient.record(out)
-        if self._entropy_bonus_enabled:
-            loss = loss - entropy_bonus(self, entropies, mask if entropy_mask is None else mask * entropy_mask, mode)
-            # TRL logs grpo/bnpo/dr_grpo's policy loss before the 1/S accumulation scaling, dapo's as is.
-            policy_loss = out.loss.detach() * (1 if self.loss_type == "dapo" else accumulation_steps)
-            self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * policy.aux_loss / accumulation_steps
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(policy.aux_loss).mean().item())
-        log_loss_metrics(
-            self._metrics[mode], self.accelerator, out, entropies, policy.trained_rows, policy.entropies_of_every_row
-        )
-        return loss
+        training = self.model.training
+        accumulation_steps = self.current_gradient_accumulation_steps if training else 1
+        return self._loss(model, inputs, training, accumulation_steps, self._metrics["train" if training else "eval"])

@@ -28,6 +28,16 @@ READ_ELSEWHERE = {
     "fp16": "FitSpec.mixed_precision",
     "report_to": "TRL's metrics logging (no memory of the pass)",
 }
+# What grpo_plus's trainer reads when it wires its training pass (its settings are read once) for parts a count never
+# runs: a count has no sampler to correct and runs the training forward, not the no-grad passes after the split.
+READ_FOR_WHAT_A_COUNT_SKIPS = {
+    "gradient_accumulation_steps": "whether the sampler correction may come from the training forward (on-policy)",
+    "num_iterations": "whether the sampler correction may come from the training forward (on-policy)",
+    "gradient_checkpointing_kwargs": "the no-grad old / reference passes after the split, with checkpointing off",
+    "vllm_importance_sampling_mode": "TRL's vLLM correction (no sampler in a count)",
+    "vllm_importance_sampling_clip_min": "TRL's vLLM correction (no sampler in a count)",
+    "vllm_importance_sampling_clip_max": "TRL's vLLM correction (no sampler in a count)",
+}
 # An objective far from the defaults: every axis, an option, the KL term, the entropy and off-policy masks.
 OBJECTIVE = dict(
     policy_loss="kl_cov", kl_cov_ratio=0.01, kl_estimator="k1", beta=0.04, adaptive_kl_target=0.1,
@@ -69,7 +79,8 @@ class _Recorder:
 
 def fields_the_loss_reads(trainer, spec: fit.FitSpec, side: str) -> set[str]:
     """The GRPOConfig fields the counting trainer reads while it computes one micro-batch's loss for real: from its
-    config, its own attributes (TRL keeps many under the field's name) and grpo_plus's settings groups."""
+    config, its own attributes (TRL keeps many under the field's name) and grpo_plus's settings groups. grpo_plus's
+    trainer reads its loss settings once, when it wires its training pass: that wiring is recorded too."""
     names: set[str] = set()
     cls, saved = type(trainer), dict(trainer.__dict__)
 
@@ -82,6 +93,8 @@ def fields_the_loss_reads(trainer, spec: fit.FitSpec, side: str) -> set[str]:
         if holder in saved:
             trainer.__dict__[holder] = _Recorder(saved[holder], names)
     try:
+        if hasattr(trainer, "_wire_training_pass"):
+            trainer._wire_training_pass()
         fit.measure_pass(spec, side, layers=1, real=True, lm_head="cpu")
     finally:
         trainer.__class__ = cls
@@ -120,7 +133,7 @@ def test_every_field_the_loss_reads_reaches_the_counting_trainer(tmp_path, side,
     trainer = fit.counting_trainer(side, spec)
     read = fields_the_loss_reads(trainer, spec, side)
     assert {"loss_type", "importance_sampling_level", "top_entropy_quantile"} <= read  # it sees the loss path
-    assert read - set(spec.loss) - set(READ_ELSEWHERE) == set()
+    assert read - set(spec.loss) - set(READ_ELSEWHERE) - set(READ_FOR_WHAT_A_COUNT_SKIPS) == set()
     own = ("max_completion_length", "steps_per_generation", "use_vllm")  # the counting trainer's own run
     for name, value in spec.loss.items():
         if name not in own:

@@ -190,6 +190,91 @@ def test_benchmarks_reach_shared_code_without_editing_sys_path():
     assert (edits, reaching_into_tests) == ([], [])
 
 
+# ---- the trainer is wiring; TRL's private names live in compat/ ------------------------------------------------------
+
+TRAINER_MAX_LINES = 450
+
+
+def test_the_trainer_stays_wiring():
+    """grpo_plus/trainer.py holds the overrides and their wiring, each a few lines calling the concern folder that holds
+    the capability: a capability written into the trainer instead pushes it past the limit."""
+    lines = len((PACKAGE / "trainer.py").read_text().splitlines())
+    assert lines <= TRAINER_MAX_LINES, f"grpo_plus/trainer.py has {lines} lines (at most {TRAINER_MAX_LINES})"
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_trl_reads(source: str) -> list[str]:
+    """Where `source` reaches a private name of TRL: `from trl... import _name`, `<name bound to a TRL import>._name`
+    (`trl.trainer.utils._x`, `chunked_logprob._x`, `GRPOTrainer._method`), or getattr / setattr / hasattr / delattr on a
+    name bound to a TRL import (how a private name is reached by a string)."""
+    tree = ast.parse(source)
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "trl":
+                    bound.add(alias.asname or "trl")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "trl":
+            for alias in node.names:
+                bound.add(alias.asname or alias.name)
+                if _private(alias.name):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+
+    def root(node: ast.AST) -> str | None:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr) and root(node.value) in bound:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and node.args
+            and root(node.args[0]) in bound
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_only_compat_reaches_trls_private_names():
+    """TRL may change a private name in any release: every read of one (its fused LM head's tile width and forward,
+    its kernels, its private methods) lives in grpo_plus/compat/, one module per seam, so that a TRL release is one
+    edit there."""
+    outside = {
+        str(path.relative_to(PACKAGE)): private_trl_reads(path.read_text())
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "compat"
+    }
+    assert {path: reads for path, reads in outside.items() if reads} == {}
+
+
+def test_the_private_name_check_finds_each_way_in():
+    """Negative control: each way of reaching a private TRL name is found, a public one is not, and the check finds
+    what compat/ itself reads (it is not blind on the real code)."""
+    reaches = {
+        "from trl.trainer.utils import _ChunkedLogProbFunction": 1,
+        "import trl.trainer.utils as u\nu._CHUNKED_LOGPROB_CHUNK_SIZE = 4096": 1,
+        "import trl\nx = trl.trainer.utils._use_triton": 1,
+        "from trl.kernels import chunked_logprob\nchunked_logprob._use_triton('cpu')": 1,
+        "from trl import GRPOTrainer\nGRPOTrainer._compute_loss(t, m, i)": 1,
+        "import trl.trainer.utils as u\ngetattr(u, '_ChunkedLogProbFunction')": 1,
+        "from trl import GRPOTrainer, GRPOConfig\nGRPOConfig(output_dir='x')\nGRPOTrainer.__init__": 0,
+        "import trl\nprint(trl.__version__)\nclass T(trl.GRPOTrainer):\n    def f(self): return super()._x()": 0,
+        "import torch\ntorch._C._log_api_usage_once('x')": 0,
+    }
+    assert {source: len(private_trl_reads(source)) for source in reaches} == reaches
+    in_compat = sum(
+        len(private_trl_reads((PACKAGE / "compat" / name).read_text())) for name in ("lm_head.py", "loss.py")
+    )
+    assert in_compat >= 3  # the tile width, `_use_triton`, TRL's own log-prob method
+
+
 # ---- the API reference: one page per concern, each module documented once, on its folder's page --------------------
 
 REFERENCE = PACKAGE.parent / "docs" / "reference"

@@ -17,6 +17,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
+import grpo_plus.algorithms.micro_batch_loss
 import grpo_plus.trainer
 from grpo_plus import fit
 from grpo_plus.config import ConfigError
@@ -322,12 +323,12 @@ def test_a_tensor_made_on_the_wrong_device_fails_the_fake_pass(monkeypatch):
     """The fake accelerator catches what a GPU would: a CPU tensor mixed into grpo_plus's loss path raises."""
     from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
-    original = grpo_plus.trainer.compute_policy_loss
+    original = grpo_plus.algorithms.micro_batch_loss.compute_policy_loss
 
     def made_on_the_cpu(logps, old_logps, advantages, mask, **kwargs):
         return original(logps, old_logps, advantages, mask * torch.ones(mask.shape), **kwargs)
 
-    monkeypatch.setattr(grpo_plus.trainer, "compute_policy_loss", made_on_the_cpu)
+    monkeypatch.setattr(grpo_plus.algorithms.micro_batch_loss, "compute_policy_loss", made_on_the_cpu)
     with pytest.raises(FakeTensorDeviceMismatchError):
         fit.measure_pass(tiny_spec(), "grpo_plus", layers=1)
 

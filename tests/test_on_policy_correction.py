@@ -81,6 +81,8 @@ class NoEngine:
 def as_if_vllm(trainer):
     """The trainer runs TRL's vLLM paths around its `rollout_func` (TRL's correction included), with no engine."""
     trainer.use_vllm, trainer.vllm_generation, trainer._last_loaded_step = True, NoEngine(), -1
+    if isinstance(trainer, grpo_plus.GRPOTrainer):  # what TRL resolved is read once, at construction: wire it again
+        trainer._wire_training_pass()
     return trainer
 
 
@@ -255,5 +257,5 @@ def test_the_pass_stays_where_the_loss_cannot_give_the_correction(model_dir, tmp
     """What keeps the no-grad old-log-prob pass: off-policy training, the saving off, a loss TRL computes (it reads the
     ratio from the generation batch), and a rollout correction that needs every row before the first loss."""
     trainer = build(grpo_plus, model_dir, tmp_path, **settings)
-    blocker = trainer._zero_waste.correction_in_loss_blocker()
+    blocker = trainer._zero_waste.correction_in_loss_blocker(trainer.model)
     assert blocker is None if reason is None else reason in blocker

@@ -410,9 +410,11 @@ TRANSIENT = {
 }
 
 
-def fingerprint(value, depth=0):
+def fingerprint(value, depth=0, held=frozenset()):
     """A comparable summary of a value: tensors by content, containers element-wise, grpo_plus's own helper objects by
-    their attributes, anything else by identity."""
+    their attributes, anything else by identity. A helper object the trainer holds as an attribute of its own (`held`:
+    their ids) met inside another one (e.g. the micro-batch loss's zero-waste pass), by identity: it is judged as that
+    attribute."""
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), pickled(value.detach().cpu()))
     if isinstance(value, (int, float, str, bool, type(None))):
@@ -420,12 +422,14 @@ def fingerprint(value, depth=0):
     if depth > 5:
         return ("deep", id(value))
     if isinstance(value, (list, tuple, deque)):
-        return tuple(fingerprint(item, depth + 1) for item in value)
+        return tuple(fingerprint(item, depth + 1, held) for item in value)
     if isinstance(value, dict):
-        return tuple(sorted((str(k), fingerprint(v, depth + 1)) for k, v in value.items()))
+        return tuple(sorted((str(k), fingerprint(v, depth + 1, held)) for k, v in value.items()))
     if type(value).__module__.startswith("grpo_plus") and hasattr(value, "__dict__"):
+        if depth and id(value) in held:
+            return ("held", id(value))
         attributes = {k: v for k, v in vars(value).items() if k != "trainer"}
-        return (type(value).__name__, fingerprint(attributes, depth + 1))
+        return (type(value).__name__, fingerprint(attributes, depth + 1, held))
     return ("object", id(value))
 
 
@@ -440,7 +444,8 @@ def test_every_attribute_that_changes_between_steps_is_a_stateful_part_or_transi
 
     class Snapshot(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            snapshots.append({name: fingerprint(value) for name, value in vars(trainer).items()})
+            held = frozenset(id(value) for value in vars(trainer).values())
+            snapshots.append({name: fingerprint(value, 0, held) for name, value in vars(trainer).items()})
 
     trainer.add_callback(Snapshot())
     trainer.train()

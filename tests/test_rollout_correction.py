@@ -18,6 +18,8 @@ from helpers.models import make_model, make_tokenizer, prompt_dataset, tiny_run_
 from helpers.probes import record_trained_batches
 from trl import TrlParser
 
+import grpo_plus.algorithms.micro_batch_loss
+import grpo_plus.config
 import grpo_plus.trainer
 from grpo_plus import GRPOConfig, available_rejection_criteria, compute_policy_loss, rollout_correction
 from grpo_plus.algorithms.rollout_correction import RolloutCorrector
@@ -467,7 +469,7 @@ def sampled_trainer(output_dir, **settings):
 
 
 def record_loss_arguments(monkeypatch) -> list[dict]:
-    """Every call of the trainer's `compute_policy_loss`: its log-probs, old log-probs, mask and policy weights."""
+    """Every call of the trainer's `compute_policy_loss` (its micro-batch loss's): its log-probs, old log-probs, mask and policy weights."""
     calls = []
 
     def recording(logps, old_logps, advantages, mask, **kwargs):
@@ -475,7 +477,7 @@ def record_loss_arguments(monkeypatch) -> list[dict]:
         calls.append(dict(logps=logps.detach().clone(), old=old_logps.clone(), mask=mask.clone(), weights=weights))
         return compute_policy_loss(logps, old_logps, advantages, mask, **kwargs)
 
-    monkeypatch.setattr(grpo_plus.trainer, "compute_policy_loss", recording)
+    monkeypatch.setattr(grpo_plus.algorithms.micro_batch_loss, "compute_policy_loss", recording)
     return calls
 
 

@@ -3,6 +3,7 @@ positions computed; the fallbacks to the full forward, each named."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -15,9 +16,9 @@ from transformers import AutoModelForCausalLM
 import grpo_plus
 from grpo_plus import GRPOTrainer
 from grpo_plus.algorithms.loss_metrics import TRAINED_ROWS_ENTROPY
+from grpo_plus.compat.model import reference_model
 from grpo_plus.compat.versions import version_gap
 from grpo_plus.zero_waste.rows import pack_shared_prompts, rows_with_gradient
-from grpo_plus.zero_waste.training_pass import ZeroWastePass
 
 G, GROUPS, PROMPT_WIDTH, COMPLETION_WIDTH = 4, 4, 12, 10
 # The shared-prompt forward scores packed rows through TRL's fused LM head (TRL >= 1.15); on TRL 1.14 only rows and
@@ -112,9 +113,11 @@ def trl_full_pass(trainer, prompt_ids, prompt_mask, completion_ids, completion_m
     )
 
 
-def set_zero_waste(trainer: GRPOTrainer, on: bool, shared_prompt: bool = True) -> None:
-    """As if built with zero_waste_pass=on, zero_waste_shared_prompt=shared_prompt (settings are read once)."""
-    trainer._zero_waste = ZeroWastePass(trainer, enabled=on, shared_prompt=shared_prompt)
+def set_zero_waste(trainer: GRPOTrainer, on: bool, shared_prompt: bool = True, exact_entropy: bool = False) -> None:
+    """As if built with zero_waste_pass=on, zero_waste_shared_prompt=shared_prompt, zero_waste_exact_entropy=
+    exact_entropy (settings are read once, at construction: the pass and the loss are wired again, from the trainer's
+    settings as they are now)."""
+    trainer._wire_training_pass(enabled=on, shared_prompt=shared_prompt, exact_entropy=exact_entropy)
 
 
 def loss_and_grads(trainer: GRPOTrainer, inputs: dict) -> tuple[float, dict[str, torch.Tensor]]:
@@ -319,7 +322,7 @@ def test_deferred_logps_equal_the_training_forward_bit_for_bit(beta):
         inputs.update({key: torch.zeros_like(inputs["old_per_token_logps"]) for key in passes})  # placeholders
     trainer._zero_waste.pending = passes
     log = ForwardLog(trainer.model)
-    trainer._zero_waste.fill_deferred(micro_batches)
+    trainer._zero_waste.fill_deferred(micro_batches, trainer.model, functools.partial(reference_model, trainer))
     assert len(log.calls) == len(passes) * len(micro_batches) and not any(call["grad"] for call in log.calls)
     assert trainer._zero_waste.pending == ()
     for inputs in micro_batches:
@@ -343,7 +346,9 @@ def test_dropout_turns_every_saving_off(caplog):
         trainer._compute_loss(trainer.model, inputs)
     assert log.positions == G * GROUPS * (PROMPT_WIDTH + COMPLETION_WIDTH), "not TRL's full forward"
     assert "dropout is active in the training forward" in caplog.text and "lora_dropout" in caplog.text
-    assert not trainer._zero_waste.defers_logps(), "the no-grad passes must draw their masks where TRL draws them"
+    assert not trainer._zero_waste.defers_logps(trainer.model), (
+        "the no-grad passes must draw their masks where TRL draws them"
+    )
     trainer.model.eval()  # no dropout in eval mode: the savings apply again
     log.clear()
     trainer._compute_loss(trainer.model, inputs)
@@ -375,7 +380,7 @@ def test_sequence_level_tensors_and_metrics_match_full_pass():
     inputs = micro_batch(trainer, off_policy=1.0)
     metrics = {}
     for on, exact in ((False, False), (True, False), (True, True)):
-        trainer._zero_waste = ZeroWastePass(trainer, enabled=on, shared_prompt=True, exact_entropy=exact)
+        set_zero_waste(trainer, on=on, exact_entropy=exact)
         trainer._metrics["train"].clear()
         trainer._compute_loss(trainer.model, inputs)
         metrics[on, exact] = {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -412,7 +417,7 @@ def test_exact_entropy_makes_one_more_no_grad_call_whatever_the_rows(dead_groups
     trainer._metrics["train"].clear()
     set_zero_waste(trainer, on=False)
     full = loss_and_grads(trainer, inputs)
-    trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True, exact_entropy=True)
+    set_zero_waste(trainer, on=True, exact_entropy=True)
     log = ForwardLog(trainer.model)
     saved = loss_and_grads(trainer, inputs)
     assert [call["grad"] for call in log.calls] == [True, False]
@@ -449,7 +454,7 @@ def test_row_skipping_falls_back_to_the_full_pass(args, reason, caplog):
         inputs["ref_per_token_logps"] = inputs["old_per_token_logps"].clone()
     log = ForwardLog(trainer.model)
     with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        trainer._zero_waste.row_skip_blocker = trainer._zero_waste.find_row_skip_blocker()
+        trainer._wire_training_pass()  # as built with the trainer's settings as they are now (beta read once)
         trainer._compute_loss(trainer.model, inputs)
     assert trainer._zero_waste.row_skip_blocker is not None and reason in trainer._zero_waste.row_skip_blocker
     assert any("zero-advantage rows" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
@@ -551,6 +556,30 @@ def test_without_fused_lm_head_rows_and_padding_are_still_skipped(monkeypatch):
     trainer._compute_loss(trainer.model, inputs)
     live = int(rows_with_gradient(inputs["advantages"], inputs["completion_mask"]).sum())
     assert [call["mask_dims"] for call in log.calls] == [2] and log.calls[0]["shape"][0] == live
+
+
+def test_the_pass_calls_trls_method_never_the_trainers(monkeypatch):
+    """One direction of calls: the trainer calls the pass, the pass calls TRL's own `_get_per_token_logps_and_entropies`,
+    never the trainer's override (which forwards TRL's own callers to the pass), and it holds no trainer. Control: a
+    call from TRL's side goes through the override to the pass and TRL's method."""
+    import trl
+
+    trainer = make_trainer()
+    set_zero_waste(trainer, on=False)  # every row through TRL's method
+    inputs = micro_batch(trainer)
+    through_trainer, through_trl = [], []
+    override, trls = trainer._get_per_token_logps_and_entropies, trl.GRPOTrainer._get_per_token_logps_and_entropies
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies",
+                        lambda *args, **kwargs: through_trainer.append(1) or override(*args, **kwargs))  # fmt: skip
+    monkeypatch.setattr(trl.GRPOTrainer, "_get_per_token_logps_and_entropies",
+                        lambda *args, **kwargs: through_trl.append(1) or trls(*args, **kwargs))  # fmt: skip
+    trainer._compute_loss(trainer.model, inputs)
+    assert (len(through_trainer), len(through_trl)) == (0, 1)
+    assert not any(isinstance(value, trl.GRPOTrainer) for value in vars(trainer._zero_waste).values())
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_WIDTH)
+    assert (len(through_trainer), len(through_trl)) == (1, 2)
 
 
 def test_config_field_turns_it_off():

@@ -20,7 +20,6 @@ from grpo_plus.app.testing import tiny_run_kwargs
 from grpo_plus.app.tiny_vlms import VLM_FAMILIES, VisionLog, image_dataset, make_vlm, save_tiny_vlm, vision_tower
 from grpo_plus.compat.model import FORWARD_INPUT_KEYS
 from grpo_plus.zero_waste.images import RowImages
-from grpo_plus.zero_waste.training_pass import ZeroWastePass
 
 pytestmark = [
     pytest.mark.floor("cpu_logps"),
@@ -289,11 +288,11 @@ def test_dead_rows_are_skipped_with_their_images_and_the_gradient_is_trls(family
     batch["advantages"] = torch.linspace(-1.0, 1.0, 3 * G)
     batch["advantages"][G : 2 * G] = 0.0  # the middle group is dead
     trainer.current_gradient_accumulation_steps = 1
-    trainer._zero_waste = ZeroWastePass(trainer, enabled=False, shared_prompt=False)
+    trainer._wire_training_pass(enabled=False, shared_prompt=False)
     vision = VisionLog(trainer.model)
     full_loss, full_grads = loss_and_grads(trainer, batch)
     full_patches, vision.patches = vision.patches, 0
-    trainer._zero_waste = ZeroWastePass(trainer, enabled=True, shared_prompt=True)
+    trainer._wire_training_pass(enabled=True, shared_prompt=True)
     loss, grads = loss_and_grads(trainer, batch)
     torch.testing.assert_close(loss, full_loss, atol=1e-6, rtol=1e-5)
     assert grads.keys() == full_grads.keys() and any("vision" in n or "visual" in n for n in grads)

@@ -40,6 +40,7 @@ import torch
 from ..compat.loss import (
     SAMPLER_LOGPS_KEY,
     TRL_SAMPLER_METRICS,
+    TRLSamplerCorrection,
     trl_sampler_metric_values,
     trl_sampler_ratio,
 )
@@ -239,15 +240,6 @@ class GenerationBatchRows:
         if len(self._kept) < self.parts:
             return None
         return {key: torch.cat([part[key] for part in self._kept]) for key in self._kept[0]}
-
-
-@dataclass(frozen=True)
-class TRLSamplerCorrection:
-    """TRL's vLLM correction as the trainer holds it: `vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`."""
-
-    mode: str
-    clip_min: float | None
-    clip_max: float | None
 
 
 class OnPolicyCorrection:

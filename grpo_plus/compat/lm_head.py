@@ -1,9 +1,13 @@
-"""TRL's fused LM head (1.15+): its forward, the module that carries it, its tile width, who folds its tiles."""
+"""TRL's fused LM head (1.15+): its forward, the module that carries it, its tile width, who folds its tiles, its
+call protocol (a forward sized per call), its chunked log-prob kernel."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import trl.trainer.utils as trl_utils
@@ -12,12 +16,16 @@ from .common import attribute_set
 
 __all__ = [
     "FUSED_LM_HEAD_COLUMNS",
+    "LM_HEAD_TILE_FOLDS",
+    "FusedForwardShape",
     "fused_lm_head_columns",
     "fused_lm_head_columns_default",
     "fused_lm_head_forward",
     "fused_lm_head_module",
     "has_fused_lm_head",
     "lm_head_folds_in_torch",
+    "lm_head_kernel_patched",
+    "size_fused_lm_head_tiles",
 ]
 
 
@@ -92,3 +100,94 @@ def lm_head_folds_in_torch(device: torch.device) -> bool:
     from trl.kernels import chunked_logprob
 
     return not chunked_logprob._use_triton(device)
+
+
+# ---- the fused forward, its tile width chosen per call ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FusedForwardShape:
+    """What one `fused_lm_head=True` forward scores: the head's `vocab` rows, `tokens` labelled positions, TRL's tile
+    width `trl_columns`, and whether torch folds the tiles (`folds_in_torch`: no Triton for the head's device)."""
+
+    vocab: int
+    tokens: int
+    trl_columns: int
+    folds_in_torch: bool
+
+
+def size_fused_lm_head_tiles(model: torch.nn.Module, columns_for: Callable[[FusedForwardShape], int]) -> bool:
+    """Run each `fused_lm_head=True` forward of `model`'s fused LM head (the module carrying TRL's fused forward, on
+    the model or under it, e.g. below PEFT) with `columns_for(shape)` vocabulary columns per tile (its backward keeps
+    them); other forwards run as they are. False when no module carries that forward (TRL 1.14, or a model TRL did not
+    patch). Calling it again replaces `columns_for`."""
+    patched = fused_lm_head_module(model)
+    if patched is None:
+        return False
+    current = patched.__dict__["forward"]
+    if isinstance(current, _SizedTiles):
+        current.columns_for = columns_for
+        return True
+    patched.forward = _SizedTiles(current, patched, columns_for)
+    return True
+
+
+class _SizedTiles:
+    """TRL's fused forward (an instance attribute set by `add_fused_lm_head`), run with the tile width `columns_for`
+    gives the forward's shape. TRL's protocol (1.15-1.16): the forward takes `fused_lm_head=True` and the labels as
+    `shift_labels` (or `labels`), and reads the module global width when it starts."""
+
+    def __init__(self, forward, module: torch.nn.Module, columns_for: Callable[[FusedForwardShape], int]):
+        self.forward, self.module, self.columns_for = forward, module, columns_for
+        functools.update_wrapper(self, forward)  # `generate` validates its model kwargs against the signature
+
+    def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
+        if not fused_lm_head:
+            return self.forward(*args, **kwargs)
+        head = self.module.get_output_embeddings().weight
+        vocab = getattr(head, "ds_shape", head.shape)[0]  # DeepSpeed ZeRO-3 partitions it: shape (0,) until gathered
+        labels = kwargs.get("shift_labels", kwargs.get("labels"))
+        tokens = labels.numel() if labels is not None else 0
+        shape = FusedForwardShape(vocab, tokens, fused_lm_head_columns_default(), lm_head_folds_in_torch(head.device))
+        with fused_lm_head_columns(self.columns_for(shape)):
+            return self.forward(*args, fused_lm_head=True, **kwargs)
+
+
+# ---- TRL's chunked log-prob kernel ------------------------------------------------------------------------------------
+# `trl.kernels.chunked_logprob` (1.15-1.16): `ChunkedLogProbFunction`, an autograd Function whose forward and backward
+# loop over [4096 x columns] tiles with the module's `range`, folding each tile with these helpers (a Triton kernel where
+# there is one, torch operators elsewhere). grpo_plus.fit counts a pass through it on fake tensors.
+LM_HEAD_TILE_FOLDS = ("_forward_tile", "_backward_tile", "_addmm_fp32")
+
+
+@contextmanager
+def lm_head_kernel_patched(
+    each_step: Callable[[ModuleType], AbstractContextManager], fold: Callable | None = None
+) -> Iterator[bool]:
+    """Within the block, every forward and backward of TRL's chunked log-prob kernel runs inside `each_step(kernel
+    module)`, and with `fold` each tile fold (`LM_HEAD_TILE_FOLDS`) is `fold` instead; restored on exit. Yields False
+    (nothing patched) on a TRL without the kernel (1.14)."""
+    try:
+        from trl.kernels import chunked_logprob
+    except ImportError:  # TRL 1.14: no fused LM head
+        yield False
+        return
+    function = chunked_logprob.ChunkedLogProbFunction
+    forward, backward = function.forward, function.backward
+
+    def wrapped(step):
+        def run(ctx, *args, **kwargs):
+            with each_step(chunked_logprob):
+                return step(ctx, *args, **kwargs)
+
+        return staticmethod(run)
+
+    with ExitStack() as stack:
+        if fold is not None:
+            for name in LM_HEAD_TILE_FOLDS:
+                stack.enter_context(attribute_set(chunked_logprob, name, fold))
+        function.forward, function.backward = wrapped(forward), wrapped(backward)
+        try:
+            yield True
+        finally:
+            function.forward, function.backward = staticmethod(forward), staticmethod(backward)

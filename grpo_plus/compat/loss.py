@@ -1,5 +1,6 @@
-"""TRL's objective as TRL 1.14-1.16 implement it: the loss types and levels TRL computes itself, the parts of its
-`_compute_loss` grpo_plus calls (policy weights, entropy bonus), its vLLM importance-sampling correction, the config
+"""TRL's objective as TRL 1.14-1.16 implement it: the loss types and levels TRL computes itself, the settings its
+trainer resolved for the training pass (read once, `trl_training_settings`), the parts of its `_compute_loss` grpo_plus
+calls (policy weights, entropy bonus), TRL's own log-prob method, its vLLM importance-sampling correction, the config
 fields its loss reads, where it can compute log-probs.
 """
 
@@ -9,8 +10,10 @@ import ast
 import dataclasses
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trl
@@ -19,6 +22,7 @@ from trl.trainer.utils import nanmax, nanmin, split_tensor_dict
 
 from .common import args_fields, attribute_set, is_self, method_tree, self_attributes
 from .lm_head import has_fused_lm_head
+from .model import trl_pad_token_id
 
 __all__ = [
     "SAMPLER_LOGPS_KEY",
@@ -29,17 +33,23 @@ __all__ = [
     "TRL_SAMPLER_METRICS",
     "TRL_SCALE_REWARDS",
     "TRL_SEQUENCE_SAMPLER_MODES",
+    "TRLLossMethods",
+    "TRLSamplerCorrection",
+    "TRLTrainingSettings",
     "entropy_bonus",
     "logps_unavailable_reason",
     "nanmax",
     "nanmin",
     "policy_weights",
     "split_tensor_dict",
+    "trl_logps_and_entropies",
     "trl_loss_fields",
+    "trl_loss_methods",
     "trl_sampler_correction_changes",
     "trl_sampler_correction_off",
     "trl_sampler_metric_values",
     "trl_sampler_ratio",
+    "trl_training_settings",
 ]
 
 
@@ -53,6 +63,106 @@ TRL_IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 # The `scale_rewards` names TRL's inline advantage code accepts (grpo_plus's registry adds aliases and user modes).
 TRL_SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass(frozen=True)
+class TRLSamplerCorrection:
+    """TRL's vLLM correction as the trainer holds it: `vllm_importance_sampling_mode`, `_clip_min`, `_clip_max`."""
+
+    mode: str
+    clip_min: float | None
+    clip_max: float | None
+
+
+@dataclass(frozen=True)
+class TRLTrainingSettings:
+    """What TRL's trainer (1.14-1.16) resolved at `__init__` for the training pass, from the config and the model, read
+    once (`trl_training_settings`) and handed to what computes the pass: the loss settings its `_compute_loss` reads,
+    its entropy bonus and router aux loss switches, its vLLM correction, the batch layout, mixed precision, gradient
+    checkpointing's arguments, the pad token."""
+
+    loss_type: str
+    importance_sampling_level: str
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None
+    beta: float
+    use_bias_correction_kl: bool
+    max_completion_length: int
+    top_entropy_quantile: float
+    off_policy_mask_threshold: float | None
+    entropy_bonus: bool  # a static or adaptive entropy coefficient is on (TRL's `_entropy_bonus_enabled`)
+    aux_loss: bool  # the router's load-balancing loss is added (a mixture-of-experts model that reports it)
+    router_aux_loss_coef: float
+    sampler_correction: bool  # TRL's vLLM importance-sampling correction is on (vLLM and the switch)
+    sampler: TRLSamplerCorrection
+    steps_per_generation: int
+    num_iterations: int
+    gradient_accumulation_steps: int
+    half_precision: bool  # training runs under bf16 / fp16 autocast
+    gradient_checkpointing_kwargs: dict[str, Any] | None
+    pad_token_id: int | None
+
+
+def trl_training_settings(trainer: trl.GRPOTrainer) -> TRLTrainingSettings:
+    """`TRLTrainingSettings` of a constructed TRL trainer (the attributes TRL 1.14-1.16 set in `__init__`)."""
+    args = trainer.args
+    return TRLTrainingSettings(
+        loss_type=trainer.loss_type,
+        importance_sampling_level=trainer.importance_sampling_level,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        delta=args.delta,
+        beta=trainer.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        max_completion_length=trainer.max_completion_length,
+        top_entropy_quantile=trainer.top_entropy_quantile,
+        off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+        entropy_bonus=trainer._entropy_bonus_enabled,
+        aux_loss=trainer.aux_loss_enabled,
+        router_aux_loss_coef=trainer.router_aux_loss_coef,
+        sampler_correction=bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction),
+        sampler=TRLSamplerCorrection(
+            trainer.vllm_importance_sampling_mode,
+            trainer.vllm_importance_sampling_clip_min,
+            trainer.vllm_importance_sampling_clip_max,
+        ),
+        steps_per_generation=args.steps_per_generation,
+        num_iterations=trainer.num_iterations,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        half_precision=bool(args.bf16 or args.fp16),
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+        pad_token_id=trl_pad_token_id(trainer),
+    )
+
+
+@dataclass(frozen=True)
+class TRLLossMethods:
+    """The parts of TRL's `_compute_loss` grpo_plus calls, bound to one trainer (`trl_loss_methods`): its high-entropy
+    token mask (gathered over processes), DeepSeek-V3.2's off-policy mask, and its entropy bonus (`entropy_bonus`:
+    `(entropies, mask, mode)`, advancing the adaptive coefficient TRL keeps on the trainer)."""
+
+    high_entropy_mask: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    off_policy_mask: Callable[..., torch.Tensor]
+    entropy_bonus: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+
+def trl_loss_methods(trainer: trl.GRPOTrainer) -> TRLLossMethods:
+    """TRL's loss parts bound to `trainer` (TRL 1.14-1.16 names)."""
+    return TRLLossMethods(
+        trainer.get_high_entropy_mask, trainer.get_off_policy_mask, functools.partial(entropy_bonus, trainer)
+    )
+
+
+def trl_logps_and_entropies(trainer: trl.GRPOTrainer) -> Callable[..., tuple]:
+    """TRL's own `_get_per_token_logps_and_entropies` of `trainer` (not grpo_plus's override of it), called as
+    `(model, input_ids, attention_mask, logits_to_keep, batch_size=..., compute_entropy=..., compute_aux_loss=...,
+    **model_inputs)`; looked up at each call, so a patched TRL method is the one called."""
+    return functools.partial(_trl_logps_and_entropies, trainer)
+
+
+def _trl_logps_and_entropies(trainer: trl.GRPOTrainer, *args, **kwargs) -> tuple:
+    return trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, *args, **kwargs)
 
 
 def entropy_bonus(trainer: trl.GRPOTrainer, entropies: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -188,32 +298,33 @@ TRL_SAMPLER_METRICS = (
 
 
 def policy_weights(
-    trainer: trl.GRPOTrainer,
+    settings: TRLTrainingSettings,
     inputs: dict,
     advantages: torch.Tensor,
     logps: torch.Tensor,
     old_logps: torch.Tensor,
     entropies: torch.Tensor | None,
     mask: torch.Tensor,
+    methods: TRLLossMethods,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(entropy mask, weights of the policy term) as TRL's `_compute_loss` builds them: the high-entropy token mask
     (`top_entropy_quantile < 1`), DeepSeek-V3.2's off-policy sequence mask (`off_policy_mask_threshold`) and vLLM's
     importance-sampling ratio, multiplied; None where none applies. TRL does this inline in `_compute_loss`, with its
-    own `get_high_entropy_mask` / `get_off_policy_mask`, which are called here as TRL calls them."""
+    own `get_high_entropy_mask` / `get_off_policy_mask` (`methods`), which are called here as TRL calls them."""
     entropy_mask = None
-    if trainer.top_entropy_quantile < 1.0:
-        entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+    if settings.top_entropy_quantile < 1.0:
+        entropy_mask = methods.high_entropy_mask(entropies, mask, 1 - settings.top_entropy_quantile)
     weights = entropy_mask
-    if trainer.off_policy_mask_threshold is not None:
-        off_policy = trainer.get_off_policy_mask(
+    if settings.off_policy_mask_threshold is not None:
+        off_policy = methods.off_policy_mask(
             advantages=advantages,
             per_token_logps=logps,
             sampling_per_token_logps=inputs.get(SAMPLER_LOGPS_KEY, old_logps),
             mask=mask,
-            off_policy_threshold=trainer.off_policy_mask_threshold,
+            off_policy_threshold=settings.off_policy_mask_threshold,
         )
         weights = off_policy if weights is None else off_policy * weights
-    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+    if settings.sampler_correction:
         ratio = inputs["importance_sampling_ratio"]
         weights = ratio if weights is None else weights * ratio
     return entropy_mask, weights

@@ -1,9 +1,10 @@
 """How TRL calls the model: the inputs it passes, the reference model, the KV cache's name, where completions end,
-how rows reach environments.
+how rows reach environments, its own generation run greedy.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,10 @@ __all__ = [
     "disable_gradient_checkpointing",
     "ends_completions_at_generation_config_eos",
     "environment_routing",
+    "greedy_completions",
+    "greedy_decoding",
     "reference_model",
+    "trl_pad_token_id",
     "unwrap_model_for_generation",
     "uses_continuous_batching",
 ]
@@ -52,6 +56,11 @@ def reference_model(trainer: trl.GRPOTrainer) -> Iterator[torch.nn.Module]:
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
     with use_adapter(peft_model, adapter_name="ref" if "ref" in peft_model.peft_config else None):
         yield trainer.model
+
+
+def trl_pad_token_id(trainer: trl.GRPOTrainer) -> int | None:
+    """The pad token TRL pads completions with (1.14-1.16 keep the tokenizer as `_tokenizer`, also for a processor)."""
+    return trainer._tokenizer.pad_token_id
 
 
 def environment_routing(trainer) -> tuple[bool, tuple | None]:
@@ -100,3 +109,32 @@ def uses_continuous_batching(trainer) -> bool:
         getattr(trainer, "use_transformers_continuous_batching", False)
         or getattr(trainer, "use_transformers_paged", False)
     )
+
+
+def greedy_completions(trainer: trl.GRPOTrainer, prompts: list) -> tuple[list, list]:
+    """(completion ids, completions) of `prompts` from TRL's own generation (`_generate`, 1.9-1.16: returns prompt_ids,
+    completion_ids, tool_mask, completions, ...; grpo_plus's zero-waste generation included) with sampling off."""
+    with greedy_decoding(trainer):
+        _, completion_ids, _, completions, *_ = trainer._generate(prompts)
+    return completion_ids, completions
+
+
+@contextmanager
+def greedy_decoding(trainer: trl.GRPOTrainer) -> Iterator[None]:
+    """TRL's generation settings (its `generation_config`, and `generation_kwargs` where it keeps them) with sampling
+    off (argmax decoding), for the duration; the rest (max length, EOS, pad, repetition penalty, cache) unchanged."""
+    config, kwargs = trainer.generation_config, getattr(trainer, "generation_kwargs", None)
+    greedy = copy.deepcopy(config)
+    for name in ("temperature", "top_p", "top_k", "min_p"):
+        setattr(greedy, name, None)  # sampling knobs: unset, so transformers has nothing to warn about
+    greedy.do_sample = False
+    trainer.generation_config = greedy
+    if kwargs is not None:
+        trainer.generation_kwargs = {**kwargs, "do_sample": False, "temperature": None, "top_p": None, "top_k": None,
+                                     "min_p": None}  # fmt: skip
+    try:
+        yield
+    finally:
+        trainer.generation_config = config
+        if kwargs is not None:
+            trainer.generation_kwargs = kwargs

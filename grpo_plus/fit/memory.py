@@ -460,39 +460,28 @@ def fused_lm_head_counting(counter: MemoryCounter, lm_head: str = "cuda") -> Ite
     its fold replaced by nothing: on a GPU the fold is a Triton kernel, which allocates nothing (the torch fallback
     allocates fp32 temporaries of the tile; `lm_head="cpu"` counts those). `trl_lm_head.lm_head_folds_in_torch` answers
     for the device counted, so grpo_plus's tile width (`lm_head_tile_columns`) is the one that device would get."""
-    try:
-        from trl.kernels import chunked_logprob
-    except ImportError:  # TRL 1.14: no fused LM head
-        yield
-        return
-    function = chunked_logprob.ChunkedLogProbFunction
-    saved = {name: getattr(chunked_logprob, name) for name in ("_forward_tile", "_backward_tile", "_addmm_fp32")}
-    forward, backward = function.forward, function.backward
 
-    def counted(step):
-        def run(ctx, *args, **kwargs):
-            with counter.faking(), distinct_tiles(chunked_logprob, counter.fake_mode is not None):
-                return step(ctx, *args, **kwargs)
-
-        return staticmethod(run)
+    def counted_step(kernel) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(counter.faking())
+        stack.enter_context(distinct_tiles(kernel, counter.fake_mode is not None))
+        return stack
 
     def allocates_nothing(*args, **kwargs):
         return None
 
-    function.forward, function.backward = counted(forward), counted(backward)
-    if lm_head == "cuda":
-        for name in saved:
-            setattr(chunked_logprob, name, allocates_nothing)
-    # The tile width grpo_plus.long_completions.lm_head_tiles picks depends on who folds the tiles: the device counted, not the stand-in.
-    folds_in_torch = trl_lm_head.lm_head_folds_in_torch
-    trl_lm_head.lm_head_folds_in_torch = lambda device: lm_head == "cpu"
-    try:
-        yield
-    finally:
-        function.forward, function.backward = staticmethod(forward), staticmethod(backward)
-        for name, value in saved.items():
-            setattr(chunked_logprob, name, value)
-        trl_lm_head.lm_head_folds_in_torch = folds_in_torch
+    with trl_lm_head.lm_head_kernel_patched(counted_step, allocates_nothing if lm_head == "cuda" else None) as patched:
+        if not patched:  # TRL 1.14: no fused LM head
+            yield
+            return
+        # The tile width grpo_plus.long_completions.lm_head_tiles picks depends on who folds the tiles: the device
+        # counted, not the stand-in.
+        folds_in_torch = trl_lm_head.lm_head_folds_in_torch
+        trl_lm_head.lm_head_folds_in_torch = lambda device: lm_head == "cpu"
+        try:
+            yield
+        finally:
+            trl_lm_head.lm_head_folds_in_torch = folds_in_torch
 
 
 @contextlib.contextmanager

@@ -2,8 +2,8 @@
 the tokens of each forward.
 
 TRL (>= 1.15, `trl.kernels.chunked_logprob`) scores completions without materializing the logits: it projects
-[min(tokens, 4096) x columns] tiles of them into one buffer, `columns` being `trl.trainer.utils.
-_CHUNKED_LOGPROB_CHUNK_SIZE` (32,768) whatever the vocabulary, and folds each tile into running log-sum-exp statistics,
+[min(tokens, 4096) x columns] tiles of them into one buffer, `columns` being TRL's module-global tile width (32,768;
+`grpo_plus.compat.lm_head.FUSED_LM_HEAD_COLUMNS`) whatever the vocabulary, and folds each tile into running log-sum-exp statistics,
 in forward and again in backward. Where Triton folds the tile (CUDA, XPU) the buffer is all it allocates; where it does
 not (a CPU), the fold runs in torch and makes float32 temporaries of the tile's size (the scaled logits, their
 exponentials, the entropy's product: ~5 of them), which at 4,096 tokens and a 32,000-token vocabulary are the largest
@@ -20,7 +20,8 @@ Where Triton folds the tiles, "auto" keeps TRL's width above the vocabulary's (a
 launches that have not been timed on a GPU here). None: TRL's width as it is; an integer: that many columns per tile.
 
 Applied to each forward of the policy that asks for the fused head (`fused_lm_head=True`): TRL reads the width when
-the forward starts and keeps it for the backward (`trl_lm_head.fused_lm_head_columns`).
+the forward starts and keeps it for the backward. How that forward is wrapped and the width handed to TRL (TRL's
+private protocol) is `grpo_plus.compat.lm_head`'s; this module decides the width.
 """
 
 from __future__ import annotations
@@ -88,37 +89,15 @@ def note_auto_once(tokens: int, trl_columns: int, vocab: int, columns: int) -> N
 def size_lm_head_tiles(model: torch.nn.Module, setting: int | str | None) -> bool:
     """Size the tiles of `model`'s fused LM head (TRL's `add_fused_lm_head` forward, on the model or a module under it,
     e.g. below PEFT) by `setting` at each `fused_lm_head=True` forward; False when no module has that forward (TRL 1.14,
-    or a model TRL did not patch). Calling it again changes the setting."""
-    setting = check_setting(setting)
-    patched = trl_lm_head.fused_lm_head_module(model)
-    if patched is None:
-        return False
-    current = patched.__dict__["forward"]
-    if isinstance(current, _SizedTiles):
-        current.setting = setting
-        return True
-    patched.forward = _SizedTiles(current, patched, setting)
-    return True
+    or a model TRL did not patch). Calling it again changes the setting. TRL's call protocol is
+    `trl_lm_head.size_fused_lm_head_tiles`'s; the width is decided here (`columns_for`)."""
+    return trl_lm_head.size_fused_lm_head_tiles(model, functools.partial(columns_for, check_setting(setting)))
 
 
-class _SizedTiles:
-    """The fused forward, run with the tile width `tile_columns` gives for the forward's vocabulary and tokens."""
-
-    def __init__(self, forward, module: torch.nn.Module, setting: int | str | None):
-        self.forward, self.module, self.setting = forward, module, setting
-        functools.update_wrapper(self, forward)  # `generate` validates its model kwargs against the signature
-
-    def __call__(self, *args, fused_lm_head: bool = False, **kwargs):
-        if not fused_lm_head:
-            return self.forward(*args, **kwargs)
-        head = self.module.get_output_embeddings().weight
-        vocab = getattr(head, "ds_shape", head.shape)[0]  # DeepSpeed ZeRO-3 partitions it: shape (0,) until gathered
-        labels = kwargs.get("shift_labels", kwargs.get("labels"))
-        tokens = labels.numel() if labels is not None else 0
-        trl_columns = trl_lm_head.fused_lm_head_columns_default()
-        folds_in_torch = trl_lm_head.lm_head_folds_in_torch(head.device)
-        columns = tile_columns(self.setting, vocab, tokens, trl_columns, folds_in_torch)
-        if self.setting == "auto" and columns < min(trl_columns, vocab):
-            note_auto_once(tokens, trl_columns, vocab, columns)
-        with trl_lm_head.fused_lm_head_columns(columns):
-            return self.forward(*args, fused_lm_head=True, **kwargs)
+def columns_for(setting: int | str | None, shape: trl_lm_head.FusedForwardShape) -> int:
+    """The tile width of one fused forward of `shape` under `setting` (`tile_columns`), said once where "auto"
+    narrowed TRL's tile."""
+    columns = tile_columns(setting, shape.vocab, shape.tokens, shape.trl_columns, shape.folds_in_torch)
+    if setting == "auto" and columns < min(shape.trl_columns, shape.vocab):
+        note_auto_once(shape.tokens, shape.trl_columns, shape.vocab, columns)
+    return columns

@@ -103,3 +103,8 @@ def whole_model_for_generation(model: Any, trainer: Any = None, gather: bool | N
 
     with deepspeed.zero.GatheredParameters(partitioned):
         yield model
+
+
+def gather_rows(accelerator: Any, rows: torch.Tensor) -> torch.Tensor:
+    """(B, T) rows of every process, padded to the widest, stacked in process order (collective)."""
+    return accelerator.gather(accelerator.pad_across_processes(rows, dim=1))

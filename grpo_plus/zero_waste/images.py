@@ -30,7 +30,7 @@ PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
 COUNT_KEYS = ("num_images", "num_tiles")
 # VLM families whose forward the shared-prompt pass feeds packed rows (position ids, a 4D block mask, each pack's
 # images), checked against TRL's own forward by tests/test_vlm.py. The language models of llava / llava_next /
-# idefics3 must be one of `train_pass.SHARED_PROMPT_FAMILIES` too.
+# idefics3 must be one of `rows.SHARED_PROMPT_FAMILIES` too.
 SHARED_PROMPT_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "llava", "llava_next")
 # Families whose image tokens attend each other both ways inside one image (transformers builds the mask from
 # `token_type_ids`); the packed forward's block mask adds those pairs.

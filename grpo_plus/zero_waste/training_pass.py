@@ -2,7 +2,10 @@
 log-prob passes (deferred to the micro-batch split), and the `zero_waste/*` metrics.
 
 The computation is pure torch in `grpo_plus.zero_waste.rows`; this module decides, per call, what may be saved and keeps
-the run's state (fallback notes, placeholders handed to TRL, the positions counter). `trainer.py` wires it in.
+the run's state (fallback notes, placeholders handed to TRL, the positions counter). `trainer.py` wires it in and hands
+it what it reads: the run's settings once (`PassSettings`, with what TRL resolved: `TRLTrainingSettings`), TRL's own
+log-prob method as a callable, the accelerator (its `unwrap_model` and `autocast`), and per call the model, the
+reference model, the metrics. Calls go one way: the trainer calls the pass, the pass calls TRL's method, never the trainer.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +21,8 @@ import torch
 import trl
 
 from ..compat.lm_head import fused_lm_head_forward, has_fused_lm_head
-from ..compat.loss import TRL_NATIVE_LOSS_TYPES, trl_sampler_correction_off
-from ..compat.model import FORWARD_INPUT_KEYS, disable_gradient_checkpointing, reference_model
+from ..compat.loss import TRL_NATIVE_LOSS_TYPES, TRLTrainingSettings
+from ..compat.model import FORWARD_INPUT_KEYS, disable_gradient_checkpointing
 from ..compat.versions import version_gap
 from ..objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 from .generation import GenerationStats
@@ -67,30 +70,38 @@ class PolicyForward:
         return None if live is None or bool(live.all()) else live
 
 
-class ZeroWastePass:
-    """One run's zero-waste pass. `enabled` / `shared_prompt` / `exact_entropy` are GRPOConfig's `zero_waste_pass` /
-    `zero_waste_shared_prompt` / `zero_waste_exact_entropy`. `old_logps` says where the old log-probs come from (the
-    rollout correction's `old_logps_source`): "trl" (as TRL decides), "generation" (every row, at generation, before
-    the rewards: never deferred) or "none" (the sampler's are the old ones: TRL's old-log-prob pass never runs).
-    `row_skip_blocker`: another capability's reason to compute every row of the training forward, or None.
-    `correction_blocker`: the decoupled rollout correction's reason to need every row before the first loss (so its
-    old log-probs come from a pass at generation even on-policy), or None."""
+@dataclass(frozen=True)
+class PassSettings:
+    """What the zero-waste pass reads of the run, built once by the trainer. `enabled` / `shared_prompt` /
+    `exact_entropy` are GRPOConfig's `zero_waste_pass` / `zero_waste_shared_prompt` / `zero_waste_exact_entropy`.
+    `old_logps` says where the old log-probs come from (the rollout correction's `old_logps_source`): "trl" (as TRL
+    decides), "generation" (every row, at generation, before the rewards: never deferred) or "none" (the sampler's are
+    the old ones: TRL's old-log-prob pass never runs). `row_skip_blocker`: another capability's reason to compute every
+    row of the training forward, or None. `correction_blocker`: the decoupled rollout correction's reason to need every
+    row before the first loss (so its old log-probs come from a pass at generation even on-policy), or None.
+    `policy_loss`: the run's (`grpo_plus.objective.POLICY_LOSSES`). `trl`: what TRL's trainer resolved (its loss
+    settings, vLLM correction, batch layout, mixed precision, pad token)."""
 
-    def __init__(
-        self,
-        trainer: trl.GRPOTrainer,
-        enabled: bool,
-        shared_prompt: bool,
-        exact_entropy: bool = False,
-        old_logps: str = "trl",
-        row_skip_blocker: str | None = None,
-        correction_blocker: str | None = None,
-    ):
-        self.trainer, self.enabled, self.shared_prompt = trainer, enabled, shared_prompt
-        self.exact_entropy = exact_entropy
-        self.old_logps = old_logps
-        self._other_row_skip_blocker = row_skip_blocker
-        self._correction_blocker = correction_blocker
+    enabled: bool
+    shared_prompt: bool
+    trl: TRLTrainingSettings
+    exact_entropy: bool = False
+    old_logps: str = "trl"
+    row_skip_blocker: str | None = None
+    correction_blocker: str | None = None
+    policy_loss: str = "ppo_clip"
+
+
+class ZeroWastePass:
+    """One run's zero-waste pass (`settings`: `PassSettings`). `trl_logps` is TRL's own
+    `_get_per_token_logps_and_entropies` bound to the trainer (`compat.loss.trl_logps_and_entropies`); `accelerator`
+    the trainer's (its `unwrap_model`, and its `autocast` around the packed forward, as TRL's forward enters it: looked
+    up at each call, as TRL looks it up)."""
+
+    def __init__(self, settings: PassSettings, trl_logps: Callable[..., tuple], accelerator: Any):
+        self.settings, self.trl_logps, self.accelerator = settings, trl_logps, accelerator
+        self.enabled, self.shared_prompt = settings.enabled, settings.shared_prompt
+        self.exact_entropy, self.old_logps = settings.exact_entropy, settings.old_logps
         self._notes: set[tuple[str, str]] = set()
         self.positions = 0  # token positions the model computed since the training forward began
         self.images = 0  # images (or tiles) the vision tower encoded since the training forward began
@@ -118,37 +129,37 @@ class ZeroWastePass:
 
     def find_row_skip_blocker(self) -> str | None:
         """None when zero-advantage rows may be left out of the training forward, else why not."""
-        trainer = self.trainer
+        settings, trl_settings = self.settings, self.settings.trl
         if not self.enabled:
             return "zero_waste_pass=False"
-        if self._other_row_skip_blocker is not None:
-            reason = self._other_row_skip_blocker
-        elif trainer.loss_type in TRL_NATIVE_LOSS_TYPES:
-            reason = f"loss_type={trainer.loss_type!r} is computed by TRL's own _compute_loss"
+        if settings.row_skip_blocker is not None:
+            reason = settings.row_skip_blocker
+        elif trl_settings.loss_type in TRL_NATIVE_LOSS_TYPES:
+            reason = f"loss_type={trl_settings.loss_type!r} is computed by TRL's own _compute_loss"
         else:
             loss_type, level = (
-                LOSS_TYPES.entry(trainer.loss_type),
-                IMPORTANCE_SAMPLERS.entry(trainer.importance_sampling_level),
+                LOSS_TYPES.entry(trl_settings.loss_type),
+                IMPORTANCE_SAMPLERS.entry(trl_settings.importance_sampling_level),
             )
-            policy_loss = POLICY_LOSSES.entry(trainer.plus.algorithms.policy_loss)
+            policy_loss = POLICY_LOSSES.entry(settings.policy_loss)
             reason = row_skip_blocker(
-                beta=trainer.beta,
-                entropy_bonus=trainer._entropy_bonus_enabled,
-                top_entropy_quantile=trainer.top_entropy_quantile,
-                aux_loss=trainer.aux_loss_enabled,
+                beta=trl_settings.beta,
+                entropy_bonus=trl_settings.entropy_bonus,
+                top_entropy_quantile=trl_settings.top_entropy_quantile,
+                aux_loss=trl_settings.aux_loss,
                 loss_type_declared=loss_type.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
                 importance_sampling_declared=level.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
                 policy_loss_declared=policy_loss.trait(ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING, False),
                 policy_loss=policy_loss.name,
-                loss_type=trainer.loss_type,
-                importance_sampling_level=trainer.importance_sampling_level,
+                loss_type=trl_settings.loss_type,
+                importance_sampling_level=trl_settings.importance_sampling_level,
             )
         if reason is not None:
             self.note_fallback("zero-advantage rows", reason)
         return reason
 
     def dropout_blocker(self, model: torch.nn.Module) -> str | None:
-        reason = dropout_blocker(self.trainer.accelerator.unwrap_model(model))
+        reason = dropout_blocker(self.accelerator.unwrap_model(model))
         if reason is not None:
             self.note_fallback("the zero-waste pass (rows, padding, shared prompt)", reason)
         return reason
@@ -175,9 +186,9 @@ class ZeroWastePass:
 
         def forward(ids, attention, width, rows=None, columns=None):
             extra = model_inputs if not isinstance(images, RowImages) else images.select(rows, columns)
-            return self.trainer._get_per_token_logps_and_entropies(
+            return self.logps_and_entropies(
                 model, ids, attention, width, compute_entropy=compute_entropy,
-                compute_aux_loss=self.trainer.aux_loss_enabled, **extra,
+                compute_aux_loss=self.settings.trl.aux_loss, **extra,
             )  # fmt: skip
 
         # The no-row anchor is a row's first positions; with images, its whole prompt (image tokens need the images).
@@ -227,37 +238,36 @@ class ZeroWastePass:
     def corrects_sampler(self) -> bool:
         """Whether a sampler correction that reads the old log-probs at generation is on: TRL's vLLM one (it derives the
         sampler/trainer ratio and its `sampling/*` metrics there) or grpo_plus's decoupled rollout correction."""
-        trainer = self.trainer
-        return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction) or self.old_logps == "generation"
+        return self.settings.trl.sampler_correction or self.old_logps == "generation"
 
-    def correction_in_loss_blocker(self) -> str | None:
+    def correction_in_loss_blocker(self, model: torch.nn.Module) -> str | None:
         """None where the sampler correction may come from the training forward (detached), so that the no-grad
         old-log-prob pass at generation does not run; else why not. The old log-probs must be the training forward's:
         training on-policy as TRL decides it (`gradient_accumulation_steps` a multiple of `steps_per_generation x
         num_iterations`: every use of a generation batch precedes the next optimizer step, TRL's own condition for
         computing no old log-probs), no active dropout (the pass draws masks of its own), the loss grpo_plus's (TRL's
         `_compute_loss` reads the ratio from the generation batch), and a correction whose numbers each micro-batch can
-        give (`correction_blocker`)."""
-        trainer, args = self.trainer, self.trainer.args
+        give (`correction_blocker`). `model`: the policy as the trainer holds it."""
+        trl_settings = self.settings.trl
         if not self.enabled:
             return "zero_waste_pass=False"
-        every = args.steps_per_generation * trainer.num_iterations
-        if args.gradient_accumulation_steps % every:
+        every = trl_settings.steps_per_generation * trl_settings.num_iterations
+        if trl_settings.gradient_accumulation_steps % every:
             return (
-                f"training is off-policy (gradient_accumulation_steps={args.gradient_accumulation_steps} is not a "
-                f"multiple of steps_per_generation x num_iterations = {every}): the old log-probs are those of the "
-                "weights at generation"
+                f"training is off-policy (gradient_accumulation_steps={trl_settings.gradient_accumulation_steps} is "
+                f"not a multiple of steps_per_generation x num_iterations = {every}): the old log-probs are those of "
+                "the weights at generation"
             )
-        if trainer.loss_type in TRL_NATIVE_LOSS_TYPES:
+        if trl_settings.loss_type in TRL_NATIVE_LOSS_TYPES:
             return (
-                f"loss_type={trainer.loss_type!r} is computed by TRL's own _compute_loss, which reads the ratio from "
-                "the generation batch"
+                f"loss_type={trl_settings.loss_type!r} is computed by TRL's own _compute_loss, which reads the ratio "
+                "from the generation batch"
             )
-        if self._correction_blocker is not None:
-            return self._correction_blocker
-        return self.dropout_blocker(trainer.model)
+        if self.settings.correction_blocker is not None:
+            return self.settings.correction_blocker
+        return self.dropout_blocker(model)
 
-    def defers_logps(self) -> bool:
+    def defers_logps(self, model: torch.nn.Module) -> bool:
         """Not under a sampler correction computed at generation (TRL's vLLM one derives the sampler/trainer ratio and
         its `sampling/*` metrics from the old log-probs during generation, before the rewards say which rows are dead,
         and so does grpo_plus's decoupled rollout correction: there the pass still saves padding and shared prompts,
@@ -268,23 +278,26 @@ class ZeroWastePass:
         if self.old_logps == "none":
             return True
         at_generation = self.corrects_sampler() and not self.correction_in_loss
-        return self.enabled and not at_generation and self.dropout_blocker(self.trainer.model) is None
+        return self.enabled and not at_generation and self.dropout_blocker(model) is None
 
     @contextmanager
-    def generation_step(self) -> Iterator[Callable[[dict[str, Any]], None]]:
-        """Around TRL's `_generate_and_score_completions`: yields `record(output)`, which notes the placeholders. Where
-        the sampler correction comes from the training forward, TRL's vLLM correction is off for the call (TRL then
-        runs no old-log-prob pass: on-policy it needs none)."""
+    def generation_step(
+        self, model: torch.nn.Module, trl_sampler_correction_off: Callable[[], AbstractContextManager]
+    ) -> Iterator[Callable[[dict[str, Any]], None]]:
+        """Around TRL's `_generate_and_score_completions` (`model`: the policy as the trainer holds it): yields
+        `record(output)`, which notes the placeholders. Where the sampler correction comes from the training forward,
+        TRL's vLLM correction is off for the call (inside `trl_sampler_correction_off()`: TRL then runs no old-log-prob
+        pass, on-policy it needs none)."""
         in_loss = False
         if self.corrects_sampler():
-            reason = self.correction_in_loss_blocker()
+            reason = self.correction_in_loss_blocker(model)
             if reason is not None:
                 self.note_fallback("the sampler correction's old log-probs (a no-grad pass at generation)", reason)
             in_loss = reason is None
         self.correction_in_loss = in_loss
-        self.deferring = self.defers_logps()
-        deferring, trainer = self.deferring, self.trainer
-        trl_off = in_loss and trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        self.deferring = self.defers_logps(model)
+        deferring = self.deferring
+        trl_off = in_loss and self.settings.trl.sampler_correction
 
         def record(output: dict[str, Any]) -> None:
             if self.old_logps == "none":  # TRL's placeholder: the sampler's log-probs are the old ones
@@ -293,7 +306,7 @@ class ZeroWastePass:
                 self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
 
         try:
-            with trl_sampler_correction_off(trainer) if trl_off else nullcontext():
+            with trl_sampler_correction_off() if trl_off else nullcontext():
                 yield record
         finally:
             self.deferring = False
@@ -301,36 +314,34 @@ class ZeroWastePass:
     def placeholder(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, None, None]:
         return torch.zeros((input_ids.shape[0], logits_to_keep), device=input_ids.device), None, None
 
-    def fill_deferred(self, micro_batches: list[dict[str, Any]]) -> None:
-        """Compute the old / reference log-probs of a generation batch just split into `micro_batches`."""
+    def fill_deferred(
+        self,
+        micro_batches: list[dict[str, Any]],
+        model: torch.nn.Module,
+        reference_model: Callable[[], AbstractContextManager[torch.nn.Module]],
+    ) -> None:
+        """Compute the old / reference log-probs of a generation batch just split into `micro_batches`, with the
+        policy `model` and the model `reference_model()` yields (TRL's reference, set up as TRL sets it up)."""
         pending, self.pending = self.pending, ()
-        trainer = self.trainer
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
-        ):
+        with torch.no_grad(), disable_gradient_checkpointing(model, self.settings.trl.gradient_checkpointing_kwargs):
             for inputs in micro_batches:
                 if "old_per_token_logps" in pending:
-                    inputs["old_per_token_logps"] = self.micro_batch_logps(trainer.model, inputs, False).logps
+                    inputs["old_per_token_logps"] = self.micro_batch_logps(model, inputs, False).logps
                 if "ref_per_token_logps" in pending:
-                    with reference_model(trainer) as ref_model:
+                    with reference_model() as ref_model:
                         inputs["ref_per_token_logps"] = self.micro_batch_logps(ref_model, inputs, False).logps
 
-    def old_logps_of_every_row(self, batch: dict[str, Any], batch_size: int) -> torch.Tensor:
-        """The no-grad old-log-prob pass TRL runs at generation under its vLLM correction (the policy model, every row
-        of the generation batch `batch`, `batch_size` rows per call, its image inputs), for a correction that needs
+    def old_logps_of_every_row(self, batch: dict[str, Any], batch_size: int, model: torch.nn.Module) -> torch.Tensor:
+        """The no-grad old-log-prob pass TRL runs at generation under its vLLM correction (the policy `model`, every
+        row of the generation batch `batch`, `batch_size` rows per call, its image inputs), for a correction that needs
         the old log-probs where TRL computed none (on-policy training) and cannot take them from the training forward
         (`correction_in_loss_blocker`): padding and shared prompts saved, rows not."""
-        trainer = self.trainer
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         model_inputs = {key: batch[key] for key in FORWARD_INPUT_KEYS if batch.get(key) is not None}
-        with (
-            torch.no_grad(),
-            disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs),
-        ):
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size,
+        with torch.no_grad(), disable_gradient_checkpointing(model, self.settings.trl.gradient_checkpointing_kwargs):
+            logps, _, _ = self.logps_and_entropies(
+                model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size,
                 **model_inputs,
             )  # fmt: skip
         return logps
@@ -339,22 +350,28 @@ class ZeroWastePass:
 
     def logps_and_entropies(
         self,
-        full: Callable[[torch.Tensor, torch.Tensor, int], tuple],
         model,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         logits_to_keep: int,
-        batch_size: int | None,
-        compute_entropy: bool,
-        compute_aux_loss: bool,
-        model_inputs: dict[str, Any],
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **model_inputs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's log-probs (entropies, aux loss) without the padding after the completions and, where the model allows
-        it, with each shared prompt computed once (a VLM: each prompt's images encoded once). `full(input_ids,
-        attention_mask, logits_to_keep, **model_inputs)` is TRL's method.
-        """
+        """TRL's `_get_per_token_logps_and_entropies` (same arguments, same result) without the padding after the
+        completions and, where the model allows it, with each shared prompt computed once (a VLM: each prompt's images
+        encoded once); TRL's method (`trl_logps`) computes the rest. Inside TRL's generation step (`deferring`) its
+        no-grad passes get placeholders."""
         if self.deferring and not torch.is_grad_enabled():
             return self.placeholder(input_ids, logits_to_keep)
+        full = functools.partial(
+            self.trl_logps,
+            model,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
+        )
         images = self.row_images(model_inputs, input_ids.shape[0], "the padding and the shared prompt")
         if not self.enabled or self.dropout_blocker(model) is not None or isinstance(images, tuple):
             self.positions += input_ids.numel()
@@ -394,7 +411,7 @@ class ZeroWastePass:
             return "the router aux loss is taken over every row's tokens"
         if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):
             return "some prompt does not end in its last column (prompts are not left-padded)"
-        config = self.trainer.accelerator.unwrap_model(model).config
+        config = self.accelerator.unwrap_model(model).config
         text_config = config.get_text_config()
         families = SHARED_PROMPT_FAMILIES
         if text_config is config and images is not None:
@@ -414,15 +431,14 @@ class ZeroWastePass:
         value heads and takes the memory-efficient kernel, as in TRL's forward)."""
         config = model.config.get_text_config()
         heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
-        args = self.trainer.args
-        half = args.bf16 or args.fp16 or model.dtype in (torch.bfloat16, torch.float16)
+        half = self.settings.trl.half_precision or model.dtype in (torch.bfloat16, torch.float16)
         return half or kv_heads in (None, heads)
 
     def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, images=None):
         """Log-probs and entropies with one prompt copy per pack (and, with `images`, each pack's prompt images
         encoded once); None where packing does not pay."""
         prompt_width = input_ids.shape[1] - logits_to_keep
-        accelerator = self.trainer.accelerator
+        accelerator = self.accelerator
         unwrapped = accelerator.unwrap_model(model)
         eager = unwrapped.config.get_text_config()._attn_implementation == "eager"
         with_images = images is not None and images.has_images
@@ -448,7 +464,7 @@ class ZeroWastePass:
             logits_to_keep,
             batch_size,
             hidden_size=unwrapped.config.get_text_config().hidden_size,
-            pad_token_id=self.trainer._tokenizer.pad_token_id or 0,
+            pad_token_id=self.settings.trl.pad_token_id or 0,
             unshared_positions=input_ids.shape[0]
             * (prompt_width + completion_width(attention_mask[:, prompt_width:])),
             mask_free=self.mask_free_allowed(unwrapped),

@@ -59,15 +59,15 @@ def crash_in(phase: str, trainer, at_step: int) -> None:
 
         trainer._compute_loss = crashing_compute_loss
     elif phase == "refill_round":
-        draw_refill = trainer._draw_refill_inputs
+        refill_rows = trainer._dynamic_sampling.refill_rows
 
-        def crashing_refill(num_rows):
-            rows = draw_refill(num_rows)
+        def crashing_refill(prompts_per_draw):
+            rows = refill_rows(prompts_per_draw)
             if now():
                 raise Crash("in a refill round")
             return rows
 
-        trainer._draw_refill_inputs = crashing_refill
+        trainer._dynamic_sampling.refill_rows = crashing_refill
     elif phase == "optimizer":
 
         class CrashAfterUpdate(TrainerCallback):

@@ -109,9 +109,9 @@ def logged_sampling(trainer, name: str) -> list:
 
 
 def record_policy_weights(monkeypatch) -> list[dict]:
-    """Every call of grpo_plus's trainer's `compute_policy_loss`: its log-probs, old log-probs, mask and policy weights
-    (the sampler correction's ratio or weights, times any other weight)."""
-    import grpo_plus.trainer
+    """Every call of grpo_plus's trainer's `compute_policy_loss` (its micro-batch loss's): its log-probs, old log-probs,
+    mask and policy weights (the sampler correction's ratio or weights, times any other weight)."""
+    import grpo_plus.algorithms.micro_batch_loss
     from grpo_plus import compute_policy_loss
 
     calls = []
@@ -129,7 +129,7 @@ def record_policy_weights(monkeypatch) -> list[dict]:
         )
         return compute_policy_loss(logps, old_logps, advantages, mask, **kwargs)
 
-    monkeypatch.setattr(grpo_plus.trainer, "compute_policy_loss", recording)
+    monkeypatch.setattr(grpo_plus.algorithms.micro_batch_loss, "compute_policy_loss", recording)
     return calls
 
 
