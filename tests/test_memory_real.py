@@ -37,7 +37,10 @@ def child_process_settings_undone(monkeypatch, benchmark_in_this_process):
 
     from grpo_plus.compat.lm_head import FUSED_LM_HEAD_COLUMNS
 
-    monkeypatch.setattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS, getattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS))
+    if hasattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS):  # TRL 1.14 has no fused LM head, and no tile to put back
+        monkeypatch.setattr(
+            trl.trainer.utils, FUSED_LM_HEAD_COLUMNS, getattr(trl.trainer.utils, FUSED_LM_HEAD_COLUMNS)
+        )
 
 
 class WithTransient:

@@ -89,7 +89,10 @@ def fused_lm_head_columns_default() -> int:
 @contextmanager
 def fused_lm_head_columns(columns: int) -> Iterator[None]:
     """TRL's fused LM head projects `columns` vocabulary columns per tile in the forwards started inside this block
-    (and their backwards)."""
+    (and their backwards); a TRL without the fused LM head (1.14) has no tile, and nothing is set."""
+    if not hasattr(trl_utils, FUSED_LM_HEAD_COLUMNS):
+        yield
+        return
     with attribute_set(trl_utils, FUSED_LM_HEAD_COLUMNS, columns):
         yield
 
