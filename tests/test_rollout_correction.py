@@ -500,7 +500,7 @@ def test_decoupled_mode_trains_on_verls_weights_and_mask(tmp_path, monkeypatch):
             call["mask"], expected.response_mask
         )
         # the old log-probs are the trainer's own at generation: the training forward's, on-policy
-        torch.testing.assert_close(call["old"], call["logps"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(call["old"], call["logps"], atol=3e-6, rtol=0)  # float32: worst 9.5e-7, 3.1x
         assert not torch.isnan(call["weights"]).any()
     # the correction acted: weights other than 1, tokens rejected (without it the checks above prove nothing)
     weights, kept = batches[-1][1]["rollout_is_weights"], batches[-1][1]["rollout_response_mask"]
