@@ -48,7 +48,7 @@ def test_equals_trl(scale, dtype, num_funcs, weights):
     expected = trl_advantages(per_func, G, scale_rewards=SCALES[scale], reward_weights=weights)
     ours = compute_advantages(trl_rewards(per_func, weights), num_generations=G, scale_rewards=scale)
     assert ours.dtype == expected.dtype == dtype
-    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)  # bit for bit in every run measured (TRL 1.14-1.16)
     assert torch.isfinite(ours).all()
     assert ours[5] == 0  # unscorable
     assert (ours[8:12] == 0).all()  # zero-variance group: exactly 0, never a division blow-up
@@ -61,7 +61,7 @@ def test_num_generations_one_equals_trl(dtype):
     rewards = torch.randn(6, 1, dtype=dtype)
     for scale in ("group", "batch", "none"):
         expected = trl_advantages(rewards, 1, scale_rewards=scale)
-        torch.testing.assert_close(compute_advantages(rewards[:, 0], 1, scale), expected, atol=1e-6, rtol=0)
+        torch.testing.assert_close(compute_advantages(rewards[:, 0], 1, scale), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -74,7 +74,7 @@ def test_inf_rewards_are_unscorable(scale):
     without[torch.isinf(without)] = NAN
     assert ours[2] == 0 and ours[5] == 0
     torch.testing.assert_close(ours, compute_advantages(without, G, scale), atol=0, rtol=0)
-    torch.testing.assert_close(ours, trl_advantages(without.unsqueeze(1), G, scale), atol=1e-12, rtol=0)
+    torch.testing.assert_close(ours, trl_advantages(without.unsqueeze(1), G, scale), atol=0, rtol=0)
     assert torch.isfinite(ours).all() and (ours[[0, 1, 3, 4, 6, 7]] != 0).all()
 
 
@@ -86,7 +86,7 @@ def test_constant_group_is_exactly_zero_despite_rounding(scale, value):
     rewards = torch.tensor([value] * 7 + [0.0, 1.0, 3.0, 2.0, 5.0, -1.0, 4.0], dtype=torch.float32)
     ours = compute_advantages(rewards, 7, scale)
     assert (ours[:7] == 0).all()
-    torch.testing.assert_close(ours[7:], trl_advantages(rewards.unsqueeze(1), 7, scale)[7:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[7:], trl_advantages(rewards.unsqueeze(1), 7, scale)[7:], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -123,7 +123,7 @@ def test_user_normalizer_leave_one_out_end_to_end():
         expected = torch.tensor(
             [1 - 3, 2 - 2.5, 4 - 1.5, 0, 3 - 13 / 3, 3 - 13 / 3, 3 - 13 / 3, 7 - 3], dtype=torch.float64
         )
-        torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
+        torch.testing.assert_close(ours, expected, atol=0, rtol=0)  # the same operations: bit for bit
     ADVANTAGE_NORMALIZERS.unregister("rloo_test")
     assert "rloo_test" not in available_advantage_normalizers(with_aliases=True)
     assert "leave_one_out_test" not in available_advantage_normalizers(with_aliases=True)
@@ -138,7 +138,7 @@ def test_user_normalizer_rank_based_end_to_end():
     rewards = torch.tensor([10.0, -1.0, 3.0, 0.5, 2.0, 1.0, 0.0, 9.0])
     ours = compute_advantages(rewards, num_generations=4, scale_rewards="rank_test")
     expected = torch.tensor([3, 0, 2, 1, 2, 1, 0, 3], dtype=torch.float32) / 3 - 0.5
-    torch.testing.assert_close(ours, expected)
+    torch.testing.assert_close(ours, expected, atol=0, rtol=0)
 
 
 def test_user_normalizer_nan_output_becomes_zero():

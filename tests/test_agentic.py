@@ -69,7 +69,7 @@ def assert_trained_alike(trained, *keys: str):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for key in ("loss", "reward", *keys):
         assert logged(ours, key) == logged(theirs, key), key
-    assert max_weight_diff(theirs.model.state_dict(), ours.model.state_dict()) <= 1e-6
+    assert max_weight_diff(theirs.model.state_dict(), ours.model.state_dict()) <= 2e-7  # worst 6.0e-8 (2 threads)
     return ours
 
 

@@ -156,14 +156,15 @@ def test_register_twice_needs_override():
     with pytest.raises(ValueError, match=r"'twice_loss_test' already registered; pass override=True"):
         register_loss_type("twice_loss_test")(lambda masked_loss, ctx: masked_loss.sum() * 2)
     out = call(loss_type="twice_loss_test")
-    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum())  # still the first function
+    # still the first function
+    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum(), atol=0, rtol=0)
 
     @register_loss_type("twice_loss_test", override=True)
     def second(masked_loss, ctx):
         return masked_loss.sum() * 2
 
     out = call(loss_type="twice_loss_test")
-    torch.testing.assert_close(out.loss, 2 * (out.per_token_loss * inputs().mask).sum())
+    torch.testing.assert_close(out.loss, 2 * (out.per_token_loss * inputs().mask).sum(), atol=0, rtol=0)
     # Built-ins are protected the same way.
     with pytest.raises(ValueError, match=r"'grpo' already registered"):
         register_loss_type("grpo")(first)
@@ -181,7 +182,7 @@ def test_override_with_an_alias_that_was_an_entry():
     names = available_loss_types(with_aliases=True)
     assert names.count("alias_target_test") == 1
     out = call(loss_type="alias_target_test")
-    torch.testing.assert_close(out.loss, 3 * (out.per_token_loss * inputs().mask).sum())
+    torch.testing.assert_close(out.loss, 3 * (out.per_token_loss * inputs().mask).sum(), atol=0, rtol=0)
 
 
 def test_requires_unknown_field():
@@ -197,7 +198,7 @@ def test_requires_known_field_is_enforced():
     with pytest.raises(ValueError, match=r"loss_type='needs_len_test' needs max_completion_length"):
         call(loss_type="needs_len_test")
     out = call(loss_type="needs_len_test", max_completion_length=10)
-    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum() / 10)
+    torch.testing.assert_close(out.loss, (out.per_token_loss * inputs().mask).sum() / 10, atol=0, rtol=0)
 
 
 def test_loss_type_must_return_scalar():
@@ -244,8 +245,8 @@ def test_user_loss_type_end_to_end():
     per_token = -torch.min(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
     hand = (per_token * mask).sum(-1).mean() / steps
     hand.backward()
-    torch.testing.assert_close(out.loss, hand, atol=1e-12, rtol=0)
-    torch.testing.assert_close(grad, hand_leaf.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out.loss, hand, atol=0, rtol=0)  # the same operations: bit for bit
+    torch.testing.assert_close(grad, hand_leaf.grad, atol=0, rtol=0)
     assert hand_leaf.grad.abs().max() > 0
 
 
@@ -275,12 +276,12 @@ def test_user_importance_sampling_end_to_end():
     per_token = -torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
     hand = (per_token * mask).sum() / 7
     hand.backward()
-    torch.testing.assert_close(out.loss, hand, atol=1e-12, rtol=0)
-    torch.testing.assert_close(grad, hand_leaf.grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(out.loss, hand, atol=0, rtol=0)  # the same operations: bit for bit
+    torch.testing.assert_close(grad, hand_leaf.grad, atol=0, rtol=0)
     assert hand_leaf.grad.abs().max() > 0
     assert out.importance_weights.shape == (B, 1)
     # Metrics of a (B, 1) weight count sequences, like TRL's sequence level.
-    assert out.metrics["ratio/mean"] == pytest.approx(ratio.detach().mean().item(), abs=1e-12)
+    assert out.metrics["ratio/mean"] == ratio.detach().mean().item()
 
     IMPORTANCE_SAMPLERS.unregister("sequence_sum")
     with pytest.raises(ValueError, match=r"importance_sampling_level='sequence_sum' is not registered"):

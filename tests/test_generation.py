@@ -210,7 +210,7 @@ def test_per_step_logits_are_model_generates_under_teacher_forcing(family):
     for step in range(len(reference_logits)):
         unfinished = ends >= step  # rows that have not emitted their EOS before this step
         diff = (our_logits[step][unfinished] - reference_logits[step][unfinished]).abs().max().item()
-        assert diff <= 1e-5, (step, diff)
+        assert diff <= 5e-7, (step, diff)  # float32: worst 1.5e-7 (threads 1-2): 3.4x
     assert not torch.equal(our_logits[-1], reference_logits[-1])  # finished rows were not computed
 
 
@@ -369,7 +369,7 @@ def test_trainer_generates_stock_trls_completions_with_lora(tmp_path):
     (trl_completions, trl_weights, trl_forwards, _), (ours, our_weights, our_forwards, logs) = runs.values()
     assert ours == trl_completions
     assert len({len(c) for batch in ours for c in batch}) > 1, "every completion had the same length"
-    assert max((trl_weights[k] - our_weights[k]).abs().max().item() for k in trl_weights) <= 1e-6
+    assert max((trl_weights[k] - our_weights[k]).abs().max().item() for k in trl_weights) <= 3e-8  # worst 7.5e-9
     generated = [call for call in our_forwards.calls if not call["grad"]]
     assert sum(call["shape"][0] * call["shape"][1] for call in generated) < 0.6 * sum(
         call["shape"][0] * call["shape"][1] for call in trl_forwards.calls if not call["grad"]

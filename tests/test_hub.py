@@ -439,7 +439,7 @@ def test_merge_adapter_matches_peft_logits(tmp_path, base_and_adapter):
         merged_logits = merged(ids).logits
         peft_logits = peft_model(input_ids=ids).logits
         base_logits = base(ids).logits
-    torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(merged_logits, peft_logits, atol=6e-7, rtol=0)  # worst 1.9e-7: 3.1x
     assert not torch.allclose(merged_logits, base_logits, atol=1e-3)  # the adapter really did something
 
 

@@ -77,7 +77,7 @@ def test_activation_offloading_trains_stock_trls_weights(tiny_model_dir, tmp_pat
     trl_weights, _, _ = train(tiny_model_dir, tmp_path, trl)
     our_weights, _, _ = train(tiny_model_dir, tmp_path, grpo_plus, activation_offloading=True)
     assert managers and managers[0].tensor_id > 0, "no tensor went through the offloading hooks"
-    assert_same_weights(trl_weights, our_weights, tol=1e-5)
+    assert_same_weights(trl_weights, our_weights, tol=1.5e-8)  # float32: worst 3.7e-9, 4x
 
 
 @needs_cpu_logps
@@ -91,7 +91,7 @@ def test_tiled_mlp_trains_stock_trls_weights(tiny_model_dir, tmp_path):
     assert wrappers and all(isinstance(w, TiledMLP) for w in wrappers)
     assert all(w.tiled_calls > 0 for w in wrappers), "no MLP ran tiled"
     assert all(w.skipped_recomputes > 0 for w in wrappers), "no checkpoint recompute skipped the MLP"
-    assert_same_weights(trl_weights, our_weights, tol=1e-5)
+    assert_same_weights(trl_weights, our_weights, tol=1.5e-8)  # float32: worst 3.7e-9, 4x
 
 
 def test_tiled_mlp_stands_aside_under_dropout_and_without_grad(caplog):
@@ -181,7 +181,7 @@ def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(
     assert all(w.tiled_calls > 0 for w in wrappers), "the default did not tile a long micro-batch"
     assert caplog.text.count("tiled_mlp_tokens='auto'") == 1 and "turns it off" in caplog.text
     assert f"{tiled_norm:.6g}" == f"{whole_norm:.6g}"
-    assert max((a - b).abs().max().item() for a, b in zip(tiled, whole, strict=True)) < 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(tiled, whole, strict=True)) < 1e-8  # worst 2.8e-9: 3.6x
     calls = [w.tiled_calls for w in wrappers]
     model.zero_grad()
     lora_grad_norm(model, ids[:, : tiled_mlp.AUTO_MIN_TOKENS // rows])  # exactly the threshold: whole
@@ -209,7 +209,7 @@ def test_tiled_mlp_under_checkpointing_runs_each_mlp_twice_per_step_as_whole_doe
     gap, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
     assert [(w.output_only_added, w.tiled_calls, w.skipped_recomputes) for w in wrappers] == [(True, 2, 1)] * 2
     assert calls == 2 * 5 * len(wrappers)
-    assert gap < 1e-7  # measured 2.0e-8
+    assert gap < 1e-8  # worst 2.8e-9 (threads 1-2, input seeds): 3.6x
     monkeypatch.setattr(tiled_mlp, "output_only_added", lambda output, layer_input: False)
     _, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
     assert calls == 3 * 5 * len(wrappers) and not any(w.skipped_recomputes for w in wrappers)
@@ -225,7 +225,7 @@ def test_tiled_mlp_recomputes_the_output_a_layer_normalizes(monkeypatch):
     gap, wrappers, calls = tiled_against_whole(lora_gemma2, ids, 64)
     assert [(w.output_only_added, w.skipped_recomputes) for w in wrappers] == [(False, 0)] * 2
     assert calls == 3 * 7 * len(wrappers)  # 400 positions: 7 tiles
-    assert gap < 5e-8  # measured 9.3e-9
+    assert gap < 1e-8  # worst 3.3e-9 (threads 1-2, input seeds): 3.1x
     monkeypatch.setattr(tiled_mlp, "output_only_added", lambda output, layer_input: True)
     gap, wrappers, _ = tiled_against_whole(lora_gemma2, ids, 64)
     assert all(w.skipped_recomputes for w in wrappers)
@@ -243,7 +243,7 @@ def test_tiled_mlp_with_still_sharded_weights_runs_nested_checkpoints(monkeypatc
     monkeypatch.setattr(tiled_mlp._TiledMLPFunction, "apply", None)  # the autograd function is not reached
     gap, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
     assert calls == (5 + 4 + 5) * len(wrappers) and all(w.tiled_calls == 2 for w in wrappers)
-    assert gap < 1e-7
+    assert gap < 1e-8  # worst 3.3e-9: 3.1x
 
 
 def test_tiled_mlp_stands_aside_under_zero3(caplog):
@@ -703,7 +703,7 @@ def test_lm_head_tile_auto_narrows_the_cpu_fold_of_a_long_micro_batch(caplog):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=4e-6)
     for name, grad in whole[2].items():
         scale = grad.abs().max().item()
-        assert (tiled[2][name] - grad).abs().max().item() <= 1e-6 * max(scale, 1.0), name
+        assert (tiled[2][name] - grad).abs().max().item() <= 3e-6 * max(scale, 1.0), name  # worst 9.4e-7: 3.2x
     assert at_threshold[0].shape == (8, 1024)
 
     spec = tiny_spec(model_config=fit.known_config("tiny-qwen2", vocab_size=6144).to_dict(), rows=8,

@@ -72,7 +72,7 @@ def test_a_tool_turn_continues_the_kept_cache_like_a_fresh_prefill(family, lora)
     (reference, reference_logits), (ours, our_logits) = recorded
     assert torch.equal(ours, reference)
     # the kept keys/values were computed one decode step at a time, TRL's in one prefill: float rounding only
-    assert (our_logits - reference_logits).abs().max().item() <= 1e-5
+    assert (our_logits - reference_logits).abs().max().item() <= 5e-7  # worst 1.3e-7 (threads 1-2): 3.7x
 
 
 @needs_loop
@@ -209,7 +209,7 @@ def test_tool_turns_give_stock_trls_tokens_prefilling_only_what_is_new(tool_mode
     assert [c["prompt_ids"] for c in our_turns.calls] == [c["prompt_ids"] for c in trl_turns.calls]
     assert [c["completion_ids"] for c in our_turns.calls] == [c["completion_ids"] for c in trl_turns.calls]
     assert logged(ours, "loss") == logged(trl_trainer, "loss")
-    assert max_weight_diff(trl_trainer.model.state_dict(), ours.model.state_dict()) <= 1e-6
+    assert max_weight_diff(trl_trainer.model.state_dict(), ours.model.state_dict()) <= 4e-7  # worst 1.2e-7: 3.4x
 
     # real tool use: calls that were answered, and rows that went on for a second tool turn
     assert all(0 < frequency for frequency in logged(ours, "tools/call_frequency"))

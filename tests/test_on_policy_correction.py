@@ -38,10 +38,11 @@ ON_POLICY = dict(
     per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2, max_steps=1, optim="sgd",
     learning_rate=0.5, loss_type="dapo",
 )  # fmt: skip
-# Measured on these runs: final weights 0.7e-8 to 1.6e-8 apart from stock TRL's, 1.2e-7 (one float32 step at 1, where
-# the norms' weights start) between grpo_plus with and without the saving (the training forward computes the live rows
-# with their shared prompt once; TRL's pass and forward compute every row in full). Two float32 steps at 1:
-WEIGHT_GAP = 2.4e-7
+# Final weights of grpo_plus against stock TRL's and against grpo_plus without the saving (the training forward computes
+# the live rows with their shared prompt once; TRL's pass and forward compute every row in full), two float32 steps at
+# 1: worst 2.2e-8 on both sides over threads 1-2 and input seeds (docs/notes.md, Tolerances; the 1.2e-7 noted here
+# before was not reproduced): 3.6x.
+WEIGHT_GAP = 8e-8
 
 
 class LogprobSampler:
@@ -172,11 +173,11 @@ def test_trls_correction_on_policy_runs_no_old_log_prob_pass(
     assert logged_names == {name.replace("sampling/", "sampling/trained_rows/") for name in expected}
     for name, value in expected.items():
         assert logged(ours, name.replace("sampling/", "sampling/trained_rows/")) == [
-            pytest.approx(value, rel=1e-5, abs=1e-6)
+            pytest.approx(value, rel=1.5e-6, abs=1.5e-7)  # worst 0.30 of this bound: 3.4x
         ]
     # the reference on every row gives TRL's own logged numbers (so it is TRL's formula)
     for name, value in trl_sampling_metrics([b for _, b in their_batches], mode).items():
-        assert logged(theirs, name) == [pytest.approx(value, rel=1e-6)]
+        assert logged(theirs, name) == [pytest.approx(value, rel=2e-7)]  # float32 logs: worst 6.8e-8, 2.9x
 
 
 def test_without_the_saving_the_pass_runs(model_dir, tmp_path):
@@ -228,7 +229,7 @@ def test_decoupled_correction_on_policy_runs_no_old_log_prob_pass(model_dir, tmp
     first_pass = [torch.cat(part) for part in zip(*kept[:2], strict=True)]  # the generation batch's live rows, once
     for name, value in rollout_correction(*first_pass, **options).metrics.items():
         trained = name.replace("rollout_corr/", "rollout_corr/trained_rows/")
-        assert logged(ours, trained) == [pytest.approx(value, rel=1e-6, abs=1e-7)], name
+        assert logged(ours, trained) == [value], name  # bit for bit in every run
     assert not logged(ours, "rollout_corr/kl")
 
     control, _, control_forwards = train(grpo_plus, model_dir, tmp_path / "pass", zero_waste_pass=False, **settings)

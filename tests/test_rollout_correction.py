@@ -33,7 +33,9 @@ B, T = len(LENGTHS), 10
 # Gaps measured on these tensors (every option below, float32 and float64, integer / float / bool masks): grpo_plus
 # and verl's own code give bit-identical weights, masks and metrics (gap 0.0); grpo_plus and the docs' oracle (float64,
 # exact means) differ by at most 2.4e-8 relative, where verl takes its threshold shares in float32 (`.float()`).
-TOL = 1e-6
+# Worst over 11 runs (threads 1-2, 4 input seeds, TRL 1.14-1.16; docs/notes.md, Tolerances): against verl 0.0 (so
+# exact); against the oracle weights 4.4e-16 (3.4x), metrics 2.6e-8 relative (3.9x).
+ORACLE_WEIGHTS_TOL, ORACLE_METRICS_TOL = 1.5e-15, 1e-7
 
 IS_OPTIONS = [(None, False), ("token", False), ("token", True), ("sequence", False), ("sequence", True)]
 # Every criterion alone (k1: an asymmetric ratio range, and one value u = 1/u_u), then chains with per-criterion
@@ -73,17 +75,17 @@ def relative_gap(ours: dict, theirs: dict) -> float:
     return max(abs(ours[k] - theirs[k]) / max(1.0, abs(theirs[k])) for k in ours)
 
 
-def assert_equal_results(ours, theirs, mask, tol=TOL):
+def assert_equal_results(ours, theirs, mask, weights_tol=0.0, metrics_tol=0.0):
     weights, corrected, metrics = ours
     their_weights, their_corrected, their_metrics = theirs
     assert (weights is None) == (their_weights is None)
     if weights is not None:  # on the mask; off it grpo_plus's are 0 (verl's are NaN where a log-prob there is NaN)
         on_mask = mask.bool()
         their_weights = torch.as_tensor(their_weights, dtype=weights.dtype)
-        torch.testing.assert_close(weights[on_mask], their_weights[on_mask], atol=tol, rtol=tol)
+        torch.testing.assert_close(weights[on_mask], their_weights[on_mask], atol=weights_tol, rtol=0)
         assert (weights[~on_mask] == 0).all()
     assert corrected.tolist() == torch.as_tensor(their_corrected).tolist()
-    assert relative_gap(metrics, their_metrics) <= tol
+    assert relative_gap(metrics, their_metrics) <= metrics_tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -115,7 +117,7 @@ def test_every_option_equals_the_docs_formulas(rollout_is, normalize):
         docs = oracle.rollout_correction(
             old.tolist(), rollout.tolist(), mask.tolist(), rollout_is, 3.0, normalize, rollout_rs, threshold
         )
-        assert_equal_results(ours, docs, mask)
+        assert_equal_results(ours, docs, mask, ORACLE_WEIGHTS_TOL, ORACLE_METRICS_TOL)
 
 
 def test_the_batch_exercises_every_branch():
@@ -126,7 +128,10 @@ def test_the_batch_exercises_every_branch():
     sequence = rollout_correction(
         old, rollout, mask, rollout_is="sequence", rollout_rs="seq_sum_k3", rollout_rs_threshold=1
     )
-    assert token.metrics["rollout_corr/rollout_is_max"] == pytest.approx(torch.exp(torch.tensor(20.0)).item())
+    # a float32 metric: worst 2.4e-8 relative, 4.2x
+    assert token.metrics["rollout_corr/rollout_is_max"] == pytest.approx(
+        torch.exp(torch.tensor(20.0)).item(), rel=1e-7
+    )
     assert 0 < token.metrics["rollout_corr/rollout_is_ratio_fraction_high"] < 1
     assert 0 < token.metrics["rollout_corr/rollout_is_ratio_fraction_low"] < 1
     assert 0 < token.metrics["rollout_corr/rollout_rs_token_k1_masked_fraction"] < 1
@@ -218,7 +223,7 @@ def test_batch_normalization_over_processes_is_the_mean_over_every_process():
             )
             assert answers == []
             alone.append(rollout_correction(old[half], rollout[half], mask[half], **options).weights)
-        torch.testing.assert_close(torch.cat(together), whole, atol=0, rtol=1e-7)
+        torch.testing.assert_close(torch.cat(together), whole, atol=0, rtol=0)  # bit for bit in every run
         assert (torch.cat(alone) - whole).abs().max() > 1e-3
 
 
@@ -295,11 +300,11 @@ def test_bypass_loss_equals_verls_bypass_mode(loss_type, options):
 
     loss, grad = grad_of(ours, logps)
     verl_loss, verl_grad = grad_of(theirs, logps)
-    assert abs(loss.item() - verl_loss.item()) <= 1e-12 and verl_grad.abs().max() > 1e-3
-    torch.testing.assert_close(grad, verl_grad, atol=1e-12, rtol=0)
+    assert loss.item() == verl_loss.item() and verl_grad.abs().max() > 1e-3
+    torch.testing.assert_close(grad, verl_grad, atol=0, rtol=0)
     ours_metrics = {name: values[-1] for name, values in logged["ours"].items()}
     theirs_metrics = {k: v for k, v in logged["theirs"].items() if k.startswith("rollout_corr/")}
-    assert relative_gap(ours_metrics, theirs_metrics) <= TOL  # logged through float32: measured <= 6e-8
+    assert relative_gap(ours_metrics, theirs_metrics) <= 2e-7  # logged through float32: worst 5.3e-8, 3.8x
 
 
 def grad_of(loss_fn, logps):
@@ -326,8 +331,9 @@ def test_bypass_rejection_judges_only_the_rows_the_forward_computed():
     logged = {name: values[-1] for name, values in metrics.items()}
     assert set(logged) == {name.replace("rollout_corr/", "rollout_corr/trained_rows/") for name in alone.metrics}
     everything = rollout_correction(old, sampled, mask, **options).metrics
-    assert logged["rollout_corr/trained_rows/kl"] == pytest.approx(alone.metrics["rollout_corr/kl"], rel=1e-6)
-    assert abs(logged["rollout_corr/trained_rows/kl"] - everything["rollout_corr/kl"]) > 1e-3
+    kl = logged["rollout_corr/trained_rows/kl"]
+    assert kl == pytest.approx(alone.metrics["rollout_corr/kl"], rel=1e-7)  # worst 3.3e-8: 3x
+    assert abs(kl - everything["rollout_corr/kl"]) > 1e-3
 
 
 # ---- GRPOConfig ---------------------------------------------------------------------------------------------------
@@ -505,7 +511,7 @@ def test_decoupled_mode_trains_on_verls_weights_and_mask(tmp_path, monkeypatch):
             call["mask"], expected.response_mask
         )
         # the old log-probs are the trainer's own at generation: the training forward's, on-policy
-        torch.testing.assert_close(call["old"], call["logps"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(call["old"], call["logps"], atol=3e-6, rtol=0)  # float32: worst 9.5e-7, 3.1x
         assert not torch.isnan(call["weights"]).any()
     # the correction acted: weights other than 1, tokens rejected (without it the checks above prove nothing)
     weights, kept = batches[-1][1]["rollout_is_weights"], batches[-1][1]["rollout_response_mask"]

@@ -70,7 +70,7 @@ def test_every_saving_runs_where_the_docs_say_and_trains_stock_trls_weights(fami
     with caplog.at_level(logging.WARNING, logger="grpo_plus"):
         ours, our_forwards = train(grpo_plus, family, lora, tmp_path / "grpo_plus")
     theirs, _ = train(trl, family, lora, tmp_path / "trl")
-    assert max_weight_diff(theirs.model.state_dict(), ours.model.state_dict()) <= 1e-5
+    assert max_weight_diff(theirs.model.state_dict(), ours.model.state_dict()) <= 1.5e-8  # worst 3.7e-9: 4x
 
     # Nothing stood aside but what the documented floors rule out with these versions.
     fallbacks = [r.getMessage() for r in caplog.records if "computed in full" in r.getMessage()]
@@ -82,7 +82,7 @@ def test_every_saving_runs_where_the_docs_say_and_trains_stock_trls_weights(fami
     # not logged where transformers 4.x rules the loop out before any generation (TRL's own loop generates)
     generation = [step.get("zero_waste/generation_prefill_positions_frac", 1.0) for step in steps]
     if version_gap("zero_waste_generation") is None:
-        assert all(frac == pytest.approx(2 / 8) for frac in generation), "each prompt was not prefilled once"
+        assert all(frac == 2 / 8 for frac in generation), "each prompt was not prefilled once"
         assert all(step["zero_waste/generation_positions_frac"] < 1 for step in steps)
     else:
         assert all(frac == 1.0 for frac in generation)

@@ -16,6 +16,9 @@ from grpo_plus.sampling.selective_rollout import MIN_KEEP_PROBABILITY, SOLVED, U
 from grpo_plus.sampling.settings import SelectiveRolloutSettings
 
 G = 4
+# Sampled rates against the configured ones: the gap is sampling noise, set by the selector's seed. Bounds from the
+# worst gap over 114 seeds (docs/notes.md, Tolerances): bounds set at the one seed each test uses failed at others.
+RATE_TOL, KIND_RATE_TOL, FLOOR_RATE_TOL = 0.1, 0.05, 0.02  # worst 0.081, 0.038, 0.013: 1.2x, 1.3x, 1.5x
 
 
 def group_rewards(indices, dead, dead_value=1.0) -> torch.Tensor:
@@ -60,7 +63,7 @@ def test_dead_prompts_are_skipped_at_the_configured_rate_and_live_ones_never(exp
         settled = came_up[index][history:]
         if index in dead:
             assert not came_up[index][0][1], "a row was skipped before anything was known about it"
-            assert skip_rate(settled) == pytest.approx(expected_skip, abs=0.05), index
+            assert skip_rate(settled) == pytest.approx(expected_skip, abs=RATE_TOL), index
         else:
             assert skip_rate(came_up[index]) == 0.0, f"live row {index} was skipped"
 
@@ -74,8 +77,8 @@ def test_all_right_and_all_wrong_prompts_use_their_own_exploration_probability()
         came_up = run(selector, 1500, 1, lambda index, _: index in dead, dead_value=dead_value)
         rates[kind] = skip_rate([a for index in dead for a in came_up[index][1:]])
         assert {kind for kind, _ in selector.streaks.values()} == {kind}
-    assert rates[SOLVED] == pytest.approx(0.1, abs=0.03)
-    assert rates[UNSOLVED] == pytest.approx(0.9, abs=0.03)
+    assert rates[SOLVED] == pytest.approx(0.1, abs=KIND_RATE_TOL)
+    assert rates[UNSOLVED] == pytest.approx(0.9, abs=KIND_RATE_TOL)
 
 
 def test_exploration_revisits_predicted_dead_prompts_and_measures_precision():
@@ -97,7 +100,7 @@ def test_exploration_revisits_predicted_dead_prompts_and_measures_precision():
     for index, skipped in settled.items():
         # p**z = 0.05**2 is below the floor: a row on a long dead streak is drawn 1% of the time, not never.
         assert skipped.count(False) >= 3, f"row {index} was hardly explored again"
-        assert skipped.count(False) / len(skipped) == pytest.approx(MIN_KEEP_PROBABILITY, abs=0.01)
+        assert skipped.count(False) / len(skipped) == pytest.approx(MIN_KEEP_PROBABILITY, abs=FLOOR_RATE_TOL)
     assert explored > 0 and were_dead == explored  # dead rows stay dead here, so the predictor is always right
 
 
@@ -131,8 +134,8 @@ def test_exploration_probabilities_adapt_toward_the_target_from_the_second_pass(
     first_pass = run(selector, draws=2, prompts_per_draw=2, is_dead=lambda *_: True)
     assert first_pass and selector.explore == {SOLVED: 0.5, UNSOLVED: 0.5}, "adapted before any history existed"
     run(selector, draws=20, prompts_per_draw=2, is_dead=lambda *_: True)
-    assert selector.explore[SOLVED] == pytest.approx(settings.explore_min)
-    assert selector.explore[UNSOLVED] == pytest.approx(settings.explore_max)
+    assert selector.explore[SOLVED] == settings.explore_min  # clamped: exactly
+    assert selector.explore[UNSOLVED] == settings.explore_max
 
 
 def test_dead_kind_follows_the_reward_range_or_the_configured_threshold():

@@ -102,7 +102,7 @@ def test_qlora_4bit_trains_and_saves_an_adapter_that_loads_back(tiny_model_dir, 
     reloaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
     for key, value in reloaded.state_dict().items():
         if "lora_" in key:
-            assert torch.allclose(value, trained[key].float()), key
+            assert torch.equal(value, trained[key].float()), key  # saved and loaded: bit for bit
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = tokenizer("1+2=", return_tensors="pt")
     generated = reloaded.generate(**ids, max_new_tokens=4, do_sample=False)
@@ -249,8 +249,7 @@ def test_4bit_layers_stay_trainable_after_an_eval_pass_on_cpu(tiny_model_dir_bnb
 
     reference, _ = lora_grads(eval_first=False, fix=False)
     fixed, _ = lora_grads(eval_first=True, fix=True)
-    scale = max(g.abs().max().item() for g in reference.values())
-    assert max_weight_diff(reference, fixed) <= 1e-6 * max(scale, 1.0)
+    assert max_weight_diff(reference, fixed) == 0  # bit for bit in every run
     _, repacked = lora_grads(eval_first=True, fix=False)
     # Nothing to guard against where bitsandbytes never repacks: documented below bitsandbytes 0.49 and on a CPU
     # without AVX512-BF16; elsewhere a bitsandbytes that stopped repacking fails here, naming the floor.

@@ -68,7 +68,8 @@ def assert_same_run(
     moved = max_weight_diff(initial, trl_weights)
     assert moved > 1e-3, "training did not change the weights: the comparison would be vacuous"
     diff = max_weight_diff(trl_weights, our_weights)
-    assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
+    # float32, another layout of the same sums: worst 1.2e-7 (threads 1-2, TRL 1.14-1.16; docs/notes.md): 3.4x
+    assert diff <= 4e-7, f"max |w_trl - w_grpo_plus| = {diff}"
     assert len(trl_logs) == len(our_logs)
     # transformers 4.x, or dropout in the forward: grpo_plus generates with TRL's loop, and logs why.
     dropout = peft_config is not None and peft_config.lora_dropout > 0
@@ -228,10 +229,10 @@ def assert_zero_waste_run_unchanged(tiny_model_dir, tmp_path, **overrides):
         tiny_model_dir, tmp_path / "saved", grpo_plus, (half_dead_reward,), **overrides
     )
     diff = max_weight_diff(full_weights, our_weights)
-    assert diff <= 1e-5, f"max |w_full - w_zero_waste| = {diff}"
+    assert diff <= 1.5e-8, f"max |w_full - w_zero_waste| = {diff}"  # worst 3.7e-9: 4x
     for full_entry, our_entry in zip(full_logs, our_logs, strict=True):
         if "loss" in full_entry:
-            assert our_entry["loss"] == pytest.approx(full_entry["loss"], rel=1e-6, abs=1e-7)
+            assert our_entry["loss"] == full_entry["loss"]  # bit for bit in every run
     return full_logs, our_logs, full, saved
 
 

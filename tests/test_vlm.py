@@ -115,7 +115,7 @@ def assert_same_run(family, **kwargs):
     moved = max_weight_diff(initial, stock_weights)
     assert moved > 1e-3, "training did not change the weights: the comparison would be vacuous"
     diff = max_weight_diff(stock_weights, plus_weights)
-    assert diff <= 1e-5, f"max |w_trl - w_grpo_plus| = {diff}"
+    assert diff <= 5e-8, f"max |w_trl - w_grpo_plus| = {diff}"  # worst 1.5e-8: 3.4x
     assert_every_parameter_trains(plus[1], family)
     assert stock[1].nonzero == plus[1].nonzero
     return stock, plus
@@ -234,8 +234,9 @@ def test_shared_prompt_logps_equal_trl_forward_with_each_image_encoded_once(fami
     )
     mask = batch["completion_mask"].bool()
     assert mask.sum() > 0 and reference_logps[mask].abs().min() > 0
-    torch.testing.assert_close(logps[mask], reference_logps[mask], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(entropies[mask], reference_entropies[mask], atol=1e-5, rtol=1e-5)
+    # float32, another layout: worst 4.8e-7 (threads 1-2): 3.1x
+    torch.testing.assert_close(logps[mask], reference_logps[mask], atol=1.5e-6, rtol=0)
+    torch.testing.assert_close(entropies[mask], reference_entropies[mask], atol=1.5e-6, rtol=0)
     assert vision.patches * G == trl_patches, (vision.patches, trl_patches)  # two prompts, each image once
     prompt_width = batch["prompt_ids"].shape[1]
     full_positions = batch["prompt_ids"].numel() + batch["completion_ids"].numel()
@@ -270,7 +271,7 @@ def test_no_grad_chunks_keep_image_rows_and_match_trl(family):
             trainer, batch, grpo_plus.GRPOTrainer._get_per_token_logps_and_entropies, batch_size=2 * G
         )
     mask = batch["completion_mask"].bool()
-    torch.testing.assert_close(logps[mask], reference[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logps[mask], reference[mask], atol=1.5e-6, rtol=0)  # worst 4.8e-7: 3.1x
 
 
 def loss_and_grads(trainer, inputs):
@@ -294,10 +295,10 @@ def test_dead_rows_are_skipped_with_their_images_and_the_gradient_is_trls(family
     full_patches, vision.patches = vision.patches, 0
     trainer._wire_training_pass(enabled=True, shared_prompt=True)
     loss, grads = loss_and_grads(trainer, batch)
-    torch.testing.assert_close(loss, full_loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(loss, full_loss, atol=0, rtol=0)  # bit for bit in every run
     assert grads.keys() == full_grads.keys() and any("vision" in n or "visual" in n for n in grads)
     for name in full_grads:
-        torch.testing.assert_close(grads[name], full_grads[name], atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads[name], full_grads[name], atol=1e-7, rtol=0, msg=name)  # worst 3.0e-8: 3.4x
     assert vision.patches * 3 * G == full_patches * 2, (vision.patches, full_patches)  # two live groups, once each
 
 
@@ -573,7 +574,7 @@ def test_the_fit_of_a_vlm_counts_its_pictures_once_per_group_for_grpo_plus_and_p
         plain = fit.measure_generation(fit.for_side(text_only, side), layers=1)
         assert all(a > b for a, b in zip(counted, plain, strict=True))
     assert encoded == {"trl": spec.rows * patches, "grpo_plus": groups * patches}
-    assert saved["trl"] == pytest.approx(spec.num_generations * saved["grpo_plus"], rel=0.2)
+    assert saved["trl"] == pytest.approx(spec.num_generations * saved["grpo_plus"], rel=5e-3)  # counted: 1.2e-3
     assert fit.estimate(spec, "grpo_plus").total > fit.estimate(text_only, "grpo_plus").total
 
 
