@@ -262,34 +262,47 @@ def test_activation_offloading_lets_go_of_the_layer_input_before_the_mlp_tiles(m
     assert held.peak - plain.peak > 2**20  # measured: the layer's input, [4 x 9012 x 64] float32 (8.8 MiB)
 
 
+# The reports below count about a hundred passes and generations, each some 2,000 operators on fake tensors whatever
+# their shapes: with LoRA on one projection (an adapter still goes to the children in the spec's JSON) an estimate
+# takes 1.3 s of CPU, with LoRA on every linear layer 2.2 s (measured).
+CHEAP_LORA = fit.lora_fields(4, 8, 0.0, ["q_proj"])
+
+
 @needs_cpu_logps
 @needs_fused_lm_head  # with every memory option: TRL 1.14's activation offloading needs CUDA streams
 def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch, tmp_path):
     """`grpo-plus fit`'s report with TRL's side counted in a child process (the default) is the serial report, answer
     for answer (both sides' parts, the fixes of an over-budget config, the longest completions); a child that fails,
     after reading its spec or before, raises with its exit code and its last words instead of a report with a side
-    missing."""
+    missing. Here, within `remembered_counts`: grpo_plus's side, counted in this process by every report, is counted
+    once; TRL's side in a child counts afresh."""
     import sys
 
     config = fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP)  # one length
     spec = tiny(model_config=config.to_dict(), rows=64, num_generations=8, generation_rows=64, prompt_tokens=16,
-                completion_tokens=128, gradient_checkpointing=False, weights_dtype="float32")  # fmt: skip
-    budget = int(0.308 * fit.GIB)  # TRL's worst step 0.311 GiB, grpo_plus's 0.305
-    serial = fit.fit_report(spec, budget, groups=False, parallel=False)
-    child = fit.fit_report(spec, budget, groups=False)
-    assert any(serial.fixes.values())  # over the budget on a side: its fixes are counted too
-    for side in fit.SIDES:
-        assert child.at_settings[side].parts() == serial.at_settings[side].parts()
-    assert (child.fixes, child.longest, child.largest_group) == (serial.fixes, serial.longest, serial.largest_group)
-    reads_then_fails = tmp_path / "python"  # reads its spec, then fails without an answer
-    reads_then_fails.write_text("#!/bin/sh\ncat > /dev/null\necho 'no count here' >&2\nexit 3\n")
-    reads_then_fails.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(reads_then_fails))
-    with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 3\\):\nno count here"):
-        fit.fit_report(spec, budget, groups=False)
-    monkeypatch.setattr(sys, "executable", "/bin/false")  # ends at once: maybe before its spec is written
-    with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 1\\)"):
-        fit.fit_report(spec, budget, groups=False)
+                completion_tokens=128, gradient_checkpointing=False, weights_dtype="float32",
+                lora=CHEAP_LORA)  # fmt: skip
+    budget = int(0.292 * fit.GIB)  # TRL's worst step 0.295 GiB, grpo_plus's 0.288
+    with fit.count.remembered_counts():
+        serial = fit.fit_report(spec, budget, groups=False, parallel=False)
+        child = fit.fit_report(spec, budget, groups=False)
+        assert any(serial.fixes.values())  # over the budget on a side: its fixes are counted too
+        for side in fit.SIDES:
+            assert child.at_settings[side].parts() == serial.at_settings[side].parts()
+        assert (child.fixes, child.longest, child.largest_group) == (
+            serial.fixes,
+            serial.longest,
+            serial.largest_group,
+        )
+        reads_then_fails = tmp_path / "python"  # reads its spec, then fails without an answer
+        reads_then_fails.write_text("#!/bin/sh\ncat > /dev/null\necho 'no count here' >&2\nexit 3\n")
+        reads_then_fails.chmod(0o755)
+        monkeypatch.setattr(sys, "executable", str(reads_then_fails))
+        with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 3\\):\nno count here"):
+            fit.fit_report(spec, budget, groups=False)
+        monkeypatch.setattr(sys, "executable", "/bin/false")  # ends at once: maybe before its spec is written
+        with pytest.raises(RuntimeError, match="TRL's side in a child process failed \\(exit 1\\)"):
+            fit.fit_report(spec, budget, groups=False)
 
 
 @needs_cpu_logps
@@ -297,19 +310,22 @@ def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(mo
 def test_the_report_split_into_jobs_has_the_serial_answers(monkeypatch):
     """With the largest-G searches, on four or more CPUs: each side's worst step and longest completion, and its
     largest G, are four jobs (three children; on two or three CPUs TRL's side is one child, as the test above runs it),
-    merged into the serial report's answers, fixes and largest G included."""
+    merged into the serial report's answers, fixes and largest G included. Within `remembered_counts`, as the test
+    above: the job counted in this process reuses the serial report's counts, the children count afresh."""
     import os
 
     config = fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP)
     spec = tiny(model_config=config.to_dict(), rows=8, num_generations=4, generation_rows=8, prompt_tokens=16,
-                completion_tokens=32, gradient_checkpointing=False, weights_dtype="float32")  # fmt: skip
+                completion_tokens=32, gradient_checkpointing=False, weights_dtype="float32",
+                lora=CHEAP_LORA)  # fmt: skip
     budget = int(0.03 * fit.GIB)
-    serial = fit.fit_report(spec, budget, parallel=False)
     started: list = []
     start = fit.search._start_side_report
-    monkeypatch.setattr(fit.search, "_start_side_report", lambda *args: started.append(args[2:]) or start(*args))
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    jobs = fit.fit_report(spec, budget)
+    with fit.count.remembered_counts():
+        serial = fit.fit_report(spec, budget, parallel=False)
+        monkeypatch.setattr(fit.search, "_start_side_report", lambda *args: started.append(args[2:]) or start(*args))
+        monkeypatch.setattr(os, "cpu_count", lambda: 4)
+        jobs = fit.fit_report(spec, budget)
     assert started == [("trl", ("settings",)), ("trl", ("groups",)), ("grpo_plus", ("groups",))]
     assert serial.largest_group == {"trl": 10, "grpo_plus": 12}  # not the same on both sides: a swap would show
     for side in fit.SIDES:
@@ -432,11 +448,13 @@ def test_grpo_plus_fit_ends_with_its_report_without_the_trainers_notes(tmp_path)
     computes rows in full, the tiled MLP runs whole; once per process each): what it prints, stdout and stderr
     together, ends with the report's last line and holds none of those notes, which belong to a training run, not to a
     count (the count runs the same code and takes the same fallbacks). Negative control: the notes are what a training
-    pass of the count's trainer logs (measured before the fix: both printed above the report)."""
+    pass of the count's trainer logs (measured before the fix: both printed above the report; with LoRA on the MLP's
+    gate projection alone, as here, a count without `quiet` logs both, and makes fewer operators than with LoRA on
+    every linear layer)."""
     fit.known_config("tiny-qwen2", max_position_embeddings=16 + fit.LENGTH_STEP).save_pretrained(tmp_path / "m")
     (tmp_path / "run.yaml").write_text(
         f"model_name_or_path: {tmp_path / 'm'}\ndtype: float32\nuse_peft: true\nlora_r: 4\nlora_alpha: 8\n"
-        "lora_dropout: 0.05\nlora_target_modules: all-linear\nbf16: false\nper_device_train_batch_size: 8\n"
+        "lora_dropout: 0.05\nlora_target_modules: [gate_proj]\nbf16: false\nper_device_train_batch_size: 8\n"
         "num_generations: 4\nmax_completion_length: 32\nloss_type: dapo\ngradient_checkpointing: false\n"
         "tiled_mlp_tokens: 64\n"
     )
