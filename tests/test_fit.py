@@ -443,6 +443,7 @@ def test_a_count_keeps_the_training_codes_notes_to_itself(monkeypatch, caplog):
 
 @pytest.mark.slow  # two Python processes counting (~35 s of CPU)
 @needs_cpu_logps
+@needs_fused_lm_head  # the report searches with every memory option: TRL 1.14's activation offloading needs CUDA streams
 def test_grpo_plus_fit_ends_with_its_report_without_the_trainers_notes(tmp_path):
     """`grpo-plus fit` on a config whose training pass a training run would note (LoRA dropout: the zero-waste pass
     computes rows in full, the tiled MLP runs whole; once per process each): what it prints, stdout and stderr
