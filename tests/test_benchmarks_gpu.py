@@ -49,8 +49,10 @@ def test_gpu_benchmark_smoke_runs_every_case_and_matches_stock_trl(tmp_path):
         for side in ("ours", "ours_off"):
             values = summary[side]
             assert values["same_completions"] and values["losses_equal"], (name, side)
-            # float32 on CPU: the zero-waste forward reads the same numbers as TRL's (bit for bit in every run)
-            assert values["entropies_max_rel_diff"] == 0 and values["grad_norms_max_rel_diff"] == 0
+            # float32 on CPU: the zero-waste forward reads the same numbers as TRL's (entropies bit for bit in every
+            # run); the gradient's norm sums the rows' gradients in another order: worst 6.4e-8 relative (half a
+            # float32 ulp, the newest environment), 0 in most runs: 3.9x
+            assert values["entropies_max_rel_diff"] == 0 and values["grad_norms_max_rel_diff"] <= 2.5e-7
         if (
             version_gap("shared_prompt") is None
         ):  # TRL 1.14: no shared prompt, and full-length completions leave no padding
