@@ -67,8 +67,7 @@ MATRIX_TESTS ?= tests/test_trl_compat.py tests/test_advantages.py tests/test_los
 # .venv runs the lock's own TRL minor (constraints.txt): make test covers it with the whole suite, so the matrix builds
 # the other minors only (make test-matrix-trl-<minor> still builds any of them by name).
 LOCK_TRL_MINOR := $(shell sed -n 's/^trl==\([0-9]*\.[0-9]*\)\..*/\1/p' $(LOCK))
-# The whole-suite environments first: .ci/run runs two at a time (make -j2), and the longest, newest, sets the time.
-MATRIX_ENVS  := newest oldest $(addprefix trl-,$(filter-out $(LOCK_TRL_MINOR),$(TRL_MINORS)))
+MATRIX_ENVS  := $(addprefix trl-,$(filter-out $(LOCK_TRL_MINOR),$(TRL_MINORS))) oldest newest
 WHOLE_SUITE_ENVS := oldest newest
 # uv (from the dev extra) builds the environments: hard links from its cache make each one seconds, not minutes.
 UV           := $(VENV)/bin/uv

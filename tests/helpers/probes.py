@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -222,13 +223,22 @@ def use_row_seeded_sampling(model, seed: int, row_offset: int = 0) -> RowSeededS
 def accelerate_launch(num_processes: int = 2, config_file: str | Path | None = None) -> list[str]:
     """`accelerate launch` for several CPU processes: with `config_file` (e.g. a shipped DeepSpeed config) as it says;
     without, over gloo: --multi_gpu starts torchrun's launcher, which falls back to CPU (--cpu would run a single
-    process)."""
+    process). On a free port, not torchrun's 29500: CI runs the engine tests beside make test-vllm, whose colocated
+    engines take 29500 when it is free (TRL's `ensure_master_addr_port`)."""
     accelerate = str(Path(sys.executable).parent / "accelerate")
+    port = ["--main_process_port", str(free_port())]
     if config_file is not None:
         return [accelerate, "launch", "--config_file", str(config_file), "--num_processes", str(num_processes),
-                "--mixed_precision", "no"]  # fmt: skip
+                "--mixed_precision", "no", *port]  # fmt: skip
     return [accelerate, "launch", "--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no"]  # fmt: skip
+            "--mixed_precision", "no", "--dynamo_backend", "no", *port]  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port free now on this machine (the system's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run_python(*args, launcher=None, env=None, cwd=None, timeout: float = 300, check: bool = True):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 import trl
 from helpers.engine import StepRecorder
 from helpers.models import prompt_dataset, tiny_run_kwargs
-from helpers.probes import TRAIN_TINY, accelerate_launch, max_weight_diff, run_python, train_tiny_flags
+from helpers.probes import TRAIN_TINY, accelerate_launch, free_port, max_weight_diff, run_python, train_tiny_flags
 from helpers.rewards import odd_prompts_dead_reward
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,12 +52,6 @@ START_TIMEOUT = 600
 # |server - transformers| of the probe's log-probs, float32 on both sides, measured on the untouched checkpoint:
 # 3.0e-5 at most (different kernels); after a sync the same, before it the training's change (~1e-2).
 FLOAT32_FLOOR = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def checkout_env() -> dict[str, str]:
