@@ -30,8 +30,9 @@ $(STAMP): $(PY) pyproject.toml $(LOCK)
 
 install: $(STAMP)
 
+# --durations: the slowest tests of every run in its report (make test is held to 10 minutes of tests on 2 cores)
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not engine" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not engine" --durations=20 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

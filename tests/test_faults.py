@@ -356,6 +356,7 @@ def test_no_hub_token_or_local_base_model_path_is_written(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.engine  # runs killed in processes and resumed (a minute on this 2-core machine): make test-engines
 def test_kill_9_at_every_phase_resumes_to_the_uninterrupted_weights(tiny_model_dir, tmp_path):
     """The recipe, killed (SIGKILL) in each phase of step 3 of 4 (checkpoints after steps 2 and 4), at the last
     checkpoint's save, in the final evaluation and in the push, then rerun with --resume_from_checkpoint true."""

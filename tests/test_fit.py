@@ -270,6 +270,7 @@ CHEAP_LORA = fit.lora_fields(4, 8, 0.0, ["q_proj"])
 
 @needs_cpu_logps
 @needs_fused_lm_head  # with every memory option: TRL 1.14's activation offloading needs CUDA streams
+@pytest.mark.engine  # whole reports counted in child processes (a minute or more on this 2-core machine)
 def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(monkeypatch, tmp_path):
     """`grpo-plus fit`'s report with TRL's side counted in a child process (the default) is the serial report, answer
     for answer (both sides' parts, the fixes of an over-budget config, the longest completions); a child that fails,
@@ -307,6 +308,7 @@ def test_the_report_counts_trls_side_in_a_child_process_with_the_same_answers(mo
 
 @needs_cpu_logps
 @needs_fused_lm_head
+@pytest.mark.engine  # whole reports counted in child processes (a minute or more on this 2-core machine)
 def test_the_report_split_into_jobs_has_the_serial_answers(monkeypatch):
     """With the largest-G searches, on four or more CPUs: each side's worst step and longest completion, and its
     largest G, are four jobs (three children; on two or three CPUs TRL's side is one child, as the test above runs it),
