@@ -100,6 +100,31 @@ def test_every_tested_minor_runs_once_in_ci():
     assert sorted([lock_trl, *matrix_minors]) == sorted(TESTED_TRL_MINORS)
 
 
+def test_newest_runs_the_suite_unless_every_newest_release_is_the_locks(tmp_path):
+    """The Makefile's `is_the_lock`: newest's packages (torch, the machine's own, and grpo_plus left out) equal to the
+    lock's pins, in any order, and it has nothing new to test; one package released since, and it runs the suite."""
+    lock = tmp_path / "constraints.txt"
+    lock.write_text("# the lock\naccelerate==1.15.0\nfilelock==4.3.1\ntrl==1.16.0\n")
+    (tmp_path / "newest").mkdir()
+
+    def is_the_lock(freeze: str) -> bool:
+        uv = tmp_path / "uv"  # stands in for `uv pip freeze --exclude-editable`
+        uv.write_text(f"#!/bin/sh\nprintf '{freeze}'\n")
+        uv.chmod(0o755)
+        written = "grep -v '^#' $(LOCK) | LC_ALL=C sort -f > $(MATRIX_DIR)/newest/lock.txt"  # as the install writes it
+        probe = f"probe: ; @{written}; if $(call is_the_lock,newest); then echo same; else echo differs; fi"
+        done = subprocess.run(
+            ["make", "-s", "--no-print-directory", "--eval", probe, "probe", f"LOCK={lock}", f"MATRIX_DIR={tmp_path}",
+             f"UV={uv}"], cwd=ROOT, capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout in ("same\n", "differs\n"), done.stderr
+        return done.stdout == "same\n"
+
+    assert is_the_lock("trl==1.16.0\\ntorch==2.13.0+cpu\\naccelerate==1.15.0\\ngrpo-plus==0.1.0\\nfilelock==4.3.1\\n")
+    assert not is_the_lock("trl==1.16.0\\naccelerate==1.15.0\\nfilelock==4.3.2\\n")  # a release since the lock
+    assert not is_the_lock("trl==1.16.0\\naccelerate==1.15.0\\n")  # a package the lock pins is gone
+
+
 # ------------------------------------------------------------------------------------------------ hooked signatures
 
 
