@@ -412,6 +412,7 @@ def modules_loaded_by(statement: str) -> set[str]:
 
 
 @pytest.mark.slow  # two fresh Python processes
+@pytest.mark.engine  # its work is in child processes it starts (two imports, 17 s): make test-engines
 def test_the_trainer_imports_the_fit_check_and_none_of_the_counting_code():
     """Importing the trainer loads the fit check (grpo_plus.fit.check) and none of the counting code. Negative control:
     reading a counting name of grpo_plus.fit (what the CLI and the benchmarks do) loads all of it. torch 2.13 loads
@@ -446,6 +447,7 @@ def test_a_count_keeps_the_training_codes_notes_to_itself(monkeypatch, caplog):
 @pytest.mark.slow  # two Python processes counting (~35 s of CPU)
 @needs_cpu_logps
 @needs_fused_lm_head  # the report searches with every memory option: TRL 1.14's activation offloading needs CUDA streams
+@pytest.mark.engine  # its work is in child processes it starts (grpo-plus fit and its child, 20 s): make test-engines
 def test_grpo_plus_fit_ends_with_its_report_without_the_trainers_notes(tmp_path):
     """`grpo-plus fit` on a config whose training pass a training run would note (LoRA dropout: the zero-waste pass
     computes rows in full, the tiled MLP runs whole; once per process each): what it prints, stdout and stderr

@@ -11,6 +11,7 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 import trl.trainer.utils
 
 from grpo_plus.compat.lm_head import FUSED_LM_HEAD_COLUMNS
@@ -90,6 +91,7 @@ def test_a_test_that_hangs_fails_at_its_timeout_and_the_run_goes_on(tmp_path):
     assert seconds < 60, seconds  # not the 120 s sleep
 
 
+@pytest.mark.engine  # its work is in child processes it starts (pytest runs, 9 s): make test-engines
 def test_a_hang_the_alarm_cannot_reach_ends_the_run_at_the_backstop(tmp_path):
     """The backstop at 1.25x the timeout ends the run. The negative control: pytest-timeout's alarm alone (the hooks not
     loaded) lets the same test sleep on to its end and pass."""
@@ -128,6 +130,7 @@ def test_step(expensive, n):
 """
 
 
+@pytest.mark.engine  # its work is in child processes it starts (pytest runs, 13 s): make test-engines
 def test_the_order_is_random_per_seed_with_modules_whole_and_the_seed_printed(tmp_path):
     orders = {}
     for seed in (1, 2):
@@ -216,6 +219,7 @@ def test_9_the_accelerator_built_before_still_works():
 """
 
 
+@pytest.mark.engine  # its work is in child processes it starts (pytest runs, 21 s): make test-engines
 def test_a_test_that_leaves_state_changed_fails_and_the_next_gets_it_as_before(tmp_path):
     """The guard on the generated tests: the leaking ones error at teardown naming what they changed, and the tests after
     them see the state as before. The negative control: without the guard the leaks reach the next tests."""

@@ -182,6 +182,7 @@ def rank(grouped, eps):
 """
 
 
+@pytest.mark.engine  # its work is in a child process it starts (a training run, 10 s each): make test-engines
 @pytest.mark.parametrize("discovery", ["plugins_field", "entry_point"])
 def test_user_modes_train_from_yaml(tiny_model_dir, tmp_path, discovery):
     site = tmp_path / "site"

@@ -645,7 +645,8 @@ def test_the_vlm_recipe_becomes_a_fit_spec_with_its_pictures():
         fit_spec_from_yaml(recipe.parent / "demo_cpu.yaml", prompt_tokens=64, images_per_prompt=1)
 
 
-@pytest.mark.timeout(1200)  # make test's slowest: counts a VLM's pass in child processes, 223 s on 2 loaded cores
+@pytest.mark.timeout(1200)  # counts a VLM's pass in child processes: 223 s on 2 loaded cores before it got cheaper
+@pytest.mark.engine  # its work is in child processes it starts (the fit check's count, 31 s): make test-engines
 def test_the_trainers_fit_check_counts_a_vlm_with_its_datasets_pictures(caplog, monkeypatch):
     """The trainer's fit check on a Qwen2.5-VL counts it (in its child process) with the pictures its dataset holds,
     as the processor resizes them, and raises when they do not fit: no "cannot be counted" line."""
