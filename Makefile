@@ -98,8 +98,10 @@ test-matrix-%: $(MATRIX_DIR)/%/.installed
 # The newest releases, where every one of them is the lock's version, are the stack make test ran the whole suite on
 # (.venv, installed from $(LOCK)): newest has nothing new to test that day, and says so instead of running the suite a
 # second time, as the matrix leaves out the lock's TRL minor. A release since the lock, of any package: the whole suite.
-is_the_lock = { VIRTUAL_ENV=$(MATRIX_DIR)/$(1) $(UV) pip freeze --exclude-editable | grep -viE '^(torch|grpo-plus)==' \
-	| LC_ALL=C sort -f; } | cmp -s - $(MATRIX_DIR)/$(1)/lock.txt
+is_the_lock = { $(call frozen,$(1)); } | cmp -s - $(MATRIX_DIR)/$(1)/lock.txt
+# An environment's packages as the lock lists them: torch (the machine's own) and grpo_plus left out, sorted
+frozen = VIRTUAL_ENV=$(MATRIX_DIR)/$(1) $(UV) pip freeze --exclude-editable | grep -viE '^(torch|grpo-plus)==' \
+	| LC_ALL=C sort -f
 NEWEST_IS_THE_LOCK := newest: every newest release is the version $(LOCK) pins, the stack make test ran the whole \
 	suite on; nothing new to test (make lock moved the lock to them)
 
@@ -117,8 +119,7 @@ $(MATRIX_DIR)/%/.installed: pyproject.toml .ci/lower_bounds.py $(LOCK) $(STAMP)
 # Move the lock to the newest releases: after it, run make test and make test-matrix, and commit $(LOCK) with the
 # README's tested-versions table (docs/guide/versions.md) if they pass.
 lock: $(MATRIX_DIR)/newest/.installed
-	{ sed -n '/^#/p' $(LOCK); VIRTUAL_ENV=$(MATRIX_DIR)/newest $(UV) pip freeze --exclude-editable \
-		| grep -viE '^(torch|grpo-plus)==' | LC_ALL=C sort -f; } > $(LOCK).new
+	{ sed -n '/^#/p' $(LOCK); $(call frozen,newest); } > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 	rm -f $(VLLM_ENV)/.installed
 	$(MAKE) $(VLLM_ENV)/.installed VLLM_LOCK=
