@@ -173,6 +173,9 @@ def test_a_stale_tied_head_is_what_the_engine_served_without_the_fix(shared_engi
     trainer from the first sync after the embedding moved, and grpo_plus's sync check stops the run there."""
     import grpo_plus.engine.reload as reload
 
+    # The engine is shared by the session: a test before this one may have left a trained head in it. Start from this
+    # model's own head, as a freshly started engine would, so that only the syncs below can make it stale.
+    build(grpo_plus, model_dir, tmp_path / "start", lora=False).vllm_generation.sync_weights()
     monkeypatch.setattr(reload, "reprocess_tied_layer", lambda name, layer: None)
     theirs, _ = run(trl, model_dir, tmp_path / "trl", lora=False)
     differences = [entry["sampling/sampling_logp_difference/mean"] for entry in losses_and_ratios(theirs)]
