@@ -141,7 +141,7 @@ VLLM_LOCK    ?= constraints-vllm.txt
 # GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
 VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
 
-.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence
+.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async
 test-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
@@ -158,6 +158,11 @@ bench-vllm-lora: $(VLLM_ENV)/.installed
 bench-vllm-divergence: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_divergence.py --engine-dtype bfloat16
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_divergence.py --engine-dtype float32
+
+# Asynchronous generation against TRL's synchronous loop in server mode: the server on core 0, the trainer on core 1,
+# reasoning-gym chain_sum, step times and held-out accuracy per training minute (docs/guide/async-generation.md).
+bench-async: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/async_generation.py
 
 $(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
 	rm -rf $(VLLM_ENV)

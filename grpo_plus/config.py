@@ -31,6 +31,7 @@ from .algorithms.settings import (
     OverlongSettings,
     RolloutCorrectionSettings,
 )
+from .async_generation.settings import AsyncGenerationSettings
 from .compat.loss import TRL_SAMPLER_CORRECTION, trl_sampler_correction_changes
 from .compat.versions import ignore_renames_trl_still_uses
 from .engine.settings import VLLMSettings
@@ -74,6 +75,7 @@ class PlusSettings:
     long_completions: LongCompletionSettings = LongCompletionSettings()
     fit: FitSettings = FitSettings()
     vllm: VLLMSettings = VLLMSettings()
+    async_generation: AsyncGenerationSettings = AsyncGenerationSettings()
     rewards: RewardRunnerSettings = RewardRunnerSettings()
     health: HealthSettings = HealthSettings()
     trl_fields: typing.Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
@@ -178,6 +180,11 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     algorithms.check_combinations(objective, config.multi_objective_aggregation, config.delta, config.beta)
     _check_generation_layout(algorithms, config)
     rollout.check_combinations(objective, algorithms.policy_loss)
+    async_generation = AsyncGenerationSettings.from_config(config)
+    async_generation.check_combinations(
+        config.use_vllm, config.vllm_mode, getattr(config, TRL_SAMPLER_CORRECTION, False) or rollout.active,
+        dynamic_sampling.enabled, selective_rollout.enabled,
+    )  # fmt: skip
     trl_fields = {
         name: getattr(objective, name) for name in ("loss_type", "importance_sampling_level", "scale_rewards")
     }
@@ -196,6 +203,7 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         long_completions=long_completions,
         fit=fit,
         vllm=vllm,
+        async_generation=async_generation,
         rewards=RewardRunnerSettings.from_config(config),
         health=HealthSettings.from_config(config),
         trl_fields=types.MappingProxyType(trl_fields),

@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 import trl
+from accelerate.utils import gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .algorithms.estimators import KLCoefficient, estimator_inputs, greedy_rewards, local_advantages
 from .algorithms.micro_batch_loss import MicroBatchLoss
 from .algorithms.rollout_correction import OnPolicyCorrection, RolloutCorrector, sampler_blocker
+from .async_generation import AsyncGeneration, PromptLookahead, trainer_blocker
 from .compat.bitsandbytes import keep_4bit_trainable_on_cpu
 from .compat.loss import (
     TRL_NATIVE_LOSS_TYPES,
@@ -106,6 +108,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise ValueError(f"grpo_plus cannot correct this sampler: {reason}.")
         if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
             self._sync_weights_checked()
+        self._async_generation = self._start_async_generation() if plus.async_generation.enabled else None
         self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None  # the last round's rewards, gathered from all processes
@@ -194,6 +197,24 @@ class GRPOTrainer(trl.GRPOTrainer):
             on_receipt=self._log_sync_receipt,
         )
 
+    def _start_async_generation(self) -> AsyncGeneration:
+        """The server generates ahead of the trainer (grpo_plus.async_generation), handed what it reads."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        reason = trainer_blocker(
+            self.accelerator.num_processes, generate_every, self.args.gradient_accumulation_steps,
+            bool(getattr(self, "tools", None)), getattr(self, "rollout_func", None) is not None,
+        )  # fmt: skip
+        if reason is not None:
+            raise ValueError(reason)
+        return AsyncGeneration(
+            self.plus.async_generation, self.vllm_generation,
+            PromptLookahead(self.get_train_dataloader, generate_every),
+            tokenize=lambda prompts: self._tokenize_prompts(prompts)[0], gather=gather_object,
+            global_step=lambda: self.state.global_step, training=lambda: self.model.training,
+            metrics=lambda: self._metrics["train"], server_timeout=self.args.vllm_server_timeout,
+            skip_data=not self.args.ignore_data_skip,
+        ).install()  # fmt: skip
+
     def _log_sync_receipt(self, receipt: SyncReceipt) -> None:
         """A checked weight sync's figures, logged with the step that generates from it (`vllm_sync/*`)."""
         log_receipts([receipt], self._metrics["train" if self.model.training else "eval"])
@@ -218,6 +239,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._training_state.restore_from(resume_from_checkpoint)  # what transformers does not restore
         try:
             output = super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+            if self._async_generation is not None:  # the batches asked for beyond the last step: the server free
+                self._async_generation.finish_requests(raise_errors=False)
         except (Exception, KeyboardInterrupt):
             self._crash_checkpoint.save()
             raise
@@ -244,6 +267,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         # Written before TRL/transformers write the checkpoint, whose trainer_state.json (written last) marks it
         # complete: a complete checkpoint always holds the training state its step left behind.
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self._async_generation is not None:  # the batches asked for ahead are kept whole (async_generation)
+            self._async_generation.finish_requests(raise_errors=False)
         self._training_state.save(folder, self.args.should_save, self.accelerator.wait_for_everyone)
         super()._save_checkpoint(model, trial)
 

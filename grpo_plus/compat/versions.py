@@ -215,6 +215,9 @@ HOOKED_METHODS = (
     # ReMax's greedy baseline generates through TRL's own _generate (1.9-1.16: returns prompt_ids, completion_ids,
     # tool_mask, completions, ...), with TRL's generation_config switched to greedy for the call.
     HookedMethod("_generate", ("prompts",), check="accepts", overridden=False),
+    # Asynchronous generation reads the prompts of later batches ahead with TRL's own tokenization (1.14-1.16: returns
+    # prompt_ids, images, multimodal_fields).
+    HookedMethod("_tokenize_prompts", ("prompts",), check="accepts", overridden=False),
 )
 
 

@@ -40,3 +40,20 @@ def shared_engine():
 
     with shared_vllm_engine() as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    """The embedded model (a module may override this with a model of its own)."""
+    from grpo_plus.app.embedded import resolve_model
+
+    return resolve_model("embedded")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`grpo-plus vllm-serve` for the module, serving `model_dir` in float32; yields its base URL (helpers.server)."""
+    from helpers.server import running_server
+
+    with running_server(model_dir, tmp_path_factory.mktemp("vllm-server")) as url:
+        yield url

@@ -23,83 +23,25 @@ The log-prob probe of `vllm_sync_check` needs the engine in the trainer's proces
 from __future__ import annotations
 
 import copy
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import requests
 import torch
 import trl
 from helpers.engine import StepRecorder
-from helpers.models import prompt_dataset, tiny_run_kwargs
 from helpers.probes import TRAIN_TINY, accelerate_launch, free_port, max_weight_diff, run_python, train_tiny_flags
-from helpers.rewards import odd_prompts_dead_reward
+from helpers.server import checkout_env, float32_model, server_config, server_trainer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grpo_plus
 from grpo_plus.engine import SyncCheckError
-from grpo_plus.engine.server import server_client
 
-REPO = Path(__file__).resolve().parents[2]
 PROBE = "3+4=7 12+5=17 9+9=18 40+2=42 6+1=7 33+3=36 1+1=2"
 SEEDED = '{"seed": 0}'  # one seed per request: the same weights draw the same completions
-START_TIMEOUT = 600
 # |server - transformers| of the probe's log-probs, float32 on both sides, measured on the untouched checkpoint:
 # 3.0e-5 at most (different kernels); after a sync the same, before it the training's change (~1e-2).
 FLOAT32_FLOOR = 1e-4
-
-
-def checkout_env() -> dict[str, str]:
-    """The environment with this checkout's grpo_plus first on the path (for the subprocesses)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    from grpo_plus.app.embedded import resolve_model
-
-    return resolve_model("embedded")
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`grpo-plus vllm-serve` in a subprocess (the console script's entry point, this checkout's grpo_plus), torn
-    down at the end of the module; yields its base URL."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    command = [
-        sys.executable, "-c", "import sys; from grpo_plus.app.cli import main; sys.exit(main())",
-        "vllm-serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-        "--max_model_len", "512", "--enforce_eager",
-    ]  # fmt: skip
-    env = checkout_env()
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            assert process.poll() is None, f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"the server did not start:\n{log.read_text()[-4000:]}"
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(2)
-        yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
 
 
 def probe_ids(model_dir) -> list[int]:
@@ -119,43 +61,12 @@ def model_logps(model, ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
 
 
-def server_config(url: str, output_dir, **overrides) -> dict:
-    """A seconds-long float32 run in server mode against `url` (its own weight-transfer port)."""
-    settings = {"optim": "sgd", "learning_rate": 1e-3, **overrides}
-    return tiny_run_kwargs(
-        output_dir, use_vllm=True, vllm_mode="server", vllm_server_base_url=url, vllm_group_port=free_port(),
-        generation_kwargs={"seed": 0}, **settings,
-    )  # fmt: skip
-
-
-def trainer(package, model, model_dir, config: dict, peft_config=None):
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    args = package.GRPOConfig(**config)
-    with server_client(args) if package is trl else _nothing():  # stock TRL's client refuses a CPU: see docstring
-        return package.GRPOTrainer(
-            model=model, processing_class=tokenizer, reward_funcs=[odd_prompts_dead_reward], args=args,
-            train_dataset=prompt_dataset(2), peft_config=peft_config,
-        )  # fmt: skip
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def float32_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-
-
 def test_server_serves_the_trained_model_after_each_checked_sync(server, model_dir, tmp_path):
     """Two steps (two syncs, each checked for coverage and elements); after a last sync the server's log-probs equal
     the trained model's at the float32 floor; before it (serving the previous step's weights) they do not."""
     ids = probe_ids(model_dir)
     untouched = float32_model(model_dir)
-    run = trainer(
+    run = server_trainer(
         grpo_plus, float32_model(model_dir), model_dir, server_config(server, tmp_path, vllm_sync_check="every")
     )
     run.train()
@@ -175,7 +86,7 @@ def test_server_serves_the_trained_model_after_each_checked_sync(server, model_d
 def test_a_stream_leaving_a_tensor_out_fails_the_sync_check(server, model_dir, tmp_path):
     """Negative control of the coverage check: a stream without one norm weight (the server loads it, keeping the
     old norm) raises SyncCheckError naming it."""
-    run = trainer(
+    run = server_trainer(
         grpo_plus, float32_model(model_dir), model_dir, server_config(server, tmp_path, vllm_sync_check="every")
     )
     generation = run.vllm_generation
@@ -216,7 +127,7 @@ def test_stock_trl_in_server_mode_trains_the_same_completions_to_the_same_weight
     for package in (trl, grpo_plus):
         ours, theirs = OBJECTIVES[objective]
         config = server_config(server, tmp_path / package.__name__, **(theirs if package is trl else ours))
-        run = trainer(package, float32_model(model_dir), model_dir, config)
+        run = server_trainer(package, float32_model(model_dir), model_dir, config)
         recorder = StepRecorder(run)
         run.train()
         losses = [h["loss"] for h in run.state.log_history if "loss" in h]
@@ -266,7 +177,7 @@ def lora_trainer(server, model_dir, tmp_path, **overrides):
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     config = server_config(server, tmp_path, learning_rate=0.5, **overrides)
-    return trainer(grpo_plus, base, model_dir, config, LoraConfig(**LORA))
+    return server_trainer(grpo_plus, base, model_dir, config, LoraConfig(**LORA))
 
 
 def frozen_base(model) -> dict[str, torch.Tensor]:
