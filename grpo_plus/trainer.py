@@ -246,6 +246,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             raise
         finally:
             self._reward_runner.stop_workers()  # a later evaluate() or train() forks them again
+            if self._async_generation is not None:  # its request thread holds nothing past the run
+                self._async_generation.close()
         self._health.raise_if_stopped()  # health_check="stop": the step's checkpoint is saved, the run ends here
         return output
 

@@ -94,3 +94,29 @@ def test_the_read_ahead_is_the_trainers_own_order_over_epochs_and_draws_no_rando
     # negative control: a pass over a dataloader does draw from torch's generator
     next(iter(trainer.get_train_dataloader()))
     assert not torch.equal(torch.random.get_rng_state(), after[0])
+
+
+class _Trainer:
+    """Stands for what a request's function holds (the trainer, through the pipeline)."""
+
+
+def test_the_request_thread_keeps_nothing_of_a_finished_request():
+    """A request's function holds the pipeline, hence the trainer: once it ran, the thread (which lives until closed,
+    waiting for the next one) must hold nothing of it, or every trainer that generated asynchronously stays in memory
+    (the suite ran out of memory before this). Negative control: the same check sees a reference kept elsewhere."""
+    import functools
+    import gc
+    import weakref
+
+    from grpo_plus.async_generation.pipeline import RequestThread
+
+    requests, kept = RequestThread("test"), []
+    for keep in (False, True):
+        trainer = _Trainer()
+        alive = weakref.ref(trainer)
+        future = requests.submit(functools.partial(kept.append if keep else id, trainer))
+        future.result(timeout=10)
+        del trainer, future
+        gc.collect()
+        assert (alive() is not None) == keep
+    requests.close()

@@ -115,12 +115,13 @@ class RequestThread:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             future, function = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(function())
-            except BaseException as error:  # handed to the trainer, which waits on the future
-                future.set_exception(error)
+            del item  # while it waits for the next request, the thread holds nothing of the last one (its trainer)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function())
+                except BaseException as error:  # handed to the trainer, which waits on the future
+                    future.set_exception(error)
+            del future, function
 
     def close(self) -> None:
         self._queue.put(None)
@@ -171,7 +172,7 @@ class AsyncGeneration:
         self._skip_data = skip_data
         self._failure: AsyncGenerationError | None = None  # set once a request failed: nothing waits on the server
         self._client = getattr(generation, "vllm_client", None)  # the main process's; None on the others
-        self._requests = RequestThread("grpo_plus-async-generation") if self._client is not None else None
+        self._requests: RequestThread | None = None  # started at the first request, stopped by `close`
         self._lock = threading.Lock()
         self._batches: dict[int, Batch] = {}  # asked for (main process), by generation index
         self._prompts: dict[int, list[list[int]]] = {}  # read ahead, every process's prompts, by generation index
@@ -277,6 +278,8 @@ class AsyncGeneration:
                 with self._lock:
                     self._engine_free_since = time.perf_counter()
 
+        if self._requests is None:
+            self._requests = RequestThread("grpo_plus-async-generation")
         batch.future = self._requests.submit(run)
         return batch
 
@@ -324,8 +327,10 @@ class AsyncGeneration:
             metrics[f"async/{name}"].append(float(value))
 
     def close(self) -> None:
+        """Stop the request thread once the requests asked are done (a later request starts another)."""
         if self._requests is not None:
             self._requests.close()
+            self._requests = None
 
     # ---- checkpoints (grpo_plus.run.state's protocol) ------------------------------------------------------------------
 
