@@ -98,8 +98,29 @@ def mean_length(data: dict, side: str) -> str:
     return f"{statistics.fmean(demo(data, side)['completion_lengths']):.1f}"
 
 
+def async_seed(seed: str) -> Callable[[dict], tuple]:
+    def figures(data: dict) -> tuple:
+        s = data["summary"][seed]
+        return (
+            seed, f"{s['sync_step']:.2f}", f"{s['generation']:.2f}", f"{s['sync']:.2f}", f"{s['training']:.2f}",
+            f"{s['async_step']:.2f}", f"{s['async_over_sync_step']:.2f}", f"{s['async_over_limit']:.2f}",
+            f"{s['overlap_limit']:.2f}", f"{s['accuracy']['sync']:.3f}", f"{s['accuracy']['async']:.3f}",
+            f"{s['accuracy_per_minute_ratio']:.2f}",
+        )  # fmt: skip
+
+    return figures
+
+
+ASYNC_PAGE, ASYNC = "docs/guide/async-generation.md", "async_generation.json"
+ASYNC_SEED = (
+    "seed {}: TRL's loop {} s a step (generation {} s, weight sync {} s, the rest {} s); asynchronous {} s a step, {}x "
+    "TRL's step and {}x the overlap's limit ({} s); held-out accuracy after 30 steps {} (TRL's loop) and {} "
+    "(asynchronous), {}x the accuracy per training minute."
+)
 VLLM_PAGE, VLLM = "docs/guide/vllm.md", "vllm.json"
 QUOTES = [
+    Quote(ASYNC_PAGE, ASYNC_SEED, ASYNC, async_seed("0")),
+    Quote(ASYNC_PAGE, ASYNC_SEED, ASYNC, async_seed("1")),
     Quote(VLLM_PAGE, "| whole step (s) | {} | {} | **{}** |", VLLM, demo_row("step", ".2f")),
     Quote(
         VLLM_PAGE,
