@@ -188,9 +188,13 @@ class AsyncGeneration:
     def install(self) -> AsyncGeneration:
         self._generation.sync_weights = self.sync_weights
         self._generation.generate = self.generate
-        if self._client is not None:
-            self._client.generate = self.client_generate
         return self
+
+    def _hook_client(self) -> None:
+        """The client's `generate` through the pipeline, until `close`: TRL registers the client's
+        `close_communicator` with atexit, so a hook left on it would keep the pipeline, and the trainer, for ever."""
+        if self._client is not None and "generate" not in vars(self._client):
+            self._client.generate = self.client_generate
 
     # ---- the hooks ---------------------------------------------------------------------------------------------------
 
@@ -227,6 +231,7 @@ class AsyncGeneration:
             self._next_index, self._read_up_to = done, done - 1
         index = self._current = self._next_index
         self._next_index += 1
+        self._hook_client()
         while self._read_up_to < index + self.settings.batches_ahead:
             self._read_up_to += 1
             rows = self._lookahead.next_batch()
@@ -327,10 +332,13 @@ class AsyncGeneration:
             metrics[f"async/{name}"].append(float(value))
 
     def close(self) -> None:
-        """Stop the request thread once the requests asked are done (a later request starts another)."""
+        """Stop the request thread once the requests asked are done (a later request starts another), and take the
+        hook off the client."""
         if self._requests is not None:
             self._requests.close()
             self._requests = None
+        if self._client is not None:
+            vars(self._client).pop("generate", None)
 
     # ---- checkpoints (grpo_plus.run.state's protocol) ------------------------------------------------------------------
 
