@@ -20,13 +20,15 @@ Per optimizer step, after --warmup steps, medians:
 The physical limit of the overlap: the async step cannot be shorter than max(generation, training + sync); the issue's
 target is async step <= 1.15x that limit. Learning: greedy held-out accuracy every --eval-every steps (--eval-size
 questions, not counted in the steps' time), against each side's summed step time; the target is >= 1.5x the held-out
-accuracy per training minute, accuracy per step within the seeds' spread. Each step's completion ids of the two sides
-are compared (they differ from step 1 on: the async side samples from weights one step old) and so are the final
-weights. Writes --json (and the Markdown table beside it).
+accuracy per training minute, accuracy per step within the seeds' spread. Sampling is seeded per request (the run's seed; --no-seeded-sampling
+leaves it to the server), so each step's completion ids of the two sides can be compared (equal at step 0, then apart:
+the async side samples from weights one step old), and so are the final weights. TRL's sampler/trainer mismatch
+metrics (`sampling/*`) are kept per step: what staleness costs. Writes --json (and the Markdown table beside it).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -46,6 +48,14 @@ from harness.trainers import demo_lora, demo_settings, model_path  # noqa: E402
 SIDES = ("sync", "async")
 SERVER_CORE, TRAINER_CORE = 0, 1
 EVAL_MAX_NEW_TOKENS = 24  # the demo config's
+# What staleness costs: TRL's sampler/trainer mismatch metrics, per step (the sampler's log-probs against the trainer's)
+MISMATCH = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
 
 
 def free_port() -> int:
@@ -109,6 +119,8 @@ def train_side(side: str, seed: int, url: str, model_dir: str, train, held_out, 
         output_dir=str(output_dir), seed=seed, use_vllm=True, vllm_mode="server", vllm_server_base_url=url,
         vllm_group_port=free_port(), async_generation=side == "async", max_staleness=1,
     )  # fmt: skip
+    if args.seeded_sampling:  # one seed per request: the same weights draw the same completions on both sides
+        settings["generation_kwargs"] = {"seed": seed}
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = grpo_plus.GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
@@ -162,6 +174,7 @@ def train_side(side: str, seed: int, url: str, model_dir: str, train, held_out, 
         "trainer_wait_seconds": [entry.get("async/trainer_wait_seconds") for entry in logs],
         "engine_wait_seconds": [entry.get("async/engine_wait_seconds") for entry in logs],
         "rewards": [entry["reward"] for entry in logs],
+        "mismatch": {key: [entry.get(key) for entry in logs] for key in MISMATCH},
         "completions": completions,
     }, weights
 
@@ -189,8 +202,15 @@ def summarize(runs: list[dict], warmup: int) -> dict:
             "accuracy_per_minute": per_minute,
             "accuracy_per_minute_ratio": per_minute["async"] / per_minute["sync"] if per_minute["sync"] else None,
             "same_completions_steps": seed_run["same_completions_steps"],
+            "final_weights_max_difference": seed_run["final_weights_max_difference"],
+            "mismatch": {side: {key: median_after_warmup([v for v in seed_run[side]["mismatch"][key] if v is not None])
+                                for key in MISMATCH} for side in SIDES},
         }  # fmt: skip
     return summary
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}"
 
 
 def table(summary: dict) -> str:
@@ -198,11 +218,13 @@ def table(summary: dict) -> str:
         [seed, f"{s['sync_step']:.2f}", f"{s['generation']:.2f}", f"{s['sync']:.2f}", f"{s['training']:.2f}",
          f"{s['overlap_limit']:.2f}", f"{s['async_step']:.2f}", f"{s['async_over_limit']:.2f}x",
          f"{s['accuracy']['sync']:.3f} / {s['accuracy']['async']:.3f}",
-         "-" if s["accuracy_per_minute_ratio"] is None else f"{s['accuracy_per_minute_ratio']:.2f}x"]
+         "-" if s["accuracy_per_minute_ratio"] is None else f"{s['accuracy_per_minute_ratio']:.2f}x",
+         " / ".join(_number(s["mismatch"][side][MISMATCH[0]]) for side in SIDES), s["same_completions_steps"]]
         for seed, s in summary.items()
     ]  # fmt: skip
     header = ["seed", "sync step (s)", "generation", "weight sync", "training", "limit", "async step",
-              "async / limit", "held-out accuracy sync / async", "accuracy per minute async / sync"]  # fmt: skip
+              "async / limit", "held-out accuracy sync / async", "accuracy per minute async / sync",
+              "sampler-trainer log-prob gap sync / async", "steps with equal completions"]  # fmt: skip
     return markdown_table(header, rows)
 
 
@@ -216,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--eval-size", type=int, default=48)
     parser.add_argument("--train-size", type=int, default=512)
+    parser.add_argument(
+        "--seeded-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Seed every request (generation_kwargs seed = the run's seed): the two sides draw the same completions "
+        "from the same weights, so each step's completion ids can be compared (--no-seeded-sampling: the server's "
+        "own random state).",
+    )
     args = parser.parse_args(argv)
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)

@@ -201,7 +201,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         """The server generates ahead of the trainer (grpo_plus.async_generation), handed what it reads."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         reason = trainer_blocker(
-            self.accelerator.num_processes, generate_every, self.args.gradient_accumulation_steps,
+            self.accelerator.num_processes, self.accelerator.distributed_type.name, generate_every,
+            self.args.gradient_accumulation_steps,
             bool(getattr(self, "tools", None)), getattr(self, "rollout_func", None) is not None,
         )  # fmt: skip
         if reason is not None:

@@ -59,16 +59,21 @@ def test_a_rollout_correction_preset_corrects_the_stale_batches_in_place_of_trls
 @pytest.mark.parametrize(
     "arguments, message",
     [
-        (dict(num_processes=2), "one trainer process"),
+        (dict(num_processes=2, distributed_type="DEEPSPEED"), "runs with DDP"),
+        (dict(num_processes=2, distributed_type="FSDP"), "not FSDP"),
         (dict(generate_every=4, gradient_accumulation_steps=2), "one generation batch per optimizer step"),
         (dict(tools=True), "tool loop"),
         (dict(rollout_func=True), "rollout_func"),
     ],
 )
 def test_what_the_trainer_cannot_generate_ahead_is_named(arguments, message):
-    values = dict(num_processes=1, generate_every=2, gradient_accumulation_steps=2, tools=False, rollout_func=False)
+    values = dict(
+        num_processes=1, distributed_type="NO", generate_every=2, gradient_accumulation_steps=2, tools=False,
+        rollout_func=False,
+    )  # fmt: skip
     assert message in trainer_blocker(**{**values, **arguments})
     assert trainer_blocker(**values) is None
+    assert trainer_blocker(**{**values, "num_processes": 2, "distributed_type": "MULTI_CPU"}) is None  # DDP
 
 
 def test_the_read_ahead_is_the_trainers_own_order_over_epochs_and_draws_no_random_numbers(tmp_path):

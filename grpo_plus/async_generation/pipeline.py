@@ -16,6 +16,10 @@ changes. Metrics: `async/staleness` (optimizer steps between a batch's weights a
 `async/trainer_wait_seconds` (the trainer blocked on generation), `async/engine_wait_seconds` (the server idle
 between two requests: waiting for weights), `async/dropped_batches`.
 
+Several trainer processes (DDP): every process reads its share of the prompts ahead and gathers them (collectively,
+in the order TRL's generation gathers its own); the main process asks the server for the whole batch and TRL's loop
+hands each process its share, as it does in the synchronous loop.
+
 A checkpoint holds the batches already generated for later steps (`state_dict`; a regular checkpoint waits for the
 request in flight first, `finish_requests`), so a resumed run trains the very batches the uninterrupted run trains.
 """
@@ -39,6 +43,9 @@ from .settings import AsyncGenerationSettings
 
 logger = logging.getLogger(__name__)
 
+# accelerate's DistributedType values for DDP (and one process): the trainer processes hold whole weights.
+DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                 "MULTI_HPU", "MULTI_NEURON")  # fmt: skip
 METRICS = ("staleness", "trainer_wait_seconds", "engine_wait_seconds", "dropped_batches")
 
 
@@ -371,13 +378,19 @@ class AsyncGeneration:
 
 
 def trainer_blocker(
-    num_processes: int, generate_every: int, gradient_accumulation_steps: int, tools: bool, rollout_func: bool
+    num_processes: int,
+    distributed_type: str,
+    generate_every: int,
+    gradient_accumulation_steps: int,
+    tools: bool,
+    rollout_func: bool,
 ) -> str | None:
     """Why the trainer TRL built cannot generate asynchronously, or None."""
-    if num_processes > 1:
+    if num_processes > 1 and distributed_type not in DATA_PARALLEL:
         return (
-            f"async_generation runs on one trainer process (here {num_processes}); several processes are not "
-            "tested yet: launch one process, or set async_generation=False"
+            f"async_generation over several processes runs with DDP (accelerate's {' / '.join(DATA_PARALLEL)}), "
+            f"not {distributed_type}: sharded weights (DeepSpeed, FSDP) are gathered for each sync collectively, and "
+            "that path is not tested with requests in flight yet. Launch with DDP, or set async_generation=False"
         )
     if generate_every != gradient_accumulation_steps:
         return (

@@ -104,3 +104,37 @@ def server_trainer(package, model, model_dir, config: dict, peft_config=None, nu
 
 def float32_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def lag(step: int, max_staleness: int, weight_sync_steps: int) -> int:
+    """The step whose weights generate batch `step` (from the definition: asked `max_staleness - weight_sync_steps
+    + 1` generations ahead, with the weights of the last sync, syncs every `weight_sync_steps` steps)."""
+    ahead = max_staleness - weight_sync_steps + 1
+    return 0 if step < ahead else weight_sync_steps * ((step - ahead) // weight_sync_steps)
+
+
+def lagging_server(trainer, max_staleness: int, weight_sync_steps: int) -> None:
+    """The oracle's server: each sync of TRL's synchronous loop loads the weights of step `lag(step)`."""
+    generation, model = trainer.vllm_generation, trainer.model
+    sync = generation.sync_weights
+    history: dict[int, dict[str, torch.Tensor]] = {}
+
+    def trainable() -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+    def load(weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in weights:
+                    p.copy_(weights[name])
+
+    def lagged_sync() -> None:
+        step = trainer.state.global_step
+        history[step] = current = trainable()
+        load(history[lag(step, max_staleness, weight_sync_steps)])
+        try:
+            sync()
+        finally:
+            load(current)
+
+    generation.sync_weights = lagged_sync

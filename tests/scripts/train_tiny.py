@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers.engine import StepRecorder  # noqa: E402
 from helpers.fsdp_on_cpu import force_fsdp_on_cpu  # noqa: E402
 from helpers.models import prompt_dataset  # noqa: E402
 from helpers.probes import GroupRecorder, record_draws, record_trained_batches, use_row_seeded_sampling  # noqa: E402
@@ -29,6 +30,7 @@ from helpers.rewards import (  # noqa: E402
     odd_prompts_constant_reward,
     odd_prompts_dead_reward,
 )
+from helpers.server import lagging_server  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
@@ -83,6 +85,16 @@ class TinyArgs:
             "help": "Negative control: a micro-batch with no live row makes no model call (see skip_dead_anchor)."
         },
     )
+    lagging_server: str | None = field(
+        default=None,
+        metadata={"help": "'max_staleness,weight_sync_steps': the synchronous oracle of async_generation, each sync "
+                  "loading the weights of the step it lags to (helpers.server.lagging_server)."},
+    )  # fmt: skip
+    record_generated: str | None = field(
+        default=None,
+        metadata={"help": "Write every generation batch's tensors (completion ids, sampler log-probs) here (torch, "
+                  "per rank)."},
+    )  # fmt: skip
     vllm_logps: str | None = field(
         default=None,
         metadata={"help": "After training, sync the colocated vLLM engine and write the sampled tokens of the first "
@@ -232,6 +244,9 @@ def main() -> None:
     trained = record_trained_batches(trainer) if tiny_args.record_batches else None
     if tiny_args.record_draws:
         record_selective_draws(trainer, f"{tiny_args.record_draws}.rank{trainer.accelerator.process_index}")
+    if tiny_args.lagging_server:
+        lagging_server(trainer, *(int(value) for value in tiny_args.lagging_server.split(",")))
+    generated = StepRecorder(trainer) if tiny_args.record_generated else None
     if tiny_args.watchdog:
         faulthandler.dump_traceback_later(tiny_args.watchdog, exit=True)
     trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)
@@ -241,6 +256,8 @@ def main() -> None:
             for ids, adv in recorder.groups()
         ]
         Path(f"{tiny_args.record_groups}.rank{trainer.accelerator.process_index}").write_text(json.dumps(groups))
+    if generated is not None:
+        torch.save(generated.generated, f"{tiny_args.record_generated}.rank{trainer.accelerator.process_index}")
     if trained is not None:
         torch.save(trained, f"{tiny_args.record_batches}.rank{trainer.accelerator.process_index}")
     if forwards is not None:

@@ -10,16 +10,28 @@ same weights. Negative control: the synchronous run without the lag samples othe
 
 from __future__ import annotations
 
+import json
 import math
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from helpers.engine import StepRecorder
+from helpers.probes import TRAIN_TINY, accelerate_launch, free_port, max_weight_diff, run_python, train_tiny_flags
 from helpers.rewards import odd_prompts_dead_reward
-from helpers.server import float32_model, running_server, server_config, server_trainer
+from helpers.server import (
+    checkout_env,
+    float32_model,
+    lag,
+    lagging_server,
+    running_server,
+    server_config,
+    server_trainer,
+)
 from peft import LoraConfig
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 import grpo_plus
@@ -34,40 +46,6 @@ SERVER_NOISE = 1e-5
 # epoch; a learning rate at which one step moves the sampler's log-probs by ~1e-3.
 RUN = dict(max_steps=STEPS, per_device_train_batch_size=8, learning_rate=0.05)
 LORA = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", lora_dropout=0.0, task_type="CAUSAL_LM")
-
-
-def lag(step: int, max_staleness: int, weight_sync_steps: int) -> int:
-    """The step whose weights generate batch `step` (from the definition: asked `max_staleness - weight_sync_steps
-    + 1` generations ahead, with the weights of the last sync, syncs every `weight_sync_steps` steps)."""
-    ahead = max_staleness - weight_sync_steps + 1
-    return 0 if step < ahead else weight_sync_steps * ((step - ahead) // weight_sync_steps)
-
-
-def lagging_server(trainer, max_staleness: int, weight_sync_steps: int) -> None:
-    """The oracle's server: each sync of TRL's synchronous loop loads the weights of step `lag(step)`."""
-    generation, model = trainer.vllm_generation, trainer.model
-    sync = generation.sync_weights
-    history: dict[int, dict[str, torch.Tensor]] = {}
-
-    def trainable() -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-
-    def load(weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name in weights:
-                    p.copy_(weights[name])
-
-    def lagged_sync() -> None:
-        step = trainer.state.global_step
-        history[step] = current = trainable()
-        load(history[lag(step, max_staleness, weight_sync_steps)])
-        try:
-            sync()
-        finally:
-            load(current)
-
-    generation.sync_weights = lagged_sync
 
 
 def run(server, model_dir, output_dir, lora: bool, oracle: tuple[int, int] | None = None, num_prompts=4, **settings):
@@ -136,6 +114,59 @@ def test_the_asynchronous_run_is_the_synchronous_run_with_a_lagging_server(serve
     assert all(s <= max_staleness for s in expected) and max(expected) == max_staleness
     assert all(math.isfinite(x) and x >= 0 for x in logged(ours, "async/trainer_wait_seconds"))
     assert logged(ours, "async/dropped_batches") == [0.0] * STEPS
+
+
+TWO_PROCESS_CASES = {"staleness-1-full": (1, 1, False), "staleness-2-lora": (2, 1, True)}
+
+
+def launch_two_processes(server, model_dir, out, lora: bool, *flags: str):
+    """train_tiny.py on two gloo trainer processes (accelerate launch) against `server`: STEPS steps of RUN's work
+    (each process half the batch); returns the main process's log history, final weights and generated batches."""
+    command = train_tiny_flags(
+        model_dir, out, **{**RUN, "per_device_train_batch_size": RUN["per_device_train_batch_size"] // 2},
+        optim="sgd", use_vllm=True, vllm_mode="server", vllm_server_base_url=server, vllm_group_port=free_port(),
+    )  # fmt: skip
+    command += ["--num_prompts", "4", "--reward", "odd_dead", "--generation_kwargs", '{"seed": 0}', *flags]
+    command += ["--dump_weights", f"{out}.safetensors", "--dump_logs", f"{out}.json", "--record_generated", str(out)]
+    command += ["--peft", "true"] if lora else []
+    result = run_python(TRAIN_TINY, *command, launcher=accelerate_launch(2), env=checkout_env(), timeout=900)
+    assert result.stdout.count("FINISHED") == 2, result.stdout[-3000:]
+    generated = [torch.load(f"{out}.rank{rank}") for rank in (0, 1)]
+    return json.loads(Path(f"{out}.json").read_text()), load_file(f"{out}.safetensors"), generated
+
+
+@pytest.mark.parametrize("case", list(TWO_PROCESS_CASES))
+def test_two_trainer_processes_train_what_the_lagged_oracle_trains(server, model_dir, tmp_path, case):
+    """Two DDP trainer processes, the main one asking the server ahead for both: the completions each process trains,
+    the losses and the final weights are those of the two-process synchronous oracle with a lagging server."""
+    max_staleness, weight_sync_steps, lora = TWO_PROCESS_CASES[case]
+    settings = ["--max_staleness", str(max_staleness), "--weight_sync_steps", str(weight_sync_steps)]
+    ours = launch_two_processes(server, model_dir, tmp_path / "async", lora, "--async_generation", "true", *settings)
+    oracle = launch_two_processes(
+        server, model_dir, tmp_path / "oracle", lora, "--lagging_server", f"{max_staleness},{weight_sync_steps}"
+    )
+    (log, weights, generated), (oracle_log, oracle_weights, oracle_generated) = ours, oracle
+    sampler_gap = 0.0
+    for rank in (0, 1):
+        assert len(generated[rank]) == len(oracle_generated[rank]) == STEPS
+        for step, (a, b) in enumerate(zip(generated[rank], oracle_generated[rank], strict=True)):
+            assert torch.equal(a["completion_ids"], b["completion_ids"]), f"rank {rank}, step {step}: completions"
+            gap = (a["sampling_per_token_logps"] - b["sampling_per_token_logps"]).abs().max().item()
+            sampler_gap = max(sampler_gap, gap)
+    assert not torch.equal(generated[0][0]["completion_ids"], generated[1][0]["completion_ids"])  # two halves
+    losses = [entry["loss"] for entry in log if "loss" in entry]
+    oracle_losses = [entry["loss"] for entry in oracle_log if "loss" in entry]
+    assert len(losses) == STEPS and any(loss != 0 for loss in losses)
+    weights_gap = max_weight_diff(weights, oracle_weights)
+    print(f"sampler log-probs {sampler_gap:.3g} apart, weights {weights_gap:.3g}, losses", losses, oracle_losses)
+    if sampler_gap == 0.0:
+        assert losses == oracle_losses and weights_gap == 0.0
+    else:  # the server's own float32 noise on a loaded machine (see SERVER_NOISE)
+        assert sampler_gap <= SERVER_NOISE and weights_gap <= 10 * SERVER_NOISE
+        assert losses == pytest.approx(oracle_losses, rel=10 * SERVER_NOISE, abs=SERVER_NOISE)
+    expected = [float(step - lag(step, max_staleness, weight_sync_steps)) for step in range(STEPS)]
+    assert [entry["async/staleness"] for entry in log if "async/staleness" in entry] == expected
+    assert not any("async/staleness" in entry for entry in oracle_log)
 
 
 def test_negative_control_the_synchronous_run_samples_from_other_weights(server, model_dir, tmp_path):
