@@ -262,6 +262,31 @@ def test_activation_offloading_lets_go_of_the_layer_input_before_the_mlp_tiles(m
     assert held.peak - plain.peak > 2**20  # measured: the layer's input, [4 x 9012 x 64] float32 (8.8 MiB)
 
 
+@needs_cpu_logps
+def test_activation_offloading_is_counted_or_refused_by_name(monkeypatch):
+    """Above the `offloading_count` floor (or on CUDA) TRL's activation offloading runs in the count and the checkpoints
+    it saves go to the host; below it (TRL 1.14-1.15 without CUDA: their offloading leaves the stand-in accelerator's
+    tensors where they are) the count refuses it by name instead of counting a pass that offloaded nothing, and the
+    memory options leave it out. Negative control: with the floor said to apply, the refusal and the left-out option."""
+    from grpo_plus.fit import spec as fit_spec
+
+    offloaded_spec = fit.for_side(tiny(activation_offloading=True), "grpo_plus")
+    if fit_spec.offloading_uncountable() is None:
+        plain = fit.measure_pass(fit.for_side(tiny(), "grpo_plus"), "grpo_plus", layers=2)
+        offloaded = fit.measure_pass(offloaded_spec, "grpo_plus", layers=2)
+        assert offloaded.saved == 0 < plain.saved and offloaded.host_peak > plain.host_peak
+        assert fit.with_memory_options(tiny(), "grpo_plus").activation_offloading
+    monkeypatch.setattr(
+        fit_spec, "version_gap", lambda name: "trl 1.15.0 < 1.16.0: below" if name == "offloading_count" else None
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="cannot count activation_offloading=True here: trl 1.15.0 < 1.16.0"):
+        fit.measure_pass(offloaded_spec, "grpo_plus", layers=2)
+    with pytest.raises(ValueError, match="with TRL >= 1.16, or without activation_offloading"):
+        fit.fit_report(offloaded_spec, 2**40, groups=False, parallel=False)
+    assert not fit.with_memory_options(tiny(), "grpo_plus").activation_offloading
+
+
 # The reports below count about a hundred passes and generations, each some 2,000 operators on fake tensors whatever
 # their shapes: with LoRA on one projection (an adapter still goes to the children in the spec's JSON) an estimate
 # takes 1.3 s of CPU, with LoRA on every linear layer 2.2 s (measured).

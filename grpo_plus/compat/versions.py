@@ -143,6 +143,11 @@ CAPABILITY_FLOORS = {
             "TRL 1.14.0 ends completions at the tokenizer's eos token only, not at every eos id of the model's "
             "generation config",
         ),
+        VersionFloor(
+            "offloading_count", "trl", "1.16.0",
+            "TRL 1.14-1.15's activation offloading moves CUDA/XPU/NPU tensors only and makes CUDA streams, so the "
+            "count's stand-in accelerator (a machine without CUDA) cannot run it; 1.16 offloads from any accelerator",
+        ),
         VersionFloor("tools", "transformers", "5.0.0", "TRL refuses `tools` below it (chat-template response parsing)"),
         VersionFloor(
             "environment_factory", "transformers", "5.2.0",

@@ -36,7 +36,7 @@ from .memory import (
     tensors_from_data,
 )
 from .results import PassMemory, StepEstimate
-from .spec import FitSpec, for_side, known_config
+from .spec import FitSpec, for_side, known_config, offloading_uncountable
 
 # ---- fake models and batches ----------------------------------------------------------------------------------------
 
@@ -401,6 +401,9 @@ def measure_pass(spec: FitSpec, side: str, layers: int, rows: int | None = None,
         hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack)
         if spec.activation_offloading and not real:
             from ..long_completions.offloading import offloading_context
+
+            if (reason := offloading_uncountable()) is not None:
+                raise ValueError(f"grpo-plus fit cannot count activation_offloading=True here: {reason}")
 
             # Pageable host memory: the same bytes as pinned, and the stand-in accelerator has no pinned allocator (TRL
             # pins a saved tensor with broadcast strides, e.g. an attention bias, through torch.empty(pin_memory=True)).

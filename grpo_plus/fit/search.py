@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .count import estimate, remembered_counts
 from .results import GIB, StepEstimate
-from .spec import SIDES, TILED_MLP_TOKENS, FitSpec, for_side, with_memory_options
+from .spec import SIDES, TILED_MLP_TOKENS, FitSpec, for_side, offloading_uncountable, with_memory_options
 
 LENGTH_STEP = 128  # completion lengths are searched in multiples of this
 GROUP_LIMIT = 512  # the largest group the search tries
@@ -126,7 +126,7 @@ def suggestions(spec: FitSpec, side: str, budget: int) -> list[str]:
         candidates.append(('generation_kwargs={"cache_implementation": "offloaded"}',
                            spec.replace(offloaded_kv_cache=True)))  # fmt: skip
     if side == "grpo_plus":
-        if not spec.activation_offloading:
+        if not spec.activation_offloading and offloading_uncountable() is None:
             candidates.append(("activation_offloading=True", spec.replace(activation_offloading=True)))
         if not spec.tiled_mlp_tokens:
             candidates.append(
@@ -171,6 +171,8 @@ def automatic_options(spec: FitSpec, budget: int) -> tuple[dict, StepEstimate] |
     if result.total <= budget:
         return {}, result
     for options in AUTOMATIC_OPTIONS:
+        if options.get("activation_offloading") and offloading_uncountable() is not None:
+            continue  # not counted here: not turned on blind
         changes = {name: value for name, value in options.items() if getattr(spec, name) != value}
         if not changes:
             continue
@@ -213,6 +215,11 @@ class FitReport:
 def fit_report(spec: FitSpec, budget: int, groups: bool = True, parallel: bool = True) -> FitReport:
     """Count everything `grpo-plus fit` prints (module docstring); `groups=False` skips the largest-G searches.
     `parallel`: TRL's side is counted in a child process while this one counts grpo_plus's (`_both_sides`)."""
+    if spec.activation_offloading and (reason := offloading_uncountable()) is not None:
+        raise ValueError(
+            f"grpo-plus fit cannot count activation_offloading=True here: {reason}. Count it on the CUDA machine, "
+            "with TRL >= 1.16, or without activation_offloading"
+        )
     started = time.perf_counter()
     by_side = _both_sides(spec, budget, groups, parallel)
     at_settings, fixes, longest, largest = ({side: by_side[side][part] for side in SIDES} for part in range(4))
@@ -377,9 +384,12 @@ def format_report(report: FitReport, source: str = "") -> str:
             fixes = report.fixes[side]
             lines.append(f"  settings that would make it fit with {'TRL' if side == 'trl' else 'grpo_plus'}: "
                          + ("; or ".join(fixes) if fixes else "none (a smaller model, fewer tokens, a larger GPU)"))  # fmt: skip
+    offloading = "activation_offloading + " if offloading_uncountable() is None else ""
     options = (f"TRL: gradient_checkpointing + generation_kwargs cache_implementation='offloaded'; grpo_plus: also "
-               f"activation_offloading + tiled_mlp_tokens={spec.tiled_mlp_tokens or TILED_MLP_TOKENS}")  # fmt: skip
+               f"{offloading}tiled_mlp_tokens={spec.tiled_mlp_tokens or TILED_MLP_TOKENS}")  # fmt: skip
     lines += ["", f"with every memory option ({options}), at the config's batch settings:"]
+    if not offloading:
+        lines.append(f"  (activation_offloading left out: {offloading_uncountable()})")
     limit = report.length_limit
     marks = {side: " (context window)" if limit and report.longest[side] >= limit else "" for side in SIDES}
     lines.append(f"  {'longest completion that fits (tokens)':<45} {str(report.longest['trl']) + marks['trl']:>9} "

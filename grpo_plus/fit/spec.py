@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compat.versions import version_gap
+
 SIDES = ("trl", "grpo_plus")
 TILED_MLP_TOKENS = 4096  # what `with_memory_options` sets for grpo_plus
 # What the count's own model reads from a config besides the objective: TRL's fused LM head divides by the temperature.
@@ -333,9 +335,18 @@ def for_side(spec: FitSpec, side: str) -> FitSpec:
                         zero_waste_generation=False)  # fmt: skip
 
 
+def offloading_uncountable() -> str | None:
+    """Why activation offloading cannot be counted here (TRL < 1.16 on a machine without CUDA), or None."""
+    reason = version_gap("offloading_count")
+    return None if reason is None or torch.cuda.is_available() else f"{reason} (this machine has no CUDA)"
+
+
 def with_memory_options(spec: FitSpec, side: str) -> FitSpec:
-    """`spec` with every memory setting `side` offers switched on (module docstring)."""
+    """`spec` with every memory setting `side` offers switched on (module docstring), but activation offloading
+    where it cannot be counted (`offloading_uncountable`)."""
     spec = spec.replace(gradient_checkpointing=True, offloaded_kv_cache=True)
     if side == "grpo_plus":
-        spec = spec.replace(activation_offloading=True, tiled_mlp_tokens=spec.tiled_mlp_tokens or TILED_MLP_TOKENS)
+        spec = spec.replace(tiled_mlp_tokens=spec.tiled_mlp_tokens or TILED_MLP_TOKENS)
+        if offloading_uncountable() is None:
+            spec = spec.replace(activation_offloading=True)
     return for_side(spec, side)
