@@ -216,13 +216,35 @@ class AsyncGeneration:
             return
         self.finish_requests()
         try:
-            self._sync_weights()
-        except SyncCheckError:
+            self._sync_within_timeout(version)
+        except (SyncCheckError, AsyncGenerationError):
             raise
         except Exception as error:  # the server's end of the sync: HTTP, the weight-transfer group
             self._failure = self._server_failure(f"failed the weight sync of step {version}", error)
             raise self._failure from error
         self._synced_version = version
+
+    def _sync_within_timeout(self, version: int) -> None:
+        """TRL's sync; on the main process it runs on the request thread and is waited for at most the server timeout
+        (TRL's client waits on a stalled server for ever). A sync that times out stays blocked on its thread (a
+        daemon): the trainer stops."""
+        if self._client is None:  # another process: no request to the server
+            self._sync_weights()
+            return
+        future = self._request_thread().submit(self._sync_weights)
+        try:
+            future.result(timeout=self._timeout)
+        except FutureTimeout:
+            problem = (
+                f"has not finished the weight sync of step {version} in {self._timeout:g} s (vllm_server_timeout)"
+            )
+            self._failure = self._server_failure(problem, None)
+            raise self._failure from None
+
+    def _request_thread(self) -> RequestThread:
+        if self._requests is None:
+            self._requests = RequestThread("grpo_plus-async-generation")
+        return self._requests
 
     def generate(self, prompts, images, num_generations, profiler=None):
         """TRL's `VLLMGeneration.generate` (every process), the prompts of the batches ahead read and gathered first."""
@@ -290,9 +312,7 @@ class AsyncGeneration:
                 with self._lock:
                     self._engine_free_since = time.perf_counter()
 
-        if self._requests is None:
-            self._requests = RequestThread("grpo_plus-async-generation")
-        batch.future = self._requests.submit(run)
+        batch.future = self._request_thread().submit(run)
         return batch
 
     def _result(self, batch: Batch) -> dict[str, Any]:

@@ -17,13 +17,13 @@ SCORE_CHECKPOINT = str(Path(__file__).resolve().parents[1] / "scripts" / "score_
 
 
 class StepRecorder(TrainerCallback):
-    """Per optimizer step of a trainer: its trainable weights after the step (copies), and the batches it generated
-    (`_generate_and_score_completions`' tensors, on CPU)."""
+    """Per optimizer step of a trainer: its trainable weights after the step (copies; `keep_weights=False`: none), and
+    the batches it generated (`_generate_and_score_completions`' tensors, on CPU)."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, keep_weights: bool = True):
         self.weights: list[dict[str, torch.Tensor]] = []
         self.generated: list[dict[str, torch.Tensor]] = []
-        self.trainer = trainer
+        self.trainer, self.keep_weights = trainer, keep_weights
         generate = trainer._generate_and_score_completions
 
         def recording_generate(inputs):
@@ -35,6 +35,8 @@ class StepRecorder(TrainerCallback):
         trainer.add_callback(self)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not self.keep_weights:  # a copy of the model per step: gigabytes over a run of the embedded model
+            return
         model = self.trainer.model
         self.weights.append({k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad})
 

@@ -246,7 +246,7 @@ def main() -> None:
         record_selective_draws(trainer, f"{tiny_args.record_draws}.rank{trainer.accelerator.process_index}")
     if tiny_args.lagging_server:
         lagging_server(trainer, *(int(value) for value in tiny_args.lagging_server.split(",")))
-    generated = StepRecorder(trainer) if tiny_args.record_generated else None
+    generated = StepRecorder(trainer, keep_weights=False) if tiny_args.record_generated else None
     if tiny_args.watchdog:
         faulthandler.dump_traceback_later(tiny_args.watchdog, exit=True)
     trainer.train(resume_from_checkpoint=True if tiny_args.resume else None)

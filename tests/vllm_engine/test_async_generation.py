@@ -272,3 +272,32 @@ def test_a_stalled_or_dead_server_stops_the_trainer_with_a_checkpoint_and_the_re
     _, resumed_record = resume(server, model_dir, tmp_path, tmp_path / "killed" / "checkpoint-2", settings)
     final, expected = resumed_record.weights[-1], whole_record.weights[-1]
     assert max((final[n] - expected[n]).abs().max().item() for n in final) == 0.0
+
+
+def test_a_server_stalled_during_a_weight_sync_stops_the_trainer_within_the_timeout(model_dir, tmp_path):
+    """A server of its own, stopped (SIGSTOP) as the sync of step 2 starts streaming: the trainer stops within
+    vllm_server_timeout with an error naming the server and the sync, and writes checkpoint-2 (TRL's client alone
+    would wait on it for ever)."""
+    settings = dict(async_generation=True, max_staleness=1, save_strategy="steps", save_steps=100)
+    timeout = 20
+    with running_server(model_dir, tmp_path) as doomed:
+        config = server_config(doomed, tmp_path / "stalled", **RUN, **settings, vllm_server_timeout=timeout)
+        trainer = server_trainer(grpo_plus, float32_model(model_dir), model_dir, config, None, 8)
+        client, stopped_at = trainer.vllm_generation.vllm_client, []
+        update = client.update_named_params
+
+        def stall_at_step_2(metadata, named_params):
+            if trainer.state.global_step == 2:
+                doomed.signal(signal.SIGSTOP)
+                stopped_at.append(time.monotonic())
+            return update(metadata, named_params)
+
+        client.update_named_params = stall_at_step_2
+        with pytest.raises(
+            AsyncGenerationError, match=f"{doomed} has not finished the weight sync of step 2 in {timeout} s"
+        ):
+            trainer.train()
+        waited = time.monotonic() - stopped_at[0]
+        assert timeout <= waited < timeout + 5, waited  # then the crash checkpoint
+        assert (tmp_path / "stalled" / "checkpoint-2").is_dir()
+        assert "Restart it" in str(trainer._async_generation._failure)
