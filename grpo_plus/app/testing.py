@@ -154,11 +154,18 @@ def tiny_config(family: str, vocab_size: int, **overrides):
     return classes[family](**{**sizes, "max_position_embeddings": 64, **overrides}, **common)
 
 
-def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:
-    """Write a tiny model + tokenizer to `path`, loadable by `from_pretrained(path)`."""
+def save_tiny_model(path: str | Path, seed: int = 0, family: str | None = None, **kwargs) -> Path:
+    """Write a tiny model + tokenizer to `path`, loadable by `from_pretrained(path)`: `make_model`'s Llama, or with
+    `family` a `tiny_config` model of that family (`kwargs`: its config overrides)."""
     path = Path(path)
     tokenizer = make_tokenizer()
-    model = make_model(tokenizer, seed=seed, **kwargs)
+    if family is None:
+        model = make_model(tokenizer, seed=seed, **kwargs)
+    else:
+        torch.manual_seed(seed)
+        config = tiny_config(family, len(tokenizer), **kwargs)
+        config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -9,8 +9,11 @@ Facts (transformers 5.24; Qwen3-MoE, OLMoE, Mixtral and gpt-oss alike):
   fails at its second step ("The size of tensor a (3) must match the size of tensor b (33)"), in stock TRL too.
 - The router logits are recorded by `OutputRecorder(<Family>TopKRouter, index=0)` hooks declared in the base
   model's `_can_record_outputs["router_logits"]`: the router module's first output, (tokens, experts), per layer.
-- The experts of a layer are one module holding 3D parameters (`gate_up_proj`, `down_proj`: (experts, ...)), which
-  PEFT reaches through `target_parameters`, not `target_modules`.
+- The experts of a layer are one module (`<layer>.mlp.experts`) holding 3D parameters (`gate_up_proj`, `down_proj`:
+  (experts, ...)), which PEFT reaches through `target_parameters`, not `target_modules`, and which bitsandbytes'
+  4-bit loading leaves in the model's dtype (it quantizes `nn.Linear` layers only; the router is no `nn.Linear`
+  either). PEFT's `prepare_model_for_kbit_training` casts every unquantized bf16 / fp16 weight to fp32: the experts,
+  nearly all of an MoE model's bytes, would double.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ import torch
 __all__ = [
     "ExpertCounts",
     "expert_counts",
+    "expert_weight_ids",
+    "expert_weights_set_aside",
+    "four_bit_linear_weights",
     "is_moe",
     "recorded_router_logits",
     "router_logits_off",
@@ -118,3 +124,42 @@ def recorded_router_logits(model: torch.nn.Module) -> Iterator[list[torch.Tensor
     finally:
         for handle in handles:
             handle.remove()
+
+
+def four_bit_linear_weights(model: torch.nn.Module) -> set[int]:
+    """ids of the weights bitsandbytes' 4-bit loading quantizes: every `nn.Linear` but the LM head (transformers'
+    default `llm_int8_skip_modules`); an MoE's experts (3D parameters) and router are none of them."""
+    return {
+        id(module.weight)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
+
+
+def _expert_parameters(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of every parameter an MoE layer's experts module holds itself (`*.experts`, PEFT wrappers
+    looked through: their base layer's)."""
+    found = []
+    for name, module in model.named_modules():
+        if name.endswith(".experts") or name.endswith(".experts.base_layer"):
+            found.extend((module, key) for key, value in module._parameters.items() if value is not None)
+    return found
+
+
+def expert_weight_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the weights MoE layers' experts modules hold (see `expert_weights_set_aside`)."""
+    return {id(module._parameters[key]) for module, key in _expert_parameters(model)}
+
+
+@contextmanager
+def expert_weights_set_aside(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block the experts' own weights are not parameters of `model` (put back after, frozen): a preparation
+    that casts or walks every parameter (PEFT's `prepare_model_for_kbit_training`) leaves them in their dtype. No
+    forward may run inside."""
+    kept = [(module, key, module._parameters.pop(key)) for module, key in _expert_parameters(model)]
+    try:
+        yield
+    finally:
+        for module, key, param in kept:
+            param.requires_grad_(False)
+            module._parameters[key] = param
