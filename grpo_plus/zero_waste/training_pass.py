@@ -465,18 +465,14 @@ class ZeroWastePass:
             position_ids = batch.position_ids if positions is None else positions[:, batch.origin[0], batch.origin[1]]
             extra = images.model_inputs(batch.prompt_rows) if with_images else {}
             self.images += images.image_count(batch.prompt_rows) if with_images else 0
-            if not compute_aux_loss:
-                with accelerator.autocast():
-                    logps, entropies = fused_lm_head_forward(
-                        model, batch.input_ids, block_mask, position_ids, batch.targets, **extra, **router_off
-                    )
-                return logps, entropies, None
-            with accelerator.autocast(), recorded_router_logits(unwrapped) as router_logits:
+            recording = recorded_router_logits(unwrapped) if compute_aux_loss else nullcontext()
+            with accelerator.autocast(), recording as router_logits:
                 logps, entropies = fused_lm_head_forward(
                     model, batch.input_ids, block_mask, position_ids, batch.targets, **extra, **router_off
                 )
-            aux_loss = weighted_load_balancing_loss(router_logits, batch.router_weights, *experts)
-            return logps, entropies, aux_loss
+            if not compute_aux_loss:
+                return logps, entropies, None
+            return logps, entropies, weighted_load_balancing_loss(router_logits, batch.router_weights, *experts)
 
         return shared_prompt_logps(
             model_forward,
