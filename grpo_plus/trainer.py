@@ -44,6 +44,7 @@ from .compat.model import (
     trl_pad_token_id,
     uses_continuous_batching,
 )
+from .compat.moe import router_logits_off
 from .compat.rewards import get_soft_overlong_punishment, is_async_callable
 from .compat.versions import TRLCompatibilityError, check_trl_compatibility
 from .config import PlusSettings
@@ -324,7 +325,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.scale_rewards = "group"  # TRL's inline advantage code rejects other names; we replace its result
         try:
             trl_correction_off = functools.partial(trl_sampler_correction_off, self)
-            with self._zero_waste.generation_step(self.model, trl_correction_off) as record, self._tool_turns():
+            # an MoE config with output_router_logits=True generates with them off (transformers' loss fails there)
+            generation = self._zero_waste.generation_step(self.model, trl_correction_off)
+            with generation as record, self._tool_turns(), router_logits_off(self.model):
                 output = super()._generate_and_score_completions(inputs)
                 record(output)
         finally:

@@ -130,6 +130,14 @@ def tiny_model_dir_bnb(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir_bnb(tmp_path_factory):
+    """A tiny OLMoE (4 experts, top 2; width 64 for bitsandbytes' 4-bit CPU kernels) + tokenizer, saved once."""
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny-moe-64"), family="olmoe", hidden_size=64)
+    with kept_unchanged(path, "the session's tiny MoE"):
+        yield str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm_dir_bnb(tmp_path_factory):
     """A tiny Qwen2.5-VL (width 64, for bitsandbytes' 4-bit CPU kernels) and its processor, saved once per session."""
     from grpo_plus.app.tiny_vlms import save_tiny_vlm

@@ -416,13 +416,17 @@ def test_shipped_configs_become_fit_specs_with_their_models_shapes():
 
     configs = Path(__file__).resolve().parents[1] / "recipes" / "configs"
     expected = {"demo_cpu": (30, 576, False, 16, 16), "qwen2.5-0.5b_lora": (24, 896, False, 8, 32),
-                "qwen2.5-1.5b_lora": (28, 1536, False, 8, 32), "qwen2.5-7b_qlora": (28, 3584, True, 4, 32)}  # fmt: skip
+                "qwen2.5-1.5b_lora": (28, 1536, False, 8, 32), "qwen2.5-7b_qlora": (28, 3584, True, 4, 32),
+                "olmoe-1b-7b_qlora": (16, 2048, True, 4, 32)}  # fmt: skip
     for name, (layers, hidden, four_bit, rows, generated) in expected.items():
         spec = fit_spec_from_yaml(configs / f"{name}.yaml", prompt_tokens=128)
         assert (spec.layers, spec.config().hidden_size, spec.four_bit, spec.rows, spec.generation_rows) == (
             layers, hidden, four_bit, rows, generated,
         ), name  # fmt: skip
-        assert spec.lora["r"] == (16 if name in ("demo_cpu", "qwen2.5-7b_qlora") else 32)
+        assert spec.lora["r"] == (16 if name in ("demo_cpu", "qwen2.5-7b_qlora", "olmoe-1b-7b_qlora") else 32)
+        if name.startswith("olmoe"):  # a mixture of experts: 64 experts, 8 routed; LoRA on the experts too
+            assert (spec.config().num_experts, spec.config().num_experts_per_tok) == (64, 8)
+            assert spec.lora["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
 @pytest.mark.parametrize(("mode", "fraction"), [("colocate", 0.3), ("server", 0.0)])

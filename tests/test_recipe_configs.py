@@ -64,6 +64,8 @@ def test_shipped_config_trains_with_the_savings_on(config, request, tmp_path, mo
     fixture = {"grpo_vlm": "tiny_vlm_dir_bnb", "grpo_qlora": "tiny_model_dir_bnb"}.get(
         recipe_of(config), "tiny_model_dir"
     )
+    if config.name.startswith("olmoe"):  # a mixture of experts: its LoRA targets the experts' parameters
+        fixture = "tiny_moe_dir_bnb"
     model_dir = request.getfixturevalue(fixture)
     with caplog.at_level(logging.WARNING, logger="grpo_plus"):
         trainer = run_one_step(config, model_dir, tmp_path / "run", monkeypatch)
@@ -79,5 +81,8 @@ def test_shipped_config_trains_with_the_savings_on(config, request, tmp_path, mo
         assert step["zero_waste/positions_frac"] < 1  # the training pass computed fewer positions than TRL's
     if version_gap("zero_waste_generation") is None:
         assert step["zero_waste/generation_positions_frac"] < 1  # and so did generation (one prefill per prompt)
+    if config.name.startswith("olmoe"):  # LoRA on attention and on every layer's experts (PEFT's target_parameters)
+        adapters = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
+        assert any(".experts." in name for name in adapters) and any("q_proj" in name for name in adapters)
     if recipe_of(config) == "grpo_vlm":  # each group's pictures encoded once, in generation and in the training pass
         assert step["zero_waste/generation_images_frac"] < 1 and step["zero_waste/images_frac"] < 1

@@ -3,6 +3,9 @@ pays, which rows carry gradient, TRL's row chunks."""
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
 import torch
 
 from grpo_plus.zero_waste.rows import (
@@ -75,11 +78,14 @@ def test_rows_with_gradient_and_chunks():
     assert row_chunks(4, max_rows=None) == [range(0, 4)]
 
 
-def test_packing_computes_each_scored_token_from_what_trl_attends_random_batches():
+@pytest.mark.parametrize("through_last_token", [False, True])
+def test_packing_computes_each_scored_token_from_what_trl_attends_random_batches(through_last_token):
     """An oracle from TRL's layout, on random batches (ragged completions, masked tokens inside them, left-padded
     prompts, groups sharing a prompt, every pack size the planner picks): every scored completion token is computed
     exactly once, at its TRL position, from its preceding token, seeing exactly the (position, token) pairs TRL's
-    attention mask lets it see in `cat(prompt, completion)`."""
+    attention mask lets it see in `cat(prompt, completion)`. `through_last_token` (an MoE's load-balancing loss): the
+    same, and the packed positions weighed by `router_weights` are TRL's attended (position, token) pairs of every
+    row, each as often as TRL's forward routes it."""
     generator = torch.Generator().manual_seed(0)
 
     def draw(high: int, size=()) -> torch.Tensor:
@@ -102,7 +108,8 @@ def test_packing_computes_each_scored_token_from_what_trl_attends_random_batches
         completion_mask = (torch.rand(rows, width, generator=generator) > 0.2).long()
         for row in range(rows):
             completion_mask[row, int(draw(width + 1)) :] = 0
-        batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, int(draw(3000)) + 1)
+        batch = pack_shared_prompts(prompt_ids, prompt_mask, completion_ids, completion_mask, int(draw(3000)) + 1,
+                                    through_last_token=through_last_token)  # fmt: skip
 
         sequence, attended = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
         computed = list(zip(*[t.tolist() for t in (*batch.source, *batch.destination)], strict=True))
@@ -119,3 +126,11 @@ def test_packing_computes_each_scored_token_from_what_trl_attends_random_batches
             )
             expected = [(j, int(sequence[row, j])) for j in range(at + 1) if attended[row, j]]
             assert seen == expected, (row, column)
+        if through_last_token and bool(completion_mask.any(dim=1).all()):  # else the pass routes rows unpacked
+            routed, trl_routed = Counter(), Counter()
+            for pack, position in batch.router_weights.nonzero().tolist():
+                key = (int(batch.position_ids[pack, position]), int(batch.input_ids[pack, position]))
+                routed[key] += batch.router_weights[pack, position].item()
+            for row, column in attended.nonzero().tolist():
+                trl_routed[(column, int(sequence[row, column]))] += 1
+            assert routed == trl_routed

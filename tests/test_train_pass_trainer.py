@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import trl
 from helpers.models import make_tokenizer, prompt_dataset, tiny_config, tiny_trainer
 from helpers.probes import ForwardLog
 from transformers import AutoModelForCausalLM
@@ -471,7 +472,9 @@ def test_row_skipping_falls_back_to_the_full_pass(args, reason, caplog):
     assert log.positions == every_row, (log.positions, every_row)
 
 
-def test_router_aux_loss_computes_every_row_without_packing(caplog):
+def test_router_aux_loss_computes_every_row_with_shared_prompts(caplog):
+    """A one-layer Mixtral whose config asks for the router's logits: every row goes through the model (TRL's
+    load-balancing loss reads them all, tests/test_moe.py), each group's prompt once, and the aux loss is TRL's."""
     from transformers import MixtralConfig
 
     config = MixtralConfig(
@@ -483,11 +486,18 @@ def test_router_aux_loss_computes_every_row_without_packing(caplog):
     assert trainer.aux_loss_enabled
     inputs = micro_batch(trainer)
     log = ForwardLog(trainer.model)
-    with caplog.at_level(logging.WARNING, logger="grpo_plus.trainer"):
-        trainer._compute_loss(trainer.model, inputs)
-    assert [(call["shape"][0], call["mask_dims"]) for call in log.calls] == [(G * GROUPS, 2)]
+    with caplog.at_level(logging.WARNING, logger="grpo_plus"):
+        policy = trainer._zero_waste.policy_forward(trainer.model, inputs, trainer._metrics["train"])
+    assert [(call["shape"][0], call["mask_dims"]) for call in log.calls] == [(GROUPS, 4)]  # a pack per group
+    assert bool(policy.computed_rows is None)
     messages = " ".join(record.getMessage() for record in caplog.records)
-    assert "router aux loss" in messages and "zero-advantage rows" in messages and "shared prompt" in messages
+    assert "router aux loss" in messages and "zero-advantage rows" in messages and "shared prompt" not in messages
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    _, _, trl_aux = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, trainer.model, ids, mask, inputs["completion_ids"].shape[1], compute_aux_loss=True
+    )
+    assert abs(policy.aux_loss.item() - trl_aux.item()) <= 1e-6  # float32 sums in another order: 4 ulps of 2.0
 
 
 @pytest.mark.parametrize(

@@ -108,9 +108,9 @@ def _push(args: argparse.Namespace) -> int:
 
 # YAML keys of a recipe config that are not GRPOConfig fields (TRL's ModelConfig, the recipes' ScriptArguments).
 _MODEL_KEYS = ("model_name_or_path", "model_revision", "dtype", "torch_dtype", "attn_implementation", "use_peft",
-               "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save", "lora_task_type",
-               "use_rslora", "use_dora", "load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
-               "trust_remote_code")  # fmt: skip
+               "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+               "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora", "load_in_4bit", "load_in_8bit",
+               "bnb_4bit_quant_type", "use_bnb_nested_quant", "trust_remote_code")  # fmt: skip
 
 
 def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | None = None,
@@ -165,7 +165,8 @@ def fit_spec_from_yaml(path: Path, prompt_tokens: int, model_config_path: str | 
     lora = None
     if settings.get("use_peft", "lora_r" in settings):
         lora = lora_fields(settings.get("lora_r", 16), settings.get("lora_alpha", 32),
-                           settings.get("lora_dropout", 0.05), settings.get("lora_target_modules"))  # fmt: skip
+                           settings.get("lora_dropout", 0.05), settings.get("lora_target_modules"),
+                           settings.get("lora_target_parameters"))  # fmt: skip
     four_bit = bool(settings.get("load_in_4bit") or "bnb_4bit_quant_type" in settings)
     spec = FitSpec.from_config(args, config, dtype, lora, four_bit, prompt_tokens)
     spec = spec.replace(padded_prompts=not equal_prompts)

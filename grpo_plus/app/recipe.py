@@ -390,16 +390,19 @@ def four_bit_loading(model_args: ModelConfig, training_args: GRPOConfig) -> dict
 
 def prepare_four_bit(model, training_args: GRPOConfig):
     """A 4-bit base made trainable through: norms in fp32, inputs requiring grads (so gradient checkpointing works
-    through the frozen base), and on CPU the 4-bit weights kept in a layout that backpropagates."""
+    through the frozen base), and on CPU the 4-bit weights kept in a layout that backpropagates. A mixture of experts
+    keeps its experts' weights in their dtype (bitsandbytes does not quantize them; in fp32 they would double)."""
     from peft import prepare_model_for_kbit_training
 
     from ..compat.bitsandbytes import keep_4bit_trainable_on_cpu
+    from ..compat.moe import expert_weights_set_aside
 
-    model = prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=training_args.gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+    with expert_weights_set_aside(model):
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=training_args.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     keep_4bit_trainable_on_cpu(model)  # CPU only: stops bitsandbytes repacking 4-bit weights into a no-grad layout
     return model
 

@@ -23,11 +23,15 @@ from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     GPTNeoXConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from trl import GRPOTrainer
 
@@ -39,6 +43,7 @@ __all__ = [
     "length_reward",
     "make_model",
     "make_tokenizer",
+    "MOE_FAMILIES",
     "prompt_dataset",
     "save_tiny_model",
     "text_of",
@@ -108,8 +113,14 @@ def make_model(
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+# Mixture-of-experts families transformers has, as tiny test models: 4 experts, 2 routed per token.
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral", "gpt_oss")
+
+
 def tiny_config(family: str, vocab_size: int, **overrides):
-    """A two-layer model of `family` (llama, mistral, qwen2, qwen3: rotary positions; gpt2: learned absolute ones)."""
+    """A two-layer model of `family` (llama, mistral, qwen2, qwen3: rotary positions; gpt2: learned absolute ones;
+    the mixture-of-experts `MOE_FAMILIES`: 4 experts of width 16, top 2, each family's own router aux-loss
+    coefficient, `output_router_logits` False, as the released configs declare them)."""
     common = dict(vocab_size=vocab_size, tie_word_embeddings=False, pad_token_id=0)
     if family == "gpt2":
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -120,18 +131,41 @@ def tiny_config(family: str, vocab_size: int, **overrides):
         "qwen2": Qwen2Config,
         "qwen3": Qwen3Config,
         "gpt_neox": GPTNeoXConfig,  # not a checked family: its forward is not proven to take a block mask as given
+        "qwen3_moe": Qwen3MoeConfig,
+        "olmoe": OlmoeConfig,
+        "mixtral": MixtralConfig,
+        "gpt_oss": GptOssConfig,
     }
     sizes = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
-    return classes[family](**{**sizes, **overrides}, max_position_embeddings=64, **common)
+    if family in MOE_FAMILIES:
+        experts = "num_experts" if family in ("qwen3_moe", "olmoe") else "num_local_experts"
+        sizes |= {experts: 4, "num_experts_per_tok": 2, "intermediate_size": 16}
+        if family == "qwen3_moe":
+            sizes |= dict(moe_intermediate_size=16, head_dim=8)
+        if family == "olmoe":  # its config defaults to OLMoE-1B-7B's token ids, outside a tiny vocabulary
+            sizes |= dict(eos_token_id=None, bos_token_id=None)
+        if family == "gpt_oss":  # one sliding-window layer (wider than any test sequence), one full; no YaRN scaling
+            sizes |= dict(
+                head_dim=8, layer_types=["sliding_attention", "full_attention"], sliding_window=64,
+                rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            )  # fmt: skip
+    return classes[family](**{**sizes, "max_position_embeddings": 64, **overrides}, **common)
 
 
-def save_tiny_model(path: str | Path, seed: int = 0, **kwargs) -> Path:
-    """Write a tiny model + tokenizer to `path`, loadable by `from_pretrained(path)`."""
+def save_tiny_model(path: str | Path, seed: int = 0, family: str | None = None, **kwargs) -> Path:
+    """Write a tiny model + tokenizer to `path`, loadable by `from_pretrained(path)`: `make_model`'s Llama, or with
+    `family` a `tiny_config` model of that family (`kwargs`: its config overrides)."""
     path = Path(path)
     tokenizer = make_tokenizer()
-    model = make_model(tokenizer, seed=seed, **kwargs)
+    if family is None:
+        model = make_model(tokenizer, seed=seed, **kwargs)
+    else:
+        torch.manual_seed(seed)
+        config = tiny_config(family, len(tokenizer), **kwargs)
+        config.eos_token_id, config.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compat.model import cache_argument_name
+from ..compat.moe import expert_weight_ids, four_bit_linear_weights
 from ..compat.torch import FAKE_ACCELERATOR, fake_accelerator, new_fake_mode
 from ..long_completions.lm_head_tiles import size_lm_head_tiles
 from .attention import CpuAttentionKernels, CudaAttentionKernels
@@ -185,13 +186,10 @@ def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str 
     auto = AutoModelForImageTextToText if spec.vision_language else AutoModelForCausalLM  # as TRL loads them
     with torch.device("meta") if fake_mode is not None else contextlib.nullcontext():
         model = auto.from_config(spec.config(layers, vision_blocks), dtype=dtype)
-    if spec.four_bit:
-        quantized = {
-            id(module.weight) for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
-        }  # fmt: skip
+    if spec.four_bit:  # what the recipe's preparation leaves: an MoE's experts stay in the weights' dtype
+        kept = four_bit_linear_weights(model) | expert_weight_ids(model)
         for param in model.parameters():
-            if id(param) not in quantized:
+            if id(param) not in kept:
                 param.data = param.data.float()
     if spec.lora is not None:
         model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **spec.lora))
@@ -625,20 +623,15 @@ def _static_bytes(spec: FitSpec) -> dict:
                          new_fake_mode(), "cpu")  # fmt: skip
     frozen = trainable = dequantized = 0
     seen = set()
-    for name, param in model.named_parameters():
+    quantized = four_bit_linear_weights(model) if spec.four_bit else set()  # an MoE's router and experts: not these
+    for param in model.parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
         size = param.numel() * param.element_size()
         if param.requires_grad:
             trainable += size
-        elif (
-            spec.four_bit
-            and name.endswith("weight")
-            and param.dim() == 2
-            and "lm_head" not in name
-            and ("embed" not in name)
-        ):
+        elif id(param) in quantized:
             frozen += nf4_bytes(param.numel())
             dequantized = max(dequantized, param.numel() * 2)
         else:

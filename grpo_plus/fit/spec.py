@@ -47,6 +47,13 @@ KNOWN_SHAPES: dict[str, tuple[str, dict]] = {
             depth=32, hidden_act="silu", hidden_size=1280, intermediate_size=3420, num_heads=16, in_chans=3,
             out_hidden_size=2048, patch_size=14, spatial_merge_size=2, spatial_patch_size=14, window_size=112,
             fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2, temporal_patch_size=2))),
+    # allenai/OLMoE-1B-7B-0924(-Instruct): 64 experts of width 1024 per layer, 8 routed per token (6.9B weights, 1.3B
+    # active); its router's aux-loss coefficient 0.01.
+    "olmoe-1b-7b": ("olmoe", dict(
+        hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=64, num_experts_per_tok=8, vocab_size=50304, rope_theta=10000.0, tie_word_embeddings=False,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, norm_topk_prob=False, router_aux_loss_coef=0.01,
+        clip_qkv=None, pad_token_id=1, eos_token_id=50279)),
     "tiny-qwen2": ("qwen2", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=512, rope_theta=1000000.0, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -58,6 +65,7 @@ KNOWN_MODELS = {
     "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2.5-vl-3b",
     "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m",
     "smollm2-135m-instruct": "smollm2-135m",
+    **{f"allenai/OLMoE-1B-7B-0924{suffix}": "olmoe-1b-7b" for suffix in ("", "-Instruct")},
 }  # fmt: skip
 # Vision-language families the count runs with their images (the model's own vision tower on fake tensors): Qwen-VL's
 # patch rows and `image_grid_thw`. Other families' towers are not counted yet (`image_count_blocker`).
@@ -229,7 +237,8 @@ class FitSpec:
         peft_config = getattr(model, "peft_config", None)
         if peft_config:
             adapter = next(iter(peft_config.values()))
-            lora = lora_fields(adapter.r, adapter.lora_alpha, adapter.lora_dropout, adapter.target_modules)
+            lora = lora_fields(adapter.r, adapter.lora_alpha, adapter.lora_dropout, adapter.target_modules,
+                               getattr(adapter, "target_parameters", None))  # fmt: skip
         four_bit = bool(getattr(base, "is_loaded_in_4bit", False))
         dtype = next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.float32)
         if four_bit:
@@ -305,11 +314,14 @@ def objective_fields() -> tuple[str, ...]:
     return tuple(sorted(names & config_fields))
 
 
-def lora_fields(r: int, alpha: float, dropout: float, target_modules) -> dict:
-    """The LoraConfig fields a count uses."""
+def lora_fields(r: int, alpha: float, dropout: float, target_modules, target_parameters=None) -> dict:
+    """The LoraConfig fields a count uses (`target_parameters`: PEFT's adapters on parameters, an MoE's experts)."""
     if isinstance(target_modules, (set, list, tuple)):
         target_modules = sorted(target_modules)
-    return dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+    fields = dict(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules)
+    if target_parameters:
+        fields["target_parameters"] = sorted(target_parameters)
+    return fields
 
 
 def optimizer_states(optim: str) -> float:

@@ -24,8 +24,8 @@ import torch
 
 IGNORE_INDEX = -100
 # Model families whose forward takes position_ids and a custom 4D attention mask as given, checked by the exactness
-# tests (tests/test_train_pass_trainer.py) against TRL's own forward.
-SHARED_PROMPT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+# tests (tests/test_train_pass_trainer.py; the mixture-of-experts ones, tests/test_moe.py) against TRL's own forward.
+SHARED_PROMPT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "olmoe", "mixtral", "gpt_oss")
 SHARED_PROMPT_ATTENTION = ("sdpa", "eager")
 # Forward cost of a pack of n positions, in units of one position's linear layers: n + n^2 / (ATTENTION_COST * d).
 # A decoder layer spends ~21 d^2 FLOPs per position in its projections and MLP and ~4 d per (query, key) pair in
@@ -75,7 +75,11 @@ def row_skip_blocker(
     if top_entropy_quantile < 1.0:
         return f"top_entropy_quantile={top_entropy_quantile}: the entropy threshold is taken over every row"
     if aux_loss:
-        return "the router aux loss (output_router_logits) reads every row"
+        return (
+            "the router aux loss (TRL's load-balancing loss, router_aux_loss_coef) is a product of two means over every "
+            "token of every row in the micro-batch: a zero-advantage row changes its value and its gradient (0.0 "
+            "turns it off)"
+        )
     if not loss_type_declared:
         return f"loss_type={loss_type!r} did not declare zero_advantage_rows_contribute_nothing=True at registration"
     if not importance_sampling_declared:
@@ -129,6 +133,9 @@ class PackedBatch:
     # its pack's last position); models whose positions are not column indices (M-RoPE) read theirs from there.
     origin: tuple[torch.Tensor, torch.Tensor] | None = None
     prompt_rows: torch.Tensor | None = None  # (n,): the row whose prompt (and images) each pack carries
+    # (n, L) float, packed with `through_last_token`: how many tokens of TRL's forward each position stands for (its
+    # attention mask, times the completions sharing a prompt position; 0 on padding), the load-balancing loss's weights
+    router_weights: torch.Tensor | None = None
 
     @property
     def positions(self) -> int:
@@ -182,6 +189,7 @@ def pack_shared_prompts(
     pad_token_id: int = 0,
     row_keys: torch.Tensor | None = None,
     prompt_blocks: torch.Tensor | None = None,
+    through_last_token: bool = False,
 ) -> PackedBatch:
     """Pack every row of a (left-padded prompt, right-padded completion) batch, one prompt copy per pack.
 
@@ -189,6 +197,8 @@ def pack_shared_prompts(
     `cat(prompt, completion)` layout, which is what TRL's forward uses when it passes none. Rows share a pack only if
     their `row_keys` (B,) entries are equal too (a VLM's rows: the same images). `prompt_blocks` (B, prompt width):
     an id per prompt column, -1 or a block whose positions attend each other both ways (Gemma 3's image tokens).
+    `through_last_token`: each segment also holds its completion's last token (it predicts nothing, but TRL's forward
+    routes it: a router's load-balancing loss counts it), and the batch carries `router_weights`.
     """
     completion_mask_cpu = completion_mask.detach().cpu()
     prompt_mask_cpu = prompt_mask.detach().cpu()
@@ -212,24 +222,34 @@ def pack_shared_prompts(
             prompt_blocks_row = None if blocks_cpu is None else blocks_cpu[prompt_row, prefix_columns]
             pack.add_prefix(prompt_ids_cpu[prompt_row, prefix_columns], prefix_columns, prompt_blocks_row)
             pack_completions(pack, torch.tensor([rows[i] for i in pack_rows]), lengths, prompt_ids_cpu,
-                             completion_ids_cpu, attended)  # fmt: skip
+                             completion_ids_cpu, attended, through_last_token)  # fmt: skip
             packs.append(pack)
-    return _stack_packs(packs, pad_token_id, prompt_ids.device, bidirectional_blocks=blocks_cpu is not None)
+    batch = _stack_packs(packs, pad_token_id, prompt_ids.device, bidirectional_blocks=blocks_cpu is not None)
+    if through_last_token:
+        batch.router_weights = _router_weights(packs, batch.input_ids.shape, prompt_ids.device)
+    return batch
 
 
 def pack_completions(pack: _Pack, rows: torch.Tensor, lengths: list[int], prompt_ids: torch.Tensor,
-                     completion_ids: torch.Tensor, attended: torch.Tensor) -> None:  # fmt: skip
+                     completion_ids: torch.Tensor, attended: torch.Tensor,
+                     through_last_token: bool = False) -> None:  # fmt: skip
     """Append the completions of TRL rows `rows` to `pack`, one segment each, in order: a segment is the prompt's last
-    token and the completion but its last token (what predicts each completion token), at the positions of TRL's
-    layout, its scored tokens as targets. All rows at once: a [rows, longest] block, cut to each row's length."""
+    token and the completion but its last token (what predicts each completion token; `through_last_token`: that
+    token too, predicting nothing), at the positions of TRL's layout, its scored tokens as targets. All rows at once:
+    a [rows, longest] block, cut to each row's length."""
+    extra = int(through_last_token)
     width = max(lengths[row] for row in rows.tolist())
-    columns = torch.arange(width)
-    inside = columns < torch.tensor([lengths[row] for row in rows.tolist()]).unsqueeze(1)  # each segment's positions
-    inputs = torch.cat([prompt_ids[rows, -1:], completion_ids[rows, : width - 1]], dim=1)
-    keys = torch.cat([torch.ones(len(rows), 1, dtype=torch.bool), attended[rows, : width - 1]], dim=1)
+    columns = torch.arange(width + extra)
+    segment_lengths = torch.tensor([lengths[row] + extra for row in rows.tolist()])
+    inside = columns < segment_lengths.unsqueeze(1)  # each segment's positions
+    inputs = torch.cat([prompt_ids[rows, -1:], completion_ids[rows, : width - 1 + extra]], dim=1)
+    keys = torch.cat([torch.ones(len(rows), 1, dtype=torch.bool), attended[rows, : width - 1 + extra]], dim=1)
     scored = attended[rows, :width]  # within each row's length by definition of the length
     targets = completion_ids[rows, :width].masked_fill(~scored, IGNORE_INDEX)
-    segments = torch.arange(pack.completions, pack.completions + len(rows)).unsqueeze(1).expand(-1, width)
+    if extra:  # the last token predicts nothing
+        scored = torch.nn.functional.pad(scored, (0, 1))
+        targets = torch.nn.functional.pad(targets, (0, 1), value=IGNORE_INDEX)
+    segments = torch.arange(pack.completions, pack.completions + len(rows)).unsqueeze(1).expand(-1, width + extra)
     positions = (prompt_ids.shape[1] - 1 + columns).expand(len(rows), -1)
     scored_rows, scored_columns = scored.nonzero(as_tuple=True)
     pack.token_ids.append(inputs[inside])
@@ -239,7 +259,7 @@ def pack_completions(pack: _Pack, rows: torch.Tensor, lengths: list[int], prompt
     pack.targets.append(targets[inside])
     pack.destination_rows.append(rows[scored_rows])
     pack.destination_columns.append(scored_columns)
-    pack.origin_rows.append(rows.unsqueeze(1).expand(-1, width)[inside])
+    pack.origin_rows.append(rows.unsqueeze(1).expand(-1, width + extra)[inside])
     pack.blocks.append(torch.full((int(inside.sum()),), -1))  # completions attend causally
     pack.completions += len(rows)
 
@@ -328,6 +348,36 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device, bidirectional_bl
         origin=(origin_rows.to(device), origin_columns.to(device)),
         prompt_rows=torch.tensor([pack.prompt_row for pack in packs], dtype=torch.long, device=device),
     )
+
+
+def _router_weights(packs: list[_Pack], shape: torch.Size, device) -> torch.Tensor:
+    """(n, L) float: each packed position's weight in TRL's load-balancing loss (see `PackedBatch.router_weights`)."""
+    weights = torch.zeros(shape, dtype=torch.float32)
+    for index, pack in enumerate(packs):
+        segments, attended = torch.cat(pack.segments), torch.cat(pack.attended)
+        weights[index, : len(pack)] = torch.where(segments == _PREFIX, float(pack.completions), attended.float())
+    return weights.to(device)
+
+
+def weighted_load_balancing_loss(
+    router_logits: Sequence[torch.Tensor], weights: torch.Tensor, num_experts: int, top_k: int
+) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` (5.x, every MoE family: the Switch Transformer loss over all layers,
+    `num_experts * sum_e f_e * P_e`, f_e the share of routed (token, slot) pairs that chose expert e and P_e the mean
+    router probability of e, both averaged over every attended token of every layer) with each position weighted by
+    `weights` (flattened like the router's (tokens, experts) rows) instead of an attention mask of 0 / 1: a position
+    of weight w counts as w identical tokens. `router_logits`: one (tokens, experts) tensor per MoE layer."""
+    flat = weights.reshape(-1).float()
+    tokens_per_expert = flat.new_zeros(num_experts)
+    router_probs = flat.new_zeros(num_experts)
+    total = flat.new_zeros(())
+    for layer_logits in router_logits:
+        probs = torch.nn.functional.softmax(layer_logits.to(flat.device), dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        tokens_per_expert = tokens_per_expert.scatter_add(0, chosen.reshape(-1), flat.repeat_interleave(top_k))
+        router_probs = router_probs + (probs.float() * flat.unsqueeze(-1)).sum(dim=0)
+        total = total + flat.sum()
+    return torch.sum((tokens_per_expert / total) * (router_probs / total)) * num_experts
 
 
 def block_attention_mask(
@@ -480,7 +530,8 @@ def shared_prompt_logps(
     mask_free: bool = True,
     row_keys: torch.Tensor | None = None,
     prompt_blocks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    through_last_token: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """Per-token log-probs and entropies (B, logits_to_keep) with one prompt copy per pack, or None where packing
     does not pay: a chunk has no token to score, or the packs, padded to the widest, hold at least the
     `unshared_positions` the caller's per-row forward would compute (rows of a group spread over micro-batches).
@@ -494,12 +545,16 @@ def shared_prompt_logps(
     caller runs the per-row forward, which makes the same number of model calls.
 
     `model_forward(packed)` runs the model on one packed chunk and returns its per-position (log-probs,
-    entropies or None); the chunk's `origin` and `prompt_rows` index the rows of `input_ids`. Chunks are TRL's
-    (`row_chunks`), one model call each. `row_keys`, `prompt_blocks`: see `pack_shared_prompts`.
+    entropies or None) and its router's load-balancing loss (or None); the chunk's `origin` and `prompt_rows` index the
+    rows of `input_ids`. Chunks are TRL's (`row_chunks`), one model call each; the loss returned is their mean, as
+    TRL's. `row_keys`, `prompt_blocks`, `through_last_token`: see `pack_shared_prompts` (with it, a row whose
+    completion is all masked still routes its prompt in TRL's forward: then None, the per-row forward counts it).
     """
     prompt_width = input_ids.shape[1] - logits_to_keep
     prompt_ids, completion_ids = input_ids[:, :prompt_width], input_ids[:, prompt_width:]
     prompt_mask, completion_mask = attention_mask[:, :prompt_width], attention_mask[:, prompt_width:]
+    if through_last_token and not bool(completion_mask.any(dim=1).all()):
+        return None
     batches = []
     for rows in row_chunks(input_ids.shape[0], batch_size):
         index = torch.arange(rows.start, rows.stop, device=input_ids.device)
@@ -508,6 +563,7 @@ def shared_prompt_logps(
             hidden_size, pad_token_id,
             row_keys=None if row_keys is None else row_keys[index],
             prompt_blocks=None if prompt_blocks is None else prompt_blocks[index],
+            through_last_token=through_last_token,
         )  # fmt: skip
         if batch.input_ids.numel() == 0:
             return None
@@ -522,12 +578,15 @@ def shared_prompt_logps(
     elif unshared_positions is not None and sum(batch.positions for _, batch in batches) >= unshared_positions:
         return None
     logps = entropies = None
+    losses = []
     for index, batch in batches:
-        chunk_logps, chunk_entropies = model_forward(batch)
+        chunk_logps, chunk_entropies, chunk_loss = model_forward(batch)
+        if chunk_loss is not None:
+            losses.append(chunk_loss)
         shape = (len(index), logits_to_keep)
         logps = chunk_logps.new_zeros((input_ids.shape[0], logits_to_keep)) if logps is None else logps
         logps = logps.index_put((index,), unpack(chunk_logps, batch, shape))
         if chunk_entropies is not None:
             entropies = logps.new_zeros(logps.shape) if entropies is None else entropies
             entropies = entropies.index_put((index,), unpack(chunk_entropies, batch, shape))
-    return logps, entropies
+    return logps, entropies, torch.stack(losses).mean() if losses else None

@@ -23,6 +23,7 @@ import trl
 from ..compat.lm_head import fused_lm_head_forward, has_fused_lm_head
 from ..compat.loss import TRL_NATIVE_LOSS_TYPES, TRLTrainingSettings
 from ..compat.model import FORWARD_INPUT_KEYS, disable_gradient_checkpointing
+from ..compat.moe import expert_counts, is_moe, recorded_router_logits
 from ..compat.versions import version_gap
 from ..objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
 from .generation import GenerationStats
@@ -46,6 +47,7 @@ from .rows import (
     rows_with_gradient,
     shared_prompt_blocker,
     shared_prompt_logps,
+    weighted_load_balancing_loss,
 )
 
 logger = logging.getLogger(__name__)
@@ -384,10 +386,12 @@ class ZeroWastePass:
                 model, input_ids, attention_mask, prompt_width, compute_aux_loss, images
             )
             if reason is None:
-                packed = self.shared_prompt_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, images)
+                packed = self.shared_prompt_logps(
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, images, compute_aux_loss
+                )
                 if packed is not None:
-                    logps, entropies = packed
-                    return logps, entropies if compute_entropy else None, None
+                    logps, entropies, aux_loss = packed
+                    return logps, entropies if compute_entropy else None, aux_loss
             else:
                 self.note_fallback("the shared prompt", reason)
         width = completion_width(attention_mask[:, prompt_width:])
@@ -407,8 +411,8 @@ class ZeroWastePass:
             return gap
         if not has_fused_lm_head():  # above the floor: a TRL release that moved its fused LM head
             return f"TRL {trl.__version__} has no fused LM head to score packed rows"
-        if compute_aux_loss:
-            return "the router aux loss is taken over every row's tokens"
+        if compute_aux_loss and not is_moe(self.accelerator.unwrap_model(model).config):
+            return "the router aux loss is asked of a model that declares no experts to weigh it over"
         if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):
             return "some prompt does not end in its last column (prompts are not left-padded)"
         config = self.accelerator.unwrap_model(model).config
@@ -434,14 +438,21 @@ class ZeroWastePass:
         half = self.settings.trl.half_precision or model.dtype in (torch.bfloat16, torch.float16)
         return half or kv_heads in (None, heads)
 
-    def shared_prompt_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size, images=None):
-        """Log-probs and entropies with one prompt copy per pack (and, with `images`, each pack's prompt images
-        encoded once); None where packing does not pay."""
+    def shared_prompt_logps(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, images=None, compute_aux_loss=False
+    ):
+        """Log-probs, entropies and (`compute_aux_loss`) the router's load-balancing loss with one prompt copy per pack
+        (and, with `images`, each pack's prompt images encoded once); None where packing does not pay. The loss is
+        TRL's exactly: every position of the packs is routed, each weighed by the tokens of TRL's forward it stands
+        for (a shared prompt position by the completions sharing it), each completion's last token packed too."""
         prompt_width = input_ids.shape[1] - logits_to_keep
         accelerator = self.accelerator
         unwrapped = accelerator.unwrap_model(model)
         eager = unwrapped.config.get_text_config()._attn_implementation == "eager"
         with_images = images is not None and images.has_images
+        # MoE: the model's own load-balancing loss would read the 4D block mask as a 2D one; it is computed here
+        router_off = {"output_router_logits": False} if is_moe(unwrapped.config) else {}
+        experts = expert_counts(unwrapped.config)
         positions = rope_positions(unwrapped, input_ids, attention_mask, images) if with_images else None
         blocks = bidirectional_blocks(unwrapped.config, images) if images is not None else None
 
@@ -454,8 +465,14 @@ class ZeroWastePass:
             position_ids = batch.position_ids if positions is None else positions[:, batch.origin[0], batch.origin[1]]
             extra = images.model_inputs(batch.prompt_rows) if with_images else {}
             self.images += images.image_count(batch.prompt_rows) if with_images else 0
-            with accelerator.autocast():
-                return fused_lm_head_forward(model, batch.input_ids, block_mask, position_ids, batch.targets, **extra)
+            recording = recorded_router_logits(unwrapped) if compute_aux_loss else nullcontext()
+            with accelerator.autocast(), recording as router_logits:
+                logps, entropies = fused_lm_head_forward(
+                    model, batch.input_ids, block_mask, position_ids, batch.targets, **extra, **router_off
+                )
+            if not compute_aux_loss:
+                return logps, entropies, None
+            return logps, entropies, weighted_load_balancing_loss(router_logits, batch.router_weights, *experts)
 
         return shared_prompt_logps(
             model_forward,
@@ -470,4 +487,5 @@ class ZeroWastePass:
             mask_free=self.mask_free_allowed(unwrapped),
             row_keys=images.row_keys().to(input_ids.device) if with_images else None,
             prompt_blocks=None if blocks is None else blocks[:, :prompt_width],
+            through_last_token=compute_aux_loss,
         )

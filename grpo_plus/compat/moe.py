@@ -1,0 +1,165 @@
+"""Mixture-of-experts models as transformers 5.x builds them: the config's expert counts, the router's logits (how
+transformers' output recorder finds them), and the `output_router_logits` switch that breaks `generate`.
+
+Facts (transformers 5.24; Qwen3-MoE, OLMoE, Mixtral and gpt-oss alike):
+- The causal LM's forward adds the load-balancing loss when `output_router_logits` is on (the argument, else the
+  config's field): `load_balancing_loss_func(router_logits, num_experts, num_experts_per_tok, attention_mask)`, one
+  copy per family, all the same code (TRL 1.16's fused LM head imports Mixtral's). With a KV cache the router sees only
+  the new tokens while the mask spans the whole sequence: with `output_router_logits=True` in the config, `generate`
+  fails at its second step ("The size of tensor a (3) must match the size of tensor b (33)"), in stock TRL too.
+- The router logits are recorded by `OutputRecorder(<Family>TopKRouter, index=0)` hooks declared in the base
+  model's `_can_record_outputs["router_logits"]`: the router module's first output, (tokens, experts), per layer.
+- The experts of a layer are one module (`<layer>.mlp.experts`) holding 3D parameters (`gate_up_proj`, `down_proj`:
+  (experts, ...)), which PEFT reaches through `target_parameters`, not `target_modules`, and which bitsandbytes'
+  4-bit loading leaves in the model's dtype (it quantizes `nn.Linear` layers only; the router is no `nn.Linear`
+  either). PEFT's `prepare_model_for_kbit_training` casts every unquantized bf16 / fp16 weight to fp32: the experts,
+  nearly all of an MoE model's bytes, would double.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "ExpertCounts",
+    "expert_counts",
+    "expert_weight_ids",
+    "expert_weights_set_aside",
+    "four_bit_linear_weights",
+    "is_moe",
+    "recorded_router_logits",
+    "router_logits_off",
+    "router_logits_requested",
+]
+
+
+class ExpertCounts(NamedTuple):
+    """A layer's experts, and how many of them each token is routed to (top-k)."""
+
+    experts: int
+    active: int
+
+
+def expert_counts(config) -> ExpertCounts | None:
+    """The text config's (experts, routed per token), or None for a dense model. Qwen3-MoE and OLMoE call the count
+    `num_experts`, Mixtral and gpt-oss `num_local_experts` (transformers 5 maps `num_experts` to it on theirs)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(text_config, "num_local_experts", None) or getattr(text_config, "num_experts", None)
+    active = getattr(text_config, "num_experts_per_tok", None)
+    if not experts or not active:
+        return None
+    return ExpertCounts(int(experts), int(active))
+
+
+def is_moe(config) -> bool:
+    """Whether the model routes tokens to experts and can report its router logits (TRL's own test, 1.16:
+    `hasattr(text_config, "output_router_logits")`), with its expert counts declared."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return hasattr(text_config, "output_router_logits") and expert_counts(text_config) is not None
+
+
+def router_logits_requested(config) -> bool:
+    """Whether the model's forward computes its load-balancing loss unless told otherwise (the config's field)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text_config, "output_router_logits", False))
+
+
+@contextmanager
+def router_logits_off(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block the model's config says `output_router_logits=False` (generation: nothing trains on the
+    router's logits there, and transformers' loss over them fails under a KV cache); restored after."""
+    config = getattr(model, "config", None)
+    if config is None or not router_logits_requested(config):
+        yield
+        return
+    text_config = config.get_text_config()
+    text_config.output_router_logits = False
+    try:
+        yield
+    finally:
+        text_config.output_router_logits = True
+
+
+def _router_spec(model: torch.nn.Module):
+    """transformers' recorder spec for the router logits: (module class or None, class-name suffix or None, index,
+    layer name or None), or None where the model records none."""
+    for module in model.modules():
+        spec = (getattr(type(module), "_can_record_outputs", None) or {}).get("router_logits")
+        if spec is None:
+            continue
+        if isinstance(spec, str):
+            return None, spec, 0, None
+        if isinstance(spec, type):
+            return spec, None, 0, None
+        return spec.target_class, spec.class_name, spec.index, spec.layer_name
+    return None
+
+
+@contextmanager
+def recorded_router_logits(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Within the block, every forward of `model` appends each MoE layer's router logits ((tokens, experts), in
+    layer order, with their graph) to the yielded list, found as transformers' own recorder finds them."""
+    spec = _router_spec(model)
+    if spec is None:
+        raise ValueError(f"{type(model).__name__} declares no router logits to record")
+    target_class, class_name, index, layer_name = spec
+    recorded: list[torch.Tensor] = []
+
+    def record(module, args, output):
+        recorded.append(output[index] if isinstance(output, (tuple, list)) else output)
+
+    handles = []
+    for name, module in model.named_modules():
+        matches = (target_class is not None and isinstance(module, target_class)) or (
+            class_name is not None and name.endswith(class_name)
+        )
+        if matches and (layer_name is None or layer_name in name):
+            handles.append(module.register_forward_hook(record))
+    try:
+        yield recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def four_bit_linear_weights(model: torch.nn.Module) -> set[int]:
+    """ids of the weights bitsandbytes' 4-bit loading quantizes: every `nn.Linear` but the LM head (transformers'
+    default `llm_int8_skip_modules`); an MoE's experts (3D parameters) and router are none of them."""
+    return {
+        id(module.weight)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head")
+    }
+
+
+def _expert_parameters(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """(module, name) of every parameter an MoE layer's experts module holds itself (`*.experts`, PEFT wrappers
+    looked through: their base layer's)."""
+    found = []
+    for name, module in model.named_modules():
+        if name.endswith(".experts") or name.endswith(".experts.base_layer"):
+            found.extend((module, key) for key, value in module._parameters.items() if value is not None)
+    return found
+
+
+def expert_weight_ids(model: torch.nn.Module) -> set[int]:
+    """ids of the weights MoE layers' experts modules hold (see `expert_weights_set_aside`)."""
+    return {id(module._parameters[key]) for module, key in _expert_parameters(model)}
+
+
+@contextmanager
+def expert_weights_set_aside(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block the experts' own weights are not parameters of `model` (put back after, frozen): a preparation
+    that casts or walks every parameter (PEFT's `prepare_model_for_kbit_training`) leaves them in their dtype. No
+    forward may run inside."""
+    kept = [(module, key, module._parameters.pop(key)) for module, key in _expert_parameters(model)]
+    try:
+        yield
+    finally:
+        for module, key, param in kept:
+            param.requires_grad_(False)
+            module._parameters[key] = param
