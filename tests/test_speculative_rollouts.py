@@ -91,6 +91,20 @@ def test_greedy_rows_ending_at_different_steps_and_the_length_limit():
     assert stats.speculation.accepted > 0
 
 
+@needs_loop
+def test_the_adaptive_draft_length_drafts_less_where_drafts_are_refused_and_changes_no_token():
+    model, tokenizer = tiny_model("llama")
+    ids, mask = repetitive_batch(len(tokenizer))
+    kwargs = dict(input_ids=ids, attention_mask=mask, generation_config=greedy_config(tokenizer))
+    fixed = SpeculativeDecoder(SpeculativeSettings(enabled=True, adaptive_draft=False))
+    reference, every_k = generate(model, speculation=fixed, **kwargs)
+    ours, adaptive = generate(model, speculation=SPECULATION, **kwargs)
+    assert torch.equal(ours, reference)
+    every_k, adaptive = every_k.speculation, adaptive.speculation
+    assert every_k.acceptance_rate < 0.5  # mostly refused here (measured: 0.14 with k = 4 every time)
+    assert adaptive.drafted < every_k.drafted and adaptive.acceptance_rate > every_k.acceptance_rate
+
+
 # ------------------------------------------------------------------------------------------- sampling: same distribution
 
 VOCAB, NEW, GROUP, CALLS = 8, 5, 16, 40  # tokens 0 (pad) and 1 (EOS) and 6 others; 640 completions per side
@@ -263,7 +277,8 @@ def one_step(tmp_path, name: str, replay=None, **settings):
     completions to hand TRL instead of generating."""
     from helpers.models import tiny_trainer
 
-    from grpo_plus.app.testing import length_reward
+    def length_reward(completions, **kwargs) -> list[float]:
+        return [float(len(completion)) for completion in completions]
 
     trainer = tiny_trainer(
         tmp_path / name, [length_reward], max_steps=1, max_completion_length=32, learning_rate=0.0, **settings
@@ -293,11 +308,12 @@ def test_a_trainer_step_with_speculation(tmp_path):
     assert logs["speculative/accepted"] > 0 and logs["speculative/tokens_per_row_forward"] > 1
     assert {"speculative/drafted", "speculative/forwards", "speculative/acceptance_rate"} <= set(logs)
 
-    sampled, logs = one_step(tmp_path, "sampled-speculative", speculative_rollouts=True, temperature=0.3)
-    assert logs["speculative/accepted"] > 0
+    # sampled at a low temperature, where this random model repeats itself (so drafts are kept) and rows still differ
+    sampled, logs = one_step(tmp_path, "sampled-speculative", speculative_rollouts=True, temperature=0.01)
+    assert logs["speculative/accepted"] > 0 and logs["loss"] != 0 and logs["grad_norm"] > 0
     for completion_ids, _ in sampled:
         assert all(1 <= len(row) <= 32 for row in completion_ids)
-    _, replayed = one_step(tmp_path, "sampled-replayed", replay=list(sampled), temperature=0.3)
+    _, replayed = one_step(tmp_path, "sampled-replayed", replay=list(sampled), temperature=0.01)
     assert "speculative/accepted" not in replayed
     for key in ("loss", "grad_norm", "reward", "completions/mean_length"):
         assert replayed[key] == logs[key], key
@@ -330,3 +346,19 @@ def test_each_drafted_position_is_processed_with_its_own_prefix():
             prefix = sequences[row : row + 1, : int(base[i]) + j]
             expected = temperature(prefix, alone(prefix, logits[i, j : j + 1]))
             assert torch.equal(scores[i, j : j + 1], expected), (i, j)
+
+
+def test_the_benchmark_smoke_run_reports_both_sides(tmp_path, benchmark_in_this_process):
+    """benchmarks/speculative_rollouts.py cannot rot: its --smoke run (the random tiny model) reports every case with
+    both sides, their lengths and the speculative counts."""
+    import json
+
+    import speculative_rollouts
+
+    output = tmp_path / "speculative.json"
+    speculative_rollouts.main(["--smoke", "--tasks", "demo", "--json", str(output)])
+    (case,) = json.loads(output.read_text())["cases"]
+    assert case["new_tokens"] == 16 and case["rows"] == 16
+    plain, ours = case["plain"], case["speculative"]
+    assert plain["fallback"] is None and ours["fallback"] is None
+    assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1

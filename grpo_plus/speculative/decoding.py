@@ -208,6 +208,9 @@ class _Rollout:
         self.sequences = torch.full((self.batch_size, width), int(pad), dtype=torch.long, device=self.device)
         self.sequences[:, : self.prompt_width] = input_ids
         self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)  # generated tokens per row
+        # each row's drafted and kept tokens so far, for its adaptive draft length
+        self.row_drafted = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.row_kept = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self.input_ids = input_ids
         split = len(logits_processor)  # the id-free tail runs on every position at once
         while split > 0 and _known(logits_processor[split - 1], logits_process, _ID_FREE):
@@ -240,7 +243,7 @@ class _Rollout:
                 index = alive.nonzero().squeeze(1)
                 model_kwargs[CACHE_INPUT].batch_select_indices(index)
                 live, mask, next_position, last = live[index], mask[index], next_position[index], last[index]
-            budget = (self.max_new - self.lengths[live] - 1).clamp(min=0, max=self.settings.max_draft_tokens)
+            budget = torch.minimum(self.max_new - self.lengths[live] - 1, self.draft_lengths(live)).clamp(min=0)
             drafts, draft_lengths = ngram_drafts(
                 self.sequences, self.start, self.prompt_width + self.lengths, live, self.group_of_row, budget,
                 self.settings.ngram_max, self.settings.ngram_min,
@@ -255,6 +258,8 @@ class _Rollout:
             counts.drafted += int(draft_lengths.sum())
             stats.positions += len(live) * (width + 1)
             kept, last, stopped = self.advance(live, logits, drafts, draft_lengths)
+            self.row_drafted[live] += draft_lengths
+            self.row_kept[live] += kept
             counts.accepted += int(kept.sum())
             counts.tokens += int(kept.sum()) + len(live)
             # the cache holds each row's previous token and its drafts; keep the longest kept prefix, mask the rest
@@ -268,6 +273,15 @@ class _Rollout:
         generated = int(self.lengths.max())
         stats.full_positions += self.batch_size * max(generated - 1, 0)
         return self.sequences[:, : self.prompt_width + generated]
+
+    def draft_lengths(self, live: torch.Tensor) -> torch.Tensor:
+        """How many tokens each row of `live` may draft: k, or with the adaptive draft length, 1 + the run of drafts
+        the row's kept fraction so far predicts, a / (1 - a) (a estimated with a prior of 3 kept in 4), at most k."""
+        k = self.settings.max_draft_tokens
+        if not self.settings.adaptive_draft:
+            return torch.full_like(live, k)
+        rate = (self.row_kept[live] + 3).double() / (self.row_drafted[live] + 4).double()
+        return (rate / (1 - rate)).floor().long().add(1).clamp(max=k)
 
     def forward(self, model_kwargs: dict, block, attention_mask, position_ids) -> torch.Tensor:
         """Logits (rows, width, V) float32 of every position of `block`, the cache extended by it."""

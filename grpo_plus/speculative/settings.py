@@ -29,6 +29,13 @@ class SpeculativeSettings(SettingsGroup):
         "Speculative rollouts: the most tokens a completion drafts per forward (k). The forward then carries k + 1 "
         "tokens per row; a draft never runs past max_completion_length.",
     )
+    adaptive_draft: bool = setting(
+        True,
+        "Speculative rollouts: each completion drafts as many tokens as its acceptance so far predicts it keeps "
+        "(1 + a / (1 - a) for a kept fraction a, from a prior of 3 kept in 4), at least 1 and at most "
+        "speculative_max_draft_tokens; a row whose drafts are refused then costs one extra position per forward, "
+        "not k. False: every row drafts up to speculative_max_draft_tokens.",
+    )
     ngram_max: int = setting(
         3,
         "Speculative rollouts: the longest n-gram (the completion's last n tokens) looked up in the prompt and the "
@@ -40,8 +47,9 @@ class SpeculativeSettings(SettingsGroup):
     )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise not_allowed("speculative_rollouts", self.enabled, "true or false")
+        for name in ("enabled", "adaptive_draft"):
+            if not isinstance(getattr(self, name), bool):
+                raise not_allowed(self.field_name(name), getattr(self, name), "true or false")
         for name in ("max_draft_tokens", "ngram_max", "ngram_min"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
