@@ -19,10 +19,15 @@ needs_loop = pytest.mark.floor("zero_waste_generation")
 SPECULATION = SpeculativeDecoder(SpeculativeSettings(enabled=True))
 
 
-def tiny_model(family: str, seed: int = 0):
+def tiny_model(family: str, seed: int = 0, lora: bool = False):
     tokenizer = make_tokenizer()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, len(tokenizer)), dtype=torch.float32)
+    if lora:  # B initialized randomly too, so the adapter changes the logits
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, config)
     return model.eval(), tokenizer
 
 
@@ -53,9 +58,9 @@ def greedy_config(tokenizer, **overrides) -> GenerationConfig:
 
 
 @needs_loop
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2"])
-def test_greedy_tokens_are_the_same_with_drafts_kept(family):
-    model, tokenizer = tiny_model(family)
+@pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen3", False), ("qwen2", False), ("llama", True)])
+def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
+    model, tokenizer = tiny_model(family, lora=lora)
     ids, mask = repetitive_batch(len(tokenizer))
     config = greedy_config(tokenizer)
     reference, plain = generate(model, input_ids=ids, attention_mask=mask, generation_config=config)
@@ -103,6 +108,19 @@ def test_the_adaptive_draft_length_drafts_less_where_drafts_are_refused_and_chan
     every_k, adaptive = every_k.speculation, adaptive.speculation
     assert every_k.acceptance_rate < 0.5  # mostly refused here (measured: 0.14 with k = 4 every time)
     assert adaptive.drafted < every_k.drafted and adaptive.acceptance_rate > every_k.acceptance_rate
+
+
+@needs_loop
+def test_tool_turns_run_speculation_without_keeping_the_caches():
+    from grpo_plus.zero_waste.multi_turn import TurnCache
+
+    model, tokenizer = tiny_model("llama")
+    ids, mask = repetitive_batch(len(tokenizer))
+    kwargs = dict(input_ids=ids, attention_mask=mask, generation_config=greedy_config(tokenizer))
+    reference, _ = generate(model, **kwargs)
+    ours, stats = generate(model, turns=TurnCache(), speculation=SPECULATION, **kwargs)
+    assert torch.equal(ours, reference)
+    assert stats.speculation.accepted > 0 and "holes" in stats.turns_blocker
 
 
 # ------------------------------------------------------------------------------------------- sampling: same distribution
