@@ -2,9 +2,9 @@
 
 Each override is a few lines that call the concern folder holding the capability: the micro-batch loss around the
 objective, the published algorithms and verl's rollout correction (`algorithms`), the zero-waste pass and generation
-(`zero_waste`), dynamic sampling and selective rollout (`sampling`), long completions (`long_completions`), crashes,
-resuming and input checks (`run`), the vLLM engine (`engine`), the reward runner (`rewards`); what TRL resolved and
-TRL's private protocols are read through `compat`. Each helper gets what it needs, not the trainer. Everything else
+(`zero_waste`), speculative rollouts (`speculative`), dynamic sampling and selective rollout (`sampling`), long
+completions (`long_completions`), crashes, resuming and input checks (`run`), the vLLM engine (`engine`), the reward
+runner (`rewards`); what TRL resolved and TRL's private protocols are read through `compat`. Each helper gets what it needs, not the trainer. Everything else
 (TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
 types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
 """
