@@ -111,6 +111,29 @@ def test_the_adaptive_draft_length_drafts_less_where_drafts_are_refused_and_chan
 
 
 @needs_loop
+def test_stop_strings_end_rows_where_they_end_without_speculation():
+    """A stop string (StopStringCriteria; `stop_strings=` itself needs generate's `tokenizer=`, which transformers 5.24
+    does not hand a custom decoding loop) ends each row at the token completing it, pad after, as without drafts."""
+    from transformers import StoppingCriteriaList
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    model, tokenizer = tiny_model("llama")
+    ids, mask = repetitive_batch(len(tokenizer))
+    kept = 0
+    for stop in ("p(", "7v"):
+        kwargs = dict(input_ids=ids, attention_mask=mask, generation_config=greedy_config(tokenizer))
+        reference, _ = generate(
+            model, stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])]), **kwargs
+        )
+        criteria = StoppingCriteriaList([StopStringCriteria(tokenizer, [stop])])
+        ours, stats = generate(model, stopping_criteria=criteria, speculation=SPECULATION, **kwargs)
+        assert torch.equal(ours, reference)
+        assert any(tokenizer.decode(row[ids.shape[1] :]).split("<pad>")[0].endswith(stop) for row in ours)
+        kept += stats.speculation.accepted
+    assert kept > 0
+
+
+@needs_loop
 def test_tool_turns_run_speculation_without_keeping_the_caches():
     from grpo_plus.zero_waste.multi_turn import TurnCache
 
