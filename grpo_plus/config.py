@@ -44,6 +44,7 @@ from .rewards.settings import RewardRunnerSettings
 from .run.settings import HealthSettings
 from .sampling.settings import DynamicSamplingSettings, SelectiveRolloutSettings
 from .settings import ConfigError, SettingsGroup, config_fields
+from .speculative.settings import SpeculativeSettings
 from .zero_waste.settings import ZeroWasteSettings
 
 __all__ = ["ConfigError", "GRPOConfig", "PlusSettings", "build_settings", "field_type_problem"]
@@ -76,6 +77,7 @@ class PlusSettings:
     fit: FitSettings = FitSettings()
     vllm: VLLMSettings = VLLMSettings()
     async_generation: AsyncGenerationSettings = AsyncGenerationSettings()
+    speculative: SpeculativeSettings = SpeculativeSettings()
     rewards: RewardRunnerSettings = RewardRunnerSettings()
     health: HealthSettings = HealthSettings()
     trl_fields: typing.Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
@@ -185,6 +187,10 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         config.use_vllm, config.vllm_mode, getattr(config, TRL_SAMPLER_CORRECTION, False) or rollout.active,
         dynamic_sampling.enabled, selective_rollout.enabled,
     )  # fmt: skip
+    zero_waste, speculative = ZeroWasteSettings.from_config(config), SpeculativeSettings.from_config(config)
+    speculative.check_combinations(
+        config.use_vllm, zero_waste.generation, _continuous_batching(config), config.generation_kwargs
+    )
     trl_fields = {
         name: getattr(objective, name) for name in ("loss_type", "importance_sampling_level", "scale_rewards")
     }
@@ -199,17 +205,24 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         rollout=rollout,
         dynamic_sampling=dynamic_sampling,
         selective_rollout=selective_rollout,
-        zero_waste=ZeroWasteSettings.from_config(config),
+        zero_waste=zero_waste,
         long_completions=long_completions,
         fit=fit,
         vllm=vllm,
         async_generation=async_generation,
+        speculative=speculative,
         rewards=RewardRunnerSettings.from_config(config),
         health=HealthSettings.from_config(config),
         trl_fields=types.MappingProxyType(trl_fields),
     )
     _warn_about_unusual_values(config)
     return settings
+
+
+def _continuous_batching(config: trl.GRPOConfig) -> bool:
+    """Whether TRL generates with transformers' continuous batching (its field's name before TRL 1.14: `_paged`)."""
+    names = ("use_transformers_continuous_batching", "use_transformers_paged")
+    return any(bool(getattr(config, name, False)) for name in names)
 
 
 # ---- the settings built for a config, kept while it lives and is unchanged -----------------------------------------

@@ -2,9 +2,9 @@
 
 Each override is a few lines that call the concern folder holding the capability: the micro-batch loss around the
 objective, the published algorithms and verl's rollout correction (`algorithms`), the zero-waste pass and generation
-(`zero_waste`), dynamic sampling and selective rollout (`sampling`), long completions (`long_completions`), crashes,
-resuming and input checks (`run`), the vLLM engine (`engine`), the reward runner (`rewards`); what TRL resolved and
-TRL's private protocols are read through `compat`. Each helper gets what it needs, not the trainer. Everything else
+(`zero_waste`), speculative rollouts (`speculative`), dynamic sampling and selective rollout (`sampling`), long
+completions (`long_completions`), crashes, resuming and input checks (`run`), the vLLM engine (`engine`), the reward
+runner (`rewards`); what TRL resolved and TRL's private protocols are read through `compat`. Each helper gets what it needs, not the trainer. Everything else
 (TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
 types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
 """
@@ -69,6 +69,7 @@ from .run.validation import check_dataset, guard_reward_funcs
 from .sampling.dynamic_sampling import DynamicSampling
 from .sampling.rounds import BatchLayout, buffered_by_group, generation_batch
 from .sampling.selective_rollout import SelectiveRollout
+from .speculative import SpeculativeDecoder
 from .zero_waste.generation import generate_patched, generation_blocker
 from .zero_waste.multi_turn import TurnCache
 from .zero_waste.training_pass import PassSettings, ZeroWastePass
@@ -120,6 +121,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.plus.selective_rollout, self.train_dataset, self.args.seed, self.shuffle_dataset
         )
         self._turn_cache: TurnCache | None = None  # a round's tool-turn caches (grpo_plus.zero_waste.multi_turn)
+        # the decoding loop handed to grpo_plus's generator (grpo_plus.speculative), or None
+        self._speculation = SpeculativeDecoder(plus.speculative) if plus.speculative.enabled else None
         self._batch_layout = BatchLayout(  # a generation batch's groups and micro-batches (grpo_plus.sampling.rounds)
             self.num_generations, self.args.steps_per_generation, self.num_iterations, trl_pad_token_id(self)
         )
@@ -392,14 +395,22 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not self.plus.zero_waste.generation:
             return trl_generation(*args, **kwargs)
         reason = generation_blocker(use_vllm=self.use_vllm, continuous_batching=uses_continuous_batching(self))
+        speculation = self._speculation
         if reason is not None:
             self._zero_waste.note_fallback("generation", reason)
+            if speculation is not None:
+                speculation.note(reason)
             return trl_generation(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model_wrapped)
         metrics = self._metrics["train" if self.model.training else "eval"]
         num_images = None if images is None else [len(row) if row else 0 for row in images]
-        record = functools.partial(self._zero_waste.record_generation, metrics=metrics)
-        with generate_patched(model, record, self._turn_cache, num_images):
+
+        def record(stats) -> None:
+            self._zero_waste.record_generation(stats, metrics)
+            if speculation is not None:
+                speculation.record(stats, metrics)
+
+        with generate_patched(model, record, self._turn_cache, num_images, speculation):
             return trl_generation(*args, **kwargs)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste.training_pass) -----------------------------------------------------------------

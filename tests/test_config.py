@@ -71,6 +71,11 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "async_generation",
         "max_staleness",
         "weight_sync_steps",
+        "speculative_rollouts",
+        "speculative_max_draft_tokens",
+        "speculative_adaptive_draft",
+        "speculative_ngram_max",
+        "speculative_ngram_min",
         "reward_timeout",
         "reward_workers",
         "reward_on_error",
@@ -305,8 +310,9 @@ def test_every_grpo_plus_field_is_declared_once_beside_its_settings():
         assert own[name].default == setting.default, name
         assert own[name].metadata["help"].strip() and own[name].metadata["help"] == setting.metadata["help"], name
         assert set(own[name].metadata) <= {"help", "choices"}, name
-    # grpo_plus's fields when they were gathered into groups (53: none lost on the way), and asynchronous generation's 3
-    assert len(own) == 56
+    # grpo_plus's fields when they were gathered into groups (53: none lost on the way), asynchronous generation's 3,
+    # speculative rollouts' 5
+    assert len(own) == 61
 
 
 def test_a_field_declared_twice_is_refused():

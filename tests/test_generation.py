@@ -264,7 +264,7 @@ def test_fallbacks_run_model_generate_unchanged(case, reason, monkeypatch):
     elif case == "old_transformers":  # transformers 4.x decodes with another loop (the matrix's oldest env has one)
         monkeypatch.setattr(generation, "transformers_blocker", lambda: "transformers 4.56 decodes with another loop")
     if case in ("dropout", "lockstep", "old_transformers"):  # decided before generate runs: the loop is never entered
-        monkeypatch.setattr(generation, "_decode", lambda *args: pytest.fail("grpo_plus's loop ran"))
+        monkeypatch.setattr(generation, "decode_rows", lambda *args: pytest.fail("grpo_plus's loop ran"))
     reference, ours, stats = both(model, **kwargs)
     if case == "scores":
         reference, ours = reference.sequences, ours.sequences

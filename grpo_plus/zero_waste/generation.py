@@ -56,7 +56,7 @@ SHARED_INPUTS = (CACHE_INPUT, "use_cache", "logits_to_keep")
 DECODING_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
 
 
-class _NotApplicable(Exception):
+class NotApplicable(Exception):
     """Raised inside generate's decoding step, before any forward, when the loop would not be transformers' own."""
 
 
@@ -72,6 +72,7 @@ class GenerationStats:
     full_images: int = 0  # images model.generate encodes (every row's)
     fallback: str | None = None  # why model.generate ran unchanged, or None
     turns_blocker: str | None = None  # why the rows' caches could not be kept for the next tool turn, or None
+    speculation: object | None = None  # the speculative loop's counts when one was handed over (grpo_plus.speculative)
 
     @property
     def positions_frac(self) -> float:
@@ -120,29 +121,32 @@ def processes_in_lockstep(model) -> bool:
 
 
 def generate(
-    model, turns: TurnCache | None = None, num_images: list[int] | None = None, **generate_kwargs
+    model, turns: TurnCache | None = None, num_images: list[int] | None = None, speculation=None, **generate_kwargs
 ) -> tuple[torch.Tensor, GenerationStats]:
     """`model.generate(**generate_kwargs)` (ids only) with shared prefills and finished rows out of the decode batch.
 
     Returns the sequences `model.generate` returns and what was computed; where the loop does not apply,
     `model.generate` runs unchanged and `stats.fallback` says why. With `turns`, the call keeps every row's cache
     there and starts from what an earlier call kept (grpo_plus.zero_waste.multi_turn). `num_images`: each row's number of images
-    (a VLM's `pixel_values` and co. in `generate_kwargs` hold them all, in row order).
+    (a VLM's `pixel_values` and co. in `generate_kwargs` hold them all, in row order). `speculation`: a decoding loop
+    that replaces this one (`decode(...)`, called as `decode_rows` is: grpo_plus.speculative's), or None.
     """
-    return _generate(model, model.generate, generate_kwargs, turns, num_images)
+    return _generate(model, model.generate, generate_kwargs, turns, num_images, speculation)
 
 
 @contextlib.contextmanager
-def generate_patched(model, on_call, turns: TurnCache | None = None, num_images: list[int] | None = None):
-    """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given; `num_images`:
-    see `generate`); `on_call(stats)` sees every call's stats."""
+def generate_patched(
+    model, on_call, turns: TurnCache | None = None, num_images: list[int] | None = None, speculation=None
+):
+    """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given; `num_images`,
+    `speculation`: see `generate`); `on_call(stats)` sees every call's stats."""
     previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
     model_generate = model.generate
 
     def patched(*args, **kwargs):
         if args:
             kwargs["inputs"] = args[0]
-        sequences, stats = _generate(model, model_generate, kwargs, turns, num_images)
+        sequences, stats = _generate(model, model_generate, kwargs, turns, num_images, speculation)
         on_call(stats)
         return sequences
 
@@ -157,7 +161,7 @@ def generate_patched(model, on_call, turns: TurnCache | None = None, num_images:
 
 
 def _generate(
-    model, model_generate, generate_kwargs: dict, turns=None, num_images=None
+    model, model_generate, generate_kwargs: dict, turns=None, num_images=None, speculation=None
 ) -> tuple[torch.Tensor, GenerationStats]:
     stats = GenerationStats()
     reason = transformers_blocker()
@@ -178,7 +182,12 @@ def _generate(
     if reason is None:
 
         def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, **model_kwargs):
-            return _decode(
+            if not model_kwargs.get("mm_encoder_outputs"):  # generate found no pixels to encode (held back, or none)
+                model_kwargs.pop("mm_encoder_outputs", None)
+            loop = (
+                decode_rows if speculation is None else speculation.decode
+            )  # grpo_plus.speculative's, which may use this
+            return loop(
                 model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns,
                 images,
             )  # fmt: skip
@@ -188,7 +197,7 @@ def _generate(
         kwargs = {name: value for name, value in generate_kwargs.items() if name not in HELD_BACK}
         try:
             return model_generate(**kwargs, custom_generate=decode), stats
-        except _NotApplicable as error:
+        except NotApplicable as error:
             reason = str(error)
     stats.fallback = reason
     return model_generate(**generate_kwargs), stats
@@ -211,7 +220,7 @@ def generate_images(generate_kwargs: dict, num_images: list[int] | None) -> RowI
     return RowImages.from_inputs({**inputs, "num_images": num_images}, input_ids.shape[0])
 
 
-def _decode_blocker(model, generation_config, model_kwargs) -> str | None:
+def decode_blocker(model, generation_config, model_kwargs) -> str | None:
     mode = generation_config.get_generation_mode()
     if mode not in DECODING_MODES:
         return f"the generation mode is {mode.value}, not sampling or greedy"
@@ -279,20 +288,10 @@ def select_rows(model_kwargs: dict, index: torch.Tensor, images: RowImages | Non
     return selected
 
 
-def _decode(
-    model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns, images
-):
-    """transformers' `_sample` loop with one prefill per distinct prompt and only unfinished rows in the forwards;
-    with `turns`, the prefill starts from the columns an earlier call kept, and every row's cache is kept. `images`:
-    every row's image inputs (held back from generate's own encoding), or None."""
-    if not model_kwargs.get("mm_encoder_outputs"):  # generate found no pixels to encode (held back, or none)
-        model_kwargs.pop("mm_encoder_outputs", None)
-    reason = _decode_blocker(model, generation_config, model_kwargs)
-    if reason is not None:
-        raise _NotApplicable(reason)
+def prefill_prompts(model, input_ids, generation_config, model_kwargs, stats, turns, images):
+    """Each distinct prompt through the model once, its cache and last logits copied to the rows holding it: (every
+    row's model inputs, (B, V) float32 logits of the first new token, `turns` or None where it cannot be kept)."""
     batch_size, prompt_width = input_ids.shape
-    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
-
     if images is not None and turns is not None:  # a kept cache holds image features the next turn cannot re-match
         stats.turns_blocker, turns = "the prompts have images", None
     row_keys = None if images is None else images.row_keys()
@@ -318,6 +317,23 @@ def _decode(
     model_kwargs = {name: value for name, value in prompt_kwargs.items() if name not in IMAGE_KEYS}
     if len(prompts) < batch_size:  # else every prompt is distinct: `prompts` is every row, in order
         model_kwargs, logits = select_rows(prompt_kwargs, prompt_of_row), logits[prompt_of_row]
+    return model_kwargs, logits, turns
+
+
+def decode_rows(
+    model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs, stats, turns, images
+):
+    """transformers' `_sample` loop with one prefill per distinct prompt and only unfinished rows in the forwards;
+    with `turns`, the prefill starts from the columns an earlier call kept, and every row's cache is kept. `images`:
+    every row's image inputs (held back from generate's own encoding), or None."""
+    reason = decode_blocker(model, generation_config, model_kwargs)
+    if reason is not None:
+        raise NotApplicable(reason)
+    batch_size = input_ids.shape[0]
+    has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+    model_kwargs, logits, turns = prefill_prompts(
+        model, input_ids, generation_config, model_kwargs, stats, turns, images
+    )
 
     unfinished = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
     live = torch.arange(batch_size, device=input_ids.device)  # the rows of the cache, in order
