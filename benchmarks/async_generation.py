@@ -174,7 +174,11 @@ def train_side(side: str, seed: int, url: str, model_dir: str, train, held_out, 
         "trainer_wait_seconds": [entry.get("async/trainer_wait_seconds") for entry in logs],
         "engine_wait_seconds": [entry.get("async/engine_wait_seconds") for entry in logs],
         "rewards": [entry["reward"] for entry in logs],
-        "mismatch": {key: [entry.get(key) for entry in logs] for key in MISMATCH},
+        # with the zero-waste pass grpo_plus logs them over the trained rows, as sampling/trained_rows/*
+        "mismatch": {
+            key: [entry.get(key, entry.get(key.replace("sampling/", "sampling/trained_rows/", 1))) for entry in logs]
+            for key in MISMATCH
+        },  # fmt: skip
         "completions": completions,
     }, weights
 

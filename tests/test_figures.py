@@ -121,6 +121,7 @@ VLLM_PAGE, VLLM = "docs/guide/vllm.md", "vllm.json"
 QUOTES = [
     Quote(ASYNC_PAGE, ASYNC_SEED, ASYNC, async_seed("0")),
     Quote(ASYNC_PAGE, ASYNC_SEED, ASYNC, async_seed("1")),
+    Quote(ASYNC_PAGE, ASYNC_SEED, ASYNC, async_seed("2")),
     Quote(VLLM_PAGE, "| whole step (s) | {} | {} | **{}** |", VLLM, demo_row("step", ".2f")),
     Quote(
         VLLM_PAGE,
