@@ -24,6 +24,7 @@ def run_gpu_benchmark(*args, env=None):
     return run_python(BENCHMARKS / "gpu.py", *args, env={**os.environ, **(env or {})}, cwd=ROOT, timeout=900)
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 def test_bench_gpu_without_cuda_says_so_in_one_line(tmp_path):
     result = run_gpu_benchmark("--json", tmp_path / "gpu.json", env={"CUDA_VISIBLE_DEVICES": ""})
     lines = result.stdout.strip().splitlines()
@@ -31,6 +32,7 @@ def test_bench_gpu_without_cuda_says_so_in_one_line(tmp_path):
     assert not (tmp_path / "gpu.json").exists()
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 @pytest.mark.slow
 def test_gpu_benchmark_smoke_runs_every_case_and_matches_stock_trl(tmp_path):
     output = tmp_path / "gpu.json"

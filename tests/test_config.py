@@ -188,6 +188,7 @@ def test_trl_parser_yaml_and_flags(tmp_path):
     assert (settings.objective.scale_rewards, settings.algorithms.dual_clip) == ("batch", 3.0)
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 def test_unknown_loss_type_on_the_command_line_exits_before_model_loads(tmp_path):
     started = time.monotonic()
     result = run_python(

@@ -132,6 +132,7 @@ def generated_run(tmp_path_factory) -> dict[str, tuple[str, str]]:
     return run_pytest(folder)
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_a_skip_fires_only_below_its_documented_floor(generated_run, name):
     kind, fragment = EXPECTED[name]
@@ -140,6 +141,7 @@ def test_a_skip_fires_only_below_its_documented_floor(generated_run, name):
     assert fragment in message, message
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 def test_a_module_skipped_at_collection_without_a_floor_fails(generated_run):
     collected = [message for name, (kind, message) in generated_run.items() if "skipped_module" in name]
     assert collected and "skipped without a documented floor" in collected[0], generated_run

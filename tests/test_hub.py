@@ -529,6 +529,7 @@ def fake_hub(monkeypatch):
     hub.server_close()
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 def test_the_retry_command_of_a_failed_push_keeps_every_setting(monkeypatch, trained_output_dir, fake_hub, capsys):
     """A private push fails after the repo was created; the command the recipe prints must push with the same settings
     (private, branch, commit message), or a retry would create a public repo (the Hub's default)."""

@@ -39,6 +39,7 @@ def test_4bit_check_does_not_import_bitsandbytes():
     )
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 @pytest.mark.slow
 def test_recipes_and_the_trainer_print_no_kernel_notice():
     """The LoRA recipe and a script importing grpo_plus then TRL print nothing about bitsandbytes' Hub kernel

@@ -516,6 +516,7 @@ def test_closing_the_runner_ends_its_processes():
     assert wait_until_gone(pids, 5.0) == []
 
 
+@pytest.mark.engine  # its work is in a child process (moved out of make test: its 10-minute budget)
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
 def test_a_reward_defined_in_an_unguarded_main_script_runs_in_workers_that_end_with_a_killed_trainer(tmp_path):
