@@ -360,6 +360,7 @@ def test_a_trainer_step_with_speculation(tmp_path):
         assert replayed[key] == logs[key], key
 
 
+@needs_loop
 def test_each_drafted_position_is_processed_with_its_own_prefix():
     """The repetition penalty at drafted position j sees the row's text plus its first j drafts (checked against the
     processor applied to each prefix alone), and the per-row state transformers gives it (each row's left padding)
@@ -389,6 +390,7 @@ def test_each_drafted_position_is_processed_with_its_own_prefix():
             assert torch.equal(scores[i, j : j + 1], expected), (i, j)
 
 
+@needs_loop
 def test_the_benchmark_smoke_run_reports_both_sides(tmp_path, benchmark_in_this_process):
     """benchmarks/speculative_rollouts.py cannot rot: its --smoke run (the random tiny model) reports every case with
     both sides, their lengths and the speculative counts."""

@@ -118,6 +118,12 @@ SAVING_VERSION_FLOORS = {
             "`mm_token_type_ids`, Gemma 3's `block_sequence_ids`, generate encoding pixels before its loop); older "
             "ones compute image prompts TRL's way",
         ),
+        VersionFloor(
+            "moe_router_logits", "transformers", "5.0.0",
+            "the packed router aux loss records each MoE layer's router logits where transformers 5's output "
+            "recorder finds them (`_can_record_outputs`); on 4.x, with the aux loss on, the shared prompt is "
+            "computed in full",
+        ),
     )
 }  # fmt: skip
 
@@ -147,6 +153,13 @@ CAPABILITY_FLOORS = {
             "offloading_count", "trl", "1.16.0",
             "TRL 1.14-1.15's activation offloading moves CUDA/XPU/NPU tensors only and makes CUDA streams, so the "
             "count's stand-in accelerator (a machine without CUDA) cannot run it; 1.16 offloads from any accelerator",
+        ),
+        VersionFloor(
+            "moe_experts", "transformers", "5.0.0",
+            "transformers 4.x builds each expert as its own MLP of `nn.Linear` layers and the router as an "
+            "`nn.Linear`; grpo_plus's MoE support follows 5.x's experts module of 3D weights (LoRA on the experts "
+            "through `target_parameters`, the QLoRA recipe keeping the experts in their dtype, `grpo-plus fit`'s "
+            "count, which refuses MoE models below it)",
         ),
         VersionFloor("tools", "transformers", "5.0.0", "TRL refuses `tools` below it (chat-template response parsing)"),
         VersionFloor(

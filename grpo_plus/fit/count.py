@@ -185,7 +185,7 @@ def build_policy(spec: FitSpec, layers: int | None, fake_mode=None, device: str 
     dtype = getattr(torch, spec.weights_dtype)
     auto = AutoModelForImageTextToText if spec.vision_language else AutoModelForCausalLM  # as TRL loads them
     with torch.device("meta") if fake_mode is not None else contextlib.nullcontext():
-        model = auto.from_config(spec.config(layers, vision_blocks), dtype=dtype)
+        model = auto.from_config(spec.countable_config(layers, vision_blocks), dtype=dtype)
     if spec.four_bit:  # what the recipe's preparation leaves: an MoE's experts stay in the weights' dtype
         kept = four_bit_linear_weights(model) | expert_weight_ids(model)
         for param in model.parameters():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compat.moe import is_moe
 from ..compat.versions import version_gap
 
 SIDES = ("trl", "grpo_plus")
@@ -189,6 +190,16 @@ class FitSpec:
         for sub in ("text_config", "vision_config"):
             if getattr(config, sub, None) is not None:
                 getattr(config, sub)._attn_implementation = self.attn_implementation
+        return config
+
+    def countable_config(self, layers: int | None = None, vision_blocks: int | None = None):
+        """`config(...)`, refused (ValueError) for a mixture-of-experts model below the `moe_experts` floor: the
+        count follows transformers 5's experts module, not 4.x's separate expert MLPs."""
+        config = self.config(layers, vision_blocks)
+        if is_moe(config) and (reason := version_gap("moe_experts")) is not None:
+            raise ValueError(
+                f"grpo-plus fit cannot count the mixture-of-experts model {config.model_type!r}: {reason}"
+            )
         return config
 
     @property

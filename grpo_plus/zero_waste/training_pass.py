@@ -413,6 +413,8 @@ class ZeroWastePass:
             return f"TRL {trl.__version__} has no fused LM head to score packed rows"
         if compute_aux_loss and not is_moe(self.accelerator.unwrap_model(model).config):
             return "the router aux loss is asked of a model that declares no experts to weigh it over"
+        if compute_aux_loss and (gap := version_gap("moe_router_logits")) is not None:
+            return gap
         if prompt_width == 0 or not bool(attention_mask[:, prompt_width - 1].all()):
             return "some prompt does not end in its last column (prompts are not left-padded)"
         config = self.accelerator.unwrap_model(model).config

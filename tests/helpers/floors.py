@@ -74,7 +74,30 @@ def _image_prompts() -> str | None:
     return image_prompts_blocker()
 
 
+def _router_logits_recorder() -> str | None:
+    """Each MoE family's base model declares where its router logits are recorded (read from the classes)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssModel
+    from transformers.models.mixtral.modeling_mixtral import MixtralModel
+    from transformers.models.olmoe.modeling_olmoe import OlmoeModel
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeModel
+
+    silent = [model.__name__ for model in (Qwen3MoeModel, OlmoeModel, MixtralModel, GptOssModel)
+              if "router_logits" not in (getattr(model, "_can_record_outputs", None) or {})]  # fmt: skip
+    return f"transformers {version('transformers')}: {', '.join(silent)} record no router logits" if silent else None
+
+
+def _expert_weights() -> str | None:
+    """transformers' MoE layers hold their experts as one module of 3D weights (Qwen3-MoE's, read from its code)."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    if hasattr(modeling_qwen3_moe, "Qwen3MoeExperts"):
+        return None
+    return f"transformers {version('transformers')} builds Qwen3-MoE's experts as separate MLPs"
+
+
 DETECTORS: dict[str, Callable[[], str | None]] = {
+    "moe_router_logits": _router_logits_recorder,
+    "moe_experts": _expert_weights,
     "zero_waste_generation": _generation_loop,
     "multi_turn_cache": _generation_loop,
     "shared_prompt": _fused_lm_head,
