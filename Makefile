@@ -52,7 +52,7 @@ deepspeed-ops: $(STAMP)
 	get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 
 test-engines: deepspeed-ops
-	$(DS_ACCEL) $(PY) -m pytest -q -m engine -rs $(PYTEST_ARGS)
+	$(DS_ACCEL) $(PY) -m pytest -q -m engine -rs --durations=25 $(PYTEST_ARGS)
 
 # ---- The dependency window, tested at both ends and between: one environment per supported TRL minor (its newest
 # patch, everything else at the lock), "oldest" (every runtime dependency at the lower bound pyproject.toml declares,
@@ -143,7 +143,7 @@ VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE
 
 .PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async
 test-vllm: $(VLLM_ENV)/.installed
-	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs -m vllm tests/vllm_engine $(PYTEST_ARGS)
+	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs --durations=25 -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
 bench-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_colocate.py

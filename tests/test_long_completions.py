@@ -529,6 +529,7 @@ def wide_mlp_spec() -> fit.FitSpec:
 
 @needs_cpu_logps
 @needs_fused_lm_head
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_fit_check_auto_chooses_the_options_that_make_the_step_fit():
     """fit_check='auto''s choice: nothing where the step fits as configured, the tiled MLP alone where it is enough
     (activation offloading saves nothing here: two layers' checkpoints), None where nothing fits. Counted as the
@@ -685,6 +686,7 @@ def test_lm_head_tile_never_wider_than_the_vocabulary_bit_for_bit():
 
 @needs_cpu_logps
 @needs_fused_lm_head
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_lm_head_tile_auto_narrows_the_cpu_fold_of_a_long_micro_batch(caplog):
     """Where torch folds the tiles (this CPU), a forward scoring more than 8,192 positions gets 4,096-column tiles:
     the same log-probs, entropies and gradients up to float32 rounding (gaps measured: 1.9e-6 on log-probs of up to 9,

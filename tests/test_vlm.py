@@ -559,6 +559,7 @@ class TowerLog:
         self.patches += (args[0] if args else kwargs["hidden_states"]).shape[0]
 
 
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_the_fit_of_a_vlm_counts_its_pictures_once_per_group_for_grpo_plus_and_per_row_for_trl(monkeypatch):
     """The fit of a VLM counts more than the same model without pictures (training pass and generation, both sides);
     TRL's vision tower encodes each picture G times (every row), grpo_plus's once per group, in the training pass
@@ -592,6 +593,7 @@ def test_the_fit_of_a_vlm_counts_its_pictures_once_per_group_for_grpo_plus_and_p
 
 @pytest.mark.parametrize("full_blocks", [[2, 5], [1, 3], [], list(range(6))], ids=["ends-full", "ends-windowed",
                                                                                   "windowed", "full"])  # fmt: skip
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_the_training_pass_counts_the_vision_tower_at_two_and_three_blocks_as_at_its_depth(full_blocks):
     """A 6-block vision tower (windowed and full attention blocks in several orders) counted at 2 and 3 blocks and
     extended to 6 counts what the whole tower counts, to the byte, on both sides (every block keeps its input for
@@ -609,6 +611,7 @@ def test_the_training_pass_counts_the_vision_tower_at_two_and_three_blocks_as_at
         assert blocks[1].saved > blocks[0].saved  # the tower's blocks keep their inputs: the depth counts
 
 
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_generation_counts_the_vision_tower_at_two_blocks_as_at_its_depth(monkeypatch):
     """Without gradients a vision block's output replaces its input: generation counted with two vision blocks (one
     windowed, one full) counts what the whole tower (here 6 blocks, two of them full) counts, on both sides."""
