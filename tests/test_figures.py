@@ -724,6 +724,28 @@ QUOTES.append(
 )
 
 
+def speculative_case(index: int) -> Callable[[dict], tuple]:
+    def figures(data: dict) -> tuple:
+        case = data["cases"][index]
+        plain, ours = case["plain"], case["speculative"]
+        return (
+            case["task"], f"{case['new_tokens']:,}", f"{plain['seconds']:.1f}", f"{ours['seconds']:.1f}",
+            f"{ours['seconds'] / plain['seconds']:.2f}", f"{plain['forwards']:,}", f"{ours['forwards']:,}",
+            f"{plain['positions']:,}", f"{ours['positions']:,}", f"{ours['tokens_per_row_forward']:.2f}",
+            f"{ours['acceptance_rate']:.2f}", f"{plain['mean_length']:.0f}", f"{ours['mean_length']:.0f}",
+            f"{case['speedup_tokens_per_second']:.2f}",
+        )  # fmt: skip
+
+    return figures
+
+
+SPECULATIVE_ROW = "| {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} | {} / {} | **{}** |"
+QUOTES += [
+    Quote("docs/guide/speculative-rollouts.md", SPECULATIVE_ROW, name, speculative_case(index))
+    for name in ("speculative_rollouts.json", "speculative_rollouts_1024.json")
+    for index in range(2)
+]
+
 # ---- the checks --------------------------------------------------------------------------------------------------------
 
 
