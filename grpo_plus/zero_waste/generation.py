@@ -124,7 +124,12 @@ def processes_in_lockstep(model) -> bool:
 
 
 def generate(
-    model, turns: TurnCache | None = None, num_images: list[int] | None = None, speculation=None, **generate_kwargs
+    model,
+    turns: TurnCache | None = None,
+    num_images: list[int] | None = None,
+    speculation=None,
+    record_routes: bool = False,
+    **generate_kwargs,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """`model.generate(**generate_kwargs)` (ids only) with shared prefills and finished rows out of the decode batch.
 
@@ -133,8 +138,9 @@ def generate(
     there and starts from what an earlier call kept (grpo_plus.zero_waste.multi_turn). `num_images`: each row's number of images
     (a VLM's `pixel_values` and co. in `generate_kwargs` hold them all, in row order). `speculation`: a decoding loop
     that replaces this one (`decode(...)`, called as `decode_rows` is: grpo_plus.speculative's), or None.
+    `record_routes`: an MoE model's experts for each completion token in `stats.routes` (grpo_plus.routing.replay).
     """
-    return _generate(model, model.generate, generate_kwargs, turns, num_images, speculation)
+    return _generate(model, model.generate, generate_kwargs, turns, num_images, speculation, record_routes)
 
 
 @contextlib.contextmanager
