@@ -14,6 +14,10 @@ Facts (transformers 5.24; Qwen3-MoE, OLMoE, Mixtral and gpt-oss alike):
   4-bit loading leaves in the model's dtype (it quantizes `nn.Linear` layers only; the router is no `nn.Linear`
   either). PEFT's `prepare_model_for_kbit_training` casts every unquantized bf16 / fp16 weight to fp32: the experts,
   nearly all of an MoE model's bytes, would double.
+- Each router module (`<Family>TopKRouter`) returns (logits, combine weights, expert indices) and the block hands the
+  last two to its experts module as positional arguments; the decoder layer passes its keyword arguments to its
+  attention (not to the MoE block), also when gradient checkpointing calls the layer's forward again in backward.
+  Routing replay (grpo_plus.routing) stands on these.
 """
 
 from __future__ import annotations
