@@ -1,17 +1,20 @@
 """Routing replay on a tiny mixture of experts: a bf16 sampler against a float32 trainer, with replay off and on.
 
-    .venv/bin/python benchmarks/routing_replay.py [--layers 4] [--experts 8] [--rounds 4] [--steps 6] [--json FILE]
+    .venv/bin/python benchmarks/routing_replay.py [--layers 4] [--experts 8] [--init-std 0.1] [--rounds 4] [--steps 6]
+        [--json FILE]
 
 The model: a random Qwen3-MoE of grpo_plus.app.testing's tiny family made wider (hidden 64, `--layers` layers,
-`--experts` experts of width 32, top 2). Part 1, the mismatch: a bf16 copy generates (grpo_plus's generator, experts
-recorded) `--rounds` batches of 16 completions (4 prompts x 4, at most 24 tokens, sampling at temperature 1); the
-float32 model computes the completions' log-probs with replay off and on. Printed per setting: route flips (share of
-completion tokens whose experts in the float32 forward differ from the sampler's in some layer), and the
-sampler/trainer KL, mean over tokens of k3 = r - 1 - log r with r = p_trainer / p_sampler (the sampler's log-probs:
-the bf16 model's forward over the same sequences along its own recorded experts). Part 2, the cost: `--steps`
-optimizer steps of grpo_plus's trainer in float32 (8 rows, 2 prompts x 4, 12 tokens, gradient checkpointing) with
-routing off, `routing_receipt` and `routing_replay`, one trainer each, in lock-step (harness.lockstep); printed: the
-median step time and its ratio to routing off (wall and the thread's CPU time, the first step left out).
+`--experts` experts of width 32, top 2), its weights drawn with std `--init-std` (0.1: at transformers' 0.02 the
+experts' outputs are so small against the residual stream that a flip hardly moves a log-prob). Part 1, the mismatch:
+a bf16 copy generates (grpo_plus's generator, experts recorded) `--rounds` batches of 16 completions (4 prompts x 4,
+at most 24 tokens, sampling at temperature 1); the float32 model computes the completions' log-probs with replay off
+and on. Printed per setting: route flips (share of completion tokens whose experts in the float32 forward differ from
+the sampler's in some layer), and the sampler/trainer KL, mean over tokens of k3 = r - 1 - log r with r = p_trainer /
+p_sampler (the sampler's log-probs: the bf16 model's forward over the same sequences along its own recorded experts).
+Part 2, the cost: `--steps` optimizer steps of grpo_plus's trainer in float32 (8 rows, 2 prompts x 4, 12 tokens,
+gradient checkpointing) with routing off, `routing_receipt` and `routing_replay`, one trainer each, in lock-step
+(harness.lockstep); printed: the median step time and its ratio to routing off (wall and the thread's CPU time, the
+first step left out).
 --smoke: 2 layers, 1 round, 2 steps (checks the script runs; the numbers mean nothing).
 """
 
@@ -32,7 +35,7 @@ PROMPTS = ["1+2=", "3+4=", "12+5=", "7+7="]
 SETTINGS = {"off": {}, "receipt": {"routing_receipt": True}, "replay": {"routing_replay": True}}
 
 
-def moe_model(layers: int, experts: int):
+def moe_model(layers: int, experts: int, init_std: float = 0.02):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +44,7 @@ def moe_model(layers: int, experts: int):
     tokenizer = make_tokenizer()
     torch.manual_seed(0)
     config = tiny_config("qwen3_moe", len(tokenizer), hidden_size=64, num_hidden_layers=layers, num_experts=experts,
-                         moe_intermediate_size=32, head_dim=16)  # fmt: skip
+                         moe_intermediate_size=32, head_dim=16, initializer_range=init_std)  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model.eval(), tokenizer
@@ -63,14 +66,14 @@ def completion_logps(model, sequences, prompt_mask, routes, replay: bool):
     return logps, tally
 
 
-def mismatch(layers: int, experts: int, rounds: int) -> dict[str, dict[str, float]]:
+def mismatch(layers: int, experts: int, rounds: int, init_std: float) -> dict[str, dict[str, float]]:
     """Route flips and the sampler/trainer k3 KL of a bf16 sampler against the float32 model, replay off and on."""
     import torch
 
     from grpo_plus.routing.replay import NO_ROUTE
     from grpo_plus.zero_waste.generation import generate
 
-    trainer_model, tokenizer = moe_model(layers, experts)
+    trainer_model, tokenizer = moe_model(layers, experts, init_std)
     sampler = copy.deepcopy(trainer_model).to(torch.bfloat16)
     totals = {name: {"tokens": 0, "flips": 0, "k3": 0.0} for name in ("off", "replay")}
     for round_index in range(rounds):
@@ -141,10 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--init-std",
+        type=float,
+        default=0.02,
+        help="the random weights' std (transformers' initializer_range; larger: experts that differ more)",
+    )
     args = parser.parse_args(argv)
     report, started = start_report(args)
     layers, rounds, steps = (2, 1, 2) if args.smoke else (args.layers, args.rounds, args.steps)
-    report["mismatch"] = found = mismatch(layers, args.experts, rounds)
+    report["mismatch"] = found = mismatch(layers, args.experts, rounds, args.init_std)
     rows = [[name, f"{r['route_flips']:.4f}", f"{r['k3_kl']:.3g}", r["tokens"]] for name, r in found.items()]
     table = markdown_table(["replay", "route flips", "sampler/trainer k3 KL", "recorded tokens"], rows)
     print(table)

@@ -55,7 +55,7 @@ class RouteTally:
 class RoutePlan:
     """One model call's recorded experts, flattened as the routers see the tokens (row-major (rows x columns))."""
 
-    experts: torch.Tensor  # (layers, tokens, k) long, NO_ROUTE where the token routes itself
+    experts: torch.Tensor  # (layers, tokens, k) int16 (a layer's is made long when it routes), NO_ROUTE: none
     replay: bool
     tally: RouteTally | None = None
     recorded: torch.Tensor = field(init=False)  # (tokens,) bool
@@ -73,7 +73,7 @@ class RoutePlan:
         if self.tally is None or (part, layer) in self._seen:
             return
         self._seen.add((part, layer))
-        recorded = self.experts[layer]
+        recorded = self.experts[layer].long()
         differs = (chosen.sort(dim=-1).values != recorded.sort(dim=-1).values).any(dim=-1) & self.recorded
         flips = self.router_flips if part == "router" else self.route_flips
         flips |= differs
@@ -156,7 +156,7 @@ class RouteReplay:
                     f"routing replay: a model call of {rows} x {width} tokens after {taken} of the plan's "
                     f"{plan.shape[0]} x {plan.shape[1]}: the forward's layout is not the plan's"
                 )
-            part = plan[taken : taken + rows].to(ids.device, torch.long)
+            part = plan[taken : taken + rows].to(ids.device)
             taken += rows
             experts = part.permute(2, 0, 1, 3).reshape(part.shape[2], rows * width, part.shape[3])
             plans.append(RoutePlan(experts, self.replay, tally))
@@ -211,7 +211,7 @@ def _install(layers: list[MoeLayer]) -> list:
             if not plan.replay:
                 return None
             recorded = plan.recorded[:, None]
-            experts = torch.where(recorded, plan.experts[index], chosen)
+            experts = torch.where(recorded, plan.experts[index].to(chosen.dtype), chosen)
             replayed = combine_weights_at(router, logits, experts, weights.dtype)
             return logits, torch.where(recorded, replayed, weights), experts.to(chosen.dtype)
 

@@ -356,7 +356,12 @@ class ZeroWastePass:
             output[ROUTES_KEY] = fit_routes(routes, output["completion_ids"].shape[1])
             return
         if self.routing.replay:
-            reason = routes if isinstance(routes, str) else f"generate was called {len(recorded)} times (tool turns)"
+            if isinstance(routes, str):  # generation ran TRL's way: why
+                reason = routes
+            elif len(recorded) != 1:
+                reason = f"generate was called {len(recorded)} times for it (tool turns)"
+            else:
+                reason = "its rows are not the generation batch's"
             raise RuntimeError(
                 f"routing_replay=True: this round's generation recorded no experts to replay, because {reason}"
             )
