@@ -321,7 +321,8 @@ def test_the_trainer_replays_in_every_forward(monkeypatch, tmp_path):
     (a sampler that routed elsewhere), with replay the training forward's experts modules receive them in every
     layout the pass runs (packed shared prompts, gradient checkpointing), so route flips are 0 while the router's own
     choice differs for every token; the reference pass (beta > 0) replays too: at the first step, policy = reference,
-    the KL is exactly 0. Negative control: the receipt alone logs every token flipped, and a KL > 0 would show a
+    the KL is exactly 0; so does the old-policy pass (two micro-batches per generation batch): the first step's
+    importance ratio is exactly 1. Negative control: the receipt alone logs every token flipped, and a KL > 0 would show a
     pass that routed otherwise."""
     assemble = routing_replay.StepRoutes.assemble
 
@@ -331,10 +332,12 @@ def test_the_trainer_replays_in_every_forward(monkeypatch, tmp_path):
 
     monkeypatch.setattr(routing_replay.StepRoutes, "assemble", elsewhere)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    replayed = train(tmp_path / "replay", routing_replay=True, beta=0.1, gradient_checkpointing=True, peft_config=lora)
+    replayed = train(tmp_path / "replay", routing_replay=True, beta=0.1, gradient_checkpointing=True, peft_config=lora,
+                     steps_per_generation=2)  # fmt: skip
     assert logged(replayed, "routing/route_flips") == [0.0, 0.0]
     assert logged(replayed, "routing/router_flips") == [1.0, 1.0]
     assert logged(replayed, "kl")[0] == 0.0
+    assert logged(replayed, "ratio/mean")[0] == 1.0  # the old-policy pass replayed: at the first step, ratio 1
     if version_gap("shared_prompt") is None:  # shared prompts packed (TRL 1.14: rows computed one by one)
         assert all(frac < 1 for frac in logged(replayed, "zero_waste/positions_frac"))
     receipt = train(tmp_path / "receipt", routing_receipt=True, beta=0.1, gradient_checkpointing=True,
