@@ -225,7 +225,7 @@ def replay_blocker(model: torch.nn.Module) -> str | None:
     from .versions import version_gap
 
     if (gap := version_gap("moe_experts")) is not None:
-        return gap
+        return f"below the documented floor `moe_experts` (docs/guide/versions.md): {gap}"
     config = getattr(model, "config", None)
     if config is None or not is_moe(config):
         return f"{type(model).__name__} is no mixture-of-experts model (it declares no experts and router)"

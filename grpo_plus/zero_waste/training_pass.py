@@ -425,9 +425,10 @@ class ZeroWastePass:
             return self.placeholder(input_ids, logits_to_keep)
         if routes is None and self._round_routes is not None and self.routing.replay:
             raise RuntimeError(
-                "routing_replay=True: TRL runs a log-prob pass at generation that cannot be handed the recorded "
-                "experts (a sampler correction computed at generation, or active dropout); turn routing_replay off "
-                "or run without it"
+                "routing_replay=True: TRL runs a no-grad log-prob pass at generation, before the recorded experts are "
+                "in the batch (zero_waste_pass=False with beta > 0 or off-policy old log-probs, or a sampler "
+                "correction computed at generation); keep zero_waste_pass on (it computes those passes after the "
+                "split, with the records) or turn routing_replay off"
             )
         trl_full = functools.partial(
             self.trl_logps,
