@@ -41,6 +41,7 @@ from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
 from .plugins import PluginSettings, load_plugins
 from .rewards.settings import RewardRunnerSettings
+from .routing.settings import RoutingSettings
 from .run.settings import HealthSettings
 from .sampling.settings import DynamicSamplingSettings, SelectiveRolloutSettings
 from .settings import ConfigError, SettingsGroup, config_fields
@@ -78,6 +79,7 @@ class PlusSettings:
     vllm: VLLMSettings = VLLMSettings()
     async_generation: AsyncGenerationSettings = AsyncGenerationSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
+    routing: RoutingSettings = RoutingSettings()
     rewards: RewardRunnerSettings = RewardRunnerSettings()
     health: HealthSettings = HealthSettings()
     trl_fields: typing.Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
@@ -191,6 +193,10 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     speculative.check_combinations(
         config.use_vllm, zero_waste.generation, _continuous_batching(config), config.generation_kwargs
     )
+    routing = RoutingSettings.from_config(config)
+    routing.check_combinations(
+        config.use_vllm, zero_waste.generation, speculative.enabled, objective.loss_type, _continuous_batching(config)
+    )
     trl_fields = {
         name: getattr(objective, name) for name in ("loss_type", "importance_sampling_level", "scale_rewards")
     }
@@ -211,6 +217,7 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         vllm=vllm,
         async_generation=async_generation,
         speculative=speculative,
+        routing=routing,
         rewards=RewardRunnerSettings.from_config(config),
         health=HealthSettings.from_config(config),
         trl_fields=types.MappingProxyType(trl_fields),

@@ -132,6 +132,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             punishment = get_soft_overlong_punishment(self.max_completion_length, overlong.buffer_length)
             self._add_reward(punishment, weight=overlong.penalty)
         self._wire_training_pass()
+        if (reason := self._zero_waste.routing_blocker(self.model)) is not None:  # grpo_plus.routing
+            raise ValueError(f"routing_replay / routing_receipt cannot follow this model's experts: {reason}.")
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
         self._crash_checkpoint = CrashCheckpoint(self, parts)
@@ -150,7 +152,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             enabled=plus.zero_waste.training_pass, shared_prompt=plus.zero_waste.shared_prompt, trl=trl_settings,
             exact_entropy=plus.zero_waste.exact_entropy, old_logps=rollout.old_logps_source,
             row_skip_blocker=rollout.row_skip_blocker(), correction_blocker=rollout.in_loss_blocker(),
-            policy_loss=plus.algorithms.policy_loss,
+            policy_loss=plus.algorithms.policy_loss, routing=plus.routing.mode,
         )  # fmt: skip
         settings = dataclasses.replace(settings, **pass_settings)
         accelerator = self.accelerator
@@ -184,7 +186,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._offload_step = training_step_context(self.model, device, settings["activation_offloading"])
 
     def training_step(self, *args, **kwargs):
-        with self._offload_step:  # as TRL's SFTTrainer wraps its training step (activation_offloading)
+        # as TRL's SFTTrainer wraps its training step (activation_offloading); routing replay's hooks through backward
+        with self._offload_step, self._zero_waste.routes_held(self.model):
             return super().training_step(*args, **kwargs)
 
     def _sync_weights_checked(self) -> None:
@@ -410,7 +413,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             if speculation is not None:
                 speculation.record(stats, metrics)
 
-        with generate_patched(model, record, self._turn_cache, num_images, speculation):
+        with generate_patched(
+            model, record, self._turn_cache, num_images, speculation, self._zero_waste.records_routes
+        ):
             return trl_generation(*args, **kwargs)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste.training_pass) -----------------------------------------------------------------

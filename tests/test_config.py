@@ -76,6 +76,8 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "speculative_adaptive_draft",
         "speculative_ngram_max",
         "speculative_ngram_min",
+        "routing_replay",
+        "routing_receipt",
         "reward_timeout",
         "reward_workers",
         "reward_on_error",
@@ -312,8 +314,8 @@ def test_every_grpo_plus_field_is_declared_once_beside_its_settings():
         assert own[name].metadata["help"].strip() and own[name].metadata["help"] == setting.metadata["help"], name
         assert set(own[name].metadata) <= {"help", "choices"}, name
     # grpo_plus's fields when they were gathered into groups (53: none lost on the way), asynchronous generation's 3,
-    # speculative rollouts' 5
-    assert len(own) == 61
+    # speculative rollouts' 5, routing replay's 2
+    assert len(own) == 63
 
 
 def test_a_field_declared_twice_is_refused():

@@ -138,6 +138,11 @@ def test_concat_rows_pads_prompts_left_and_completions_right():
     assert merged["completion_ids"].tolist() == [[7, 0, 0], [8, 9, 3]]
     assert merged["completion_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert merged["advantages"].tolist() == [0.5, -0.5]
+    # routing replay's records (rows, completion columns, layers, k) pad like the completions, with -1 (no record)
+    a["routes"], b["routes"] = torch.zeros(1, 1, 2, 2, dtype=torch.int16), torch.ones(1, 3, 2, 2, dtype=torch.int16)
+    routes = concat_rows([a, b], pad_token_id=0)["routes"]
+    assert routes.shape == (2, 3, 2, 2) and routes[0, 1:].eq(-1).all() and routes[0, 0].eq(0).all()
+    assert routes[1].eq(1).all()
 
 
 def test_shuffle_groups_moves_whole_groups():

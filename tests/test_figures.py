@@ -697,6 +697,22 @@ def fit_row(index: int) -> Callable[[dict], tuple]:
 
 
 COUNTED = "memory_counted.json"
+ROUTING = "routing_replay.json"
+
+
+def routing_row(setting: str):
+    def figures(data: dict) -> tuple:
+        row = data["mismatch"][setting]
+        return f"{row['route_flips']:.4f}", sci(row["k3_kl"]), f"{row['tokens']:,}"
+
+    return figures
+
+
+QUOTES += [
+    Quote("docs/guide/moe.md", "| off | {} | {} | {} |", ROUTING, routing_row("off")),
+    Quote("docs/guide/moe.md", "| on | {} | {} | {} |", ROUTING, routing_row("replay")),
+]
+
 QUOTES += [
     Quote("docs/guide/long-completions.md", "| `{}.yaml` | {} | {} / {} | {} | {} | {}x | {} |", COUNTED, fit_row(i))
     for i in range(len(results(COUNTED)["fit"]))

@@ -14,6 +14,10 @@ Facts (transformers 5.24; Qwen3-MoE, OLMoE, Mixtral and gpt-oss alike):
   4-bit loading leaves in the model's dtype (it quantizes `nn.Linear` layers only; the router is no `nn.Linear`
   either). PEFT's `prepare_model_for_kbit_training` casts every unquantized bf16 / fp16 weight to fp32: the experts,
   nearly all of an MoE model's bytes, would double.
+- Each router module (`<Family>TopKRouter`) returns (logits, combine weights, expert indices) and the block hands the
+  last two to its experts module as positional arguments; the decoder layer passes its keyword arguments to its
+  attention (not to the MoE block), also when gradient checkpointing calls the layer's forward again in backward.
+  Routing replay (grpo_plus.routing) stands on these.
 """
 
 from __future__ import annotations
@@ -163,3 +167,75 @@ def expert_weights_set_aside(model: torch.nn.Module) -> Iterator[None]:
         for module, key, param in kept:
             param.requires_grad_(False)
             module._parameters[key] = param
+
+
+# ---- routing replay: the routers' combine weights at given experts ----------------------------------------------
+# transformers 5.24's routers return (logits, combine weights, expert indices), the block hands the last two to its
+# experts module. Each family computes the weights its own way; at given experts the weights are that same formula:
+# - Qwen3-MoE, OLMoE: softmax over every expert (float32), the chosen ones' probabilities, renormalized to sum 1 when
+#   the config's `norm_topk_prob` is on, cast to the logits' dtype;
+# - Mixtral: softmax over every expert (float32), the chosen ones' probabilities, always renormalized, kept float32;
+# - gpt-oss: softmax over the chosen experts' logits only (in the logits' dtype).
+
+
+def _softmax_then_chosen(router, logits: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, experts)
+    if getattr(router, "norm_topk_prob", True):  # Mixtral's router declares none: it always renormalizes
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(dtype)
+
+
+def _softmax_over_chosen(router, logits: torch.Tensor, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    chosen = logits.gather(1, experts)
+    return torch.softmax(chosen, dim=1, dtype=chosen.dtype).to(dtype)
+
+
+ROUTER_COMBINE_WEIGHTS = {
+    "Qwen3MoeTopKRouter": _softmax_then_chosen,
+    "OlmoeTopKRouter": _softmax_then_chosen,
+    "MixtralTopKRouter": _softmax_then_chosen,
+    "GptOssTopKRouter": _softmax_over_chosen,
+}
+
+
+class MoeLayer(NamedTuple):
+    """One decoder layer's parts routing replay hooks: its attention (which receives the forward's keyword
+    arguments, also in a gradient-checkpointing recompute), its router and its experts module."""
+
+    attention: torch.nn.Module
+    router: torch.nn.Module
+    experts: torch.nn.Module
+
+
+def moe_layers(model: torch.nn.Module) -> list[MoeLayer]:
+    """Every MoE decoder layer of `model` (wrappers looked through), in order; [] for a model without them."""
+    found = []
+    for module in model.modules():
+        if not hasattr(module, "self_attn"):
+            continue
+        routers = [m for m in module.modules() if type(m).__name__ in ROUTER_COMBINE_WEIGHTS]
+        experts = [m for name, m in module.named_modules() if name.endswith("experts") and m is not module]
+        if routers and experts:
+            found.append(MoeLayer(module.self_attn, routers[0], experts[0]))
+    return found
+
+
+def replay_blocker(model: torch.nn.Module) -> str | None:
+    """Why routing replay cannot route `model`'s tokens to given experts, or None."""
+    from .versions import version_gap
+
+    if (gap := version_gap("moe_experts")) is not None:
+        return f"below the documented floor `moe_experts` (docs/guide/versions.md): {gap}"
+    config = getattr(model, "config", None)
+    if config is None or not is_moe(config):
+        return f"{type(model).__name__} is no mixture-of-experts model (it declares no experts and router)"
+    if not moe_layers(model):
+        routers = ", ".join(ROUTER_COMBINE_WEIGHTS)
+        return f"its router is none of those routing replay knows ({routers}: transformers 5's Qwen3-MoE, OLMoE, Mixtral, gpt-oss)"
+    return None
+
+
+def combine_weights_at(router: torch.nn.Module, logits: torch.Tensor, experts: torch.Tensor, dtype) -> torch.Tensor:
+    """The combine weights `router` gives the (tokens, k) `experts` from its (tokens, experts) `logits`, by its
+    family's own formula (differentiable in the logits)."""
+    return ROUTER_COMBINE_WEIGHTS[type(router).__name__](router, logits, experts, dtype)

@@ -21,6 +21,7 @@ _RIGHT_PADDED = {
     "sampling_per_token_logps": 0.0,
     "importance_sampling_ratio": 0.0,
     "tool_mask": 1,
+    "routes": -1,  # routing replay's records (rows, completion columns, layers, k): -1, no record
 }
 _PER_ROW = {"advantages"}
 _RECOMPUTED = {"num_items_in_batch"}
@@ -65,7 +66,7 @@ def _pad_to(tensor: torch.Tensor, length: int, value: float, left: bool) -> torc
     missing = length - tensor.shape[1]
     if missing <= 0:
         return tensor
-    padding = tensor.new_full((tensor.shape[0], missing), value)
+    padding = tensor.new_full((tensor.shape[0], missing, *tensor.shape[2:]), value)
     return torch.cat([padding, tensor] if left else [tensor, padding], dim=1)
 
 
@@ -78,7 +79,7 @@ def concat_rows(batches: Sequence[dict[str, Any]], pad_token_id: int) -> dict[st
         tensors = [b[key] for b in batches]
         # Per-token tensors are padded; per-sequence ones, e.g. a (B, 1) sequence-level ratio, are not.
         per_token = key in _LEFT_PADDED or all(
-            t.dim() == 2 and t.shape[1] == b["completion_ids"].shape[1] for t, b in zip(tensors, batches, strict=True)
+            t.dim() >= 2 and t.shape[1] == b["completion_ids"].shape[1] for t, b in zip(tensors, batches, strict=True)
         )
         if key in pad_values and per_token:
             value = pad_token_id if pad_values[key] == "pad" else pad_values[key]

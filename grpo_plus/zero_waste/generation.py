@@ -44,6 +44,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from ..compat.model import cache_argument_name
 from ..compat.versions import version_gap
+from ..routing.replay import StepRoutes, recorded_experts
 from .images import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages, image_prompts_blocker
 from .multi_turn import TurnCache, keep_blocker
 from .rows import dropout_blocker
@@ -73,6 +74,8 @@ class GenerationStats:
     fallback: str | None = None  # why model.generate ran unchanged, or None
     turns_blocker: str | None = None  # why the rows' caches could not be kept for the next tool turn, or None
     speculation: object | None = None  # the speculative loop's counts when one was handed over (grpo_plus.speculative)
+    record_routes: bool = False  # asked: record each completion token's experts (MoE: grpo_plus.routing)
+    routes: torch.Tensor | None = None  # (B, completion width, layers, k), -1 where none: grpo_plus.routing.replay
 
     @property
     def positions_frac(self) -> float:
@@ -121,7 +124,12 @@ def processes_in_lockstep(model) -> bool:
 
 
 def generate(
-    model, turns: TurnCache | None = None, num_images: list[int] | None = None, speculation=None, **generate_kwargs
+    model,
+    turns: TurnCache | None = None,
+    num_images: list[int] | None = None,
+    speculation=None,
+    record_routes: bool = False,
+    **generate_kwargs,
 ) -> tuple[torch.Tensor, GenerationStats]:
     """`model.generate(**generate_kwargs)` (ids only) with shared prefills and finished rows out of the decode batch.
 
@@ -130,23 +138,30 @@ def generate(
     there and starts from what an earlier call kept (grpo_plus.zero_waste.multi_turn). `num_images`: each row's number of images
     (a VLM's `pixel_values` and co. in `generate_kwargs` hold them all, in row order). `speculation`: a decoding loop
     that replaces this one (`decode(...)`, called as `decode_rows` is: grpo_plus.speculative's), or None.
+    `record_routes`: an MoE model's experts for each completion token in `stats.routes` (grpo_plus.routing.replay).
     """
-    return _generate(model, model.generate, generate_kwargs, turns, num_images, speculation)
+    return _generate(model, model.generate, generate_kwargs, turns, num_images, speculation, record_routes)
 
 
 @contextlib.contextmanager
 def generate_patched(
-    model, on_call, turns: TurnCache | None = None, num_images: list[int] | None = None, speculation=None
+    model,
+    on_call,
+    turns: TurnCache | None = None,
+    num_images: list[int] | None = None,
+    speculation=None,
+    record_routes: bool = False,
 ):
     """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given; `num_images`,
-    `speculation`: see `generate`); `on_call(stats)` sees every call's stats."""
+    `speculation`: see `generate`); `on_call(stats)` sees every call's stats (with `record_routes`, an MoE model's
+    experts for each completion token in `stats.routes`, where this loop decoded)."""
     previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
     model_generate = model.generate
 
     def patched(*args, **kwargs):
         if args:
             kwargs["inputs"] = args[0]
-        sequences, stats = _generate(model, model_generate, kwargs, turns, num_images, speculation)
+        sequences, stats = _generate(model, model_generate, kwargs, turns, num_images, speculation, record_routes)
         on_call(stats)
         return sequences
 
@@ -161,9 +176,9 @@ def generate_patched(
 
 
 def _generate(
-    model, model_generate, generate_kwargs: dict, turns=None, num_images=None, speculation=None
+    model, model_generate, generate_kwargs: dict, turns=None, num_images=None, speculation=None, record_routes=False
 ) -> tuple[torch.Tensor, GenerationStats]:
-    stats = GenerationStats()
+    stats = GenerationStats(record_routes=record_routes)
     reason = transformers_blocker()
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the model
     if reason is None and not isinstance(base_model, GenerationMixin):
@@ -329,7 +344,7 @@ def decode_rows(
     reason = decode_blocker(model, generation_config, model_kwargs)
     if reason is not None:
         raise NotApplicable(reason)
-    batch_size = input_ids.shape[0]
+    batch_size, prompt_width = input_ids.shape
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
     model_kwargs, logits, turns = prefill_prompts(
         model, input_ids, generation_config, model_kwargs, stats, turns, images
@@ -339,7 +354,10 @@ def decode_rows(
     live = torch.arange(batch_size, device=input_ids.device)  # the rows of the cache, in order
     # MoE models switch expert kernels for decoding on accelerators, as transformers' loop does.
     optimized_for_decode = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
-    with optimized_for_decode():
+    # routing replay: decoding step j feeds in completion token j of the live rows; its experts are that token's
+    steps = StepRoutes(model, batch_size) if stats.record_routes else None
+    recording = recorded_experts(model) if steps is not None else contextlib.nullcontext()
+    with optimized_for_decode(), recording as chosen:
         while True:
             input_ids, unfinished = _next_tokens(
                 input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config
@@ -347,6 +365,9 @@ def decode_rows(
             if not bool(unfinished.any()):
                 if turns is not None:
                     _keep(turns, model_kwargs, torch.arange(len(live), device=live.device), input_ids[live])
+                stats.routes = (
+                    None if steps is None else steps.assemble(input_ids.shape[1] - prompt_width, input_ids.device)
+                )
                 return input_ids
             # A row that ended leaves the batch, unless no stopping criterion pads it (transformers' loop then
             # keeps sampling real tokens for it, e.g. after a stop string without an EOS token).
@@ -361,6 +382,8 @@ def decode_rows(
             stats.full_positions += batch_size
             inputs = model.prepare_inputs_for_generation(input_ids[live], next_sequence_length=1, **model_kwargs)
             outputs = model(**inputs, return_dict=True)
+            if steps is not None:
+                steps.add(live, chosen)
             model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs)
             logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
             del outputs

@@ -136,6 +136,7 @@ class PackedBatch:
     # (n, L) float, packed with `through_last_token`: how many tokens of TRL's forward each position stands for (its
     # attention mask, times the completions sharing a prompt position; 0 on padding), the load-balancing loss's weights
     router_weights: torch.Tensor | None = None
+    padding: torch.Tensor | None = None  # (n, L) bool: the positions after each pack's last one
 
     @property
     def positions(self) -> int:
@@ -347,6 +348,7 @@ def _stack_packs(packs: list[_Pack], pad_token_id: int, device, bidirectional_bl
         mask_free=mask_free,
         origin=(origin_rows.to(device), origin_columns.to(device)),
         prompt_rows=torch.tensor([pack.prompt_row for pack in packs], dtype=torch.long, device=device),
+        padding=(segments == _PADDING).to(device),
     )
 
 

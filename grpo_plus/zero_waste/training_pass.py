@@ -26,6 +26,7 @@ from ..compat.model import FORWARD_INPUT_KEYS, disable_gradient_checkpointing
 from ..compat.moe import expert_counts, is_moe, recorded_router_logits
 from ..compat.versions import version_gap
 from ..objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
+from ..routing.replay import ROUTES_KEY, RouteReplay, RouteTally, completion_plan, fit_routes, packed_plan
 from .generation import GenerationStats
 from .images import (
     RowImages,
@@ -92,6 +93,9 @@ class PassSettings:
     row_skip_blocker: str | None = None
     correction_blocker: str | None = None
     policy_loss: str = "ppo_clip"
+    # routing replay (grpo_plus.routing): "replay" (the sampler's experts used in every forward of the completions),
+    # "receipt" (recorded and compared, not used) or None
+    routing: str | None = None
 
 
 class ZeroWastePass:
@@ -111,6 +115,8 @@ class ZeroWastePass:
         self.pending: tuple[str, ...] = ()  # generation-batch keys still holding placeholders
         self.correction_in_loss = False  # the last generation batch's sampler correction is the training forward's
         self.row_skip_blocker = self.find_row_skip_blocker()
+        self.routing = RouteReplay(settings.routing == "replay") if settings.routing else None
+        self._round_routes: list | None = None  # inside a generation step: each generate call's recorded experts
 
     def note_fallback(self, part: str, reason: str) -> None:
         """Say once per run which part of the zero-waste pass runs in full, and why."""
@@ -124,6 +130,8 @@ class ZeroWastePass:
             self.note_fallback("generation", stats.fallback)
         if stats.turns_blocker is not None:
             self.note_fallback("each tool turn's history in generation", stats.turns_blocker)
+        if self._round_routes is not None:
+            self._round_routes.append(stats.routes if stats.fallback is None else stats.fallback)
         metrics["zero_waste/generation_positions_frac"].append(stats.positions_frac)
         metrics["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
         if stats.full_images:
@@ -168,7 +176,9 @@ class ZeroWastePass:
 
     # ---- one micro-batch --------------------------------------------------------------------------------------------
 
-    def micro_batch_logps(self, model, inputs: dict[str, Any], compute_entropy: bool) -> PolicyForward:
+    def micro_batch_logps(
+        self, model, inputs: dict[str, Any], compute_entropy: bool, route_tally: RouteTally | None = None
+    ) -> PolicyForward:
         """Log-probs of one micro-batch, computing only rows that can carry gradient (the others get their old
         log-probs, so their ratio is 1, and entropy 0, or with `exact_entropy` their entropy from a no-grad forward).
         The training forward and the deferred no-grad passes both come here, so equal weights give bit-equal
@@ -185,12 +195,15 @@ class ZeroWastePass:
             live = rows_with_gradient(advantages.reshape(advantages.shape[0], -1), mask)
         old = inputs.get("old_per_token_logps")
         fill = old.detach() if old is not None else torch.zeros(mask.shape, device=mask.device)
+        routes = inputs.get(ROUTES_KEY)  # the sampler's experts (routing replay), rows and completion columns
 
         def forward(ids, attention, width, rows=None, columns=None):
             extra = model_inputs if not isinstance(images, RowImages) else images.select(rows, columns)
+            if routes is not None:  # the columns are the prompt's, then completion columns 0 .. width - 1
+                extra = {**extra, "routes": (routes if rows is None else routes[rows])[:, :width]}
             return self.logps_and_entropies(
                 model, ids, attention, width, compute_entropy=compute_entropy,
-                compute_aux_loss=self.settings.trl.aux_loss, **extra,
+                compute_aux_loss=self.settings.trl.aux_loss, route_tally=route_tally, **extra,
             )  # fmt: skip
 
         # The no-row anchor is a row's first positions; with images, its whole prompt (image tokens need the images).
@@ -207,7 +220,10 @@ class ZeroWastePass:
     def policy_forward(self, model, inputs: dict[str, Any], metrics: dict[str, list]) -> PolicyForward:
         """The micro-batch's training forward; logs the share of rows and token positions it computed."""
         self.positions = self.images = 0
-        policy = self.micro_batch_logps(model, inputs, compute_entropy=True)
+        tally = RouteTally() if inputs.get(ROUTES_KEY) is not None else None
+        policy = self.micro_batch_logps(model, inputs, compute_entropy=True, route_tally=tally)
+        if tally is not None:
+            tally.log(metrics)
         rows = 1.0 if policy.computed_rows is None else policy.computed_rows.float().mean().item()
         metrics["zero_waste/rows_computed_frac"].append(rows)
         full_positions = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
@@ -229,6 +245,15 @@ class ZeroWastePass:
             self.note_fallback(part, images)
             return ()
         return images
+
+    def routes_held(self, model: torch.nn.Module):
+        """Around a training step (routing replay): `model`'s replay hooks stay installed through backward, where a
+        gradient-checkpointing recompute routes the completions again."""
+        return nullcontext() if self.routing is None else self.routing.hooks_held(model)
+
+    def routing_blocker(self, model: torch.nn.Module) -> str | None:
+        """Why routing replay (or its receipt) cannot follow `model`'s routers, or None (also None when it is off)."""
+        return None if self.routing is None else self.routing.blocker(self.accelerator.unwrap_model(model))
 
     # ---- TRL's no-grad passes -------------------------------------------------------------------------------------
     # TRL computes old / reference log-probs inside `_generate_and_score_completions`, before the rewards and before it
@@ -300,18 +325,46 @@ class ZeroWastePass:
         self.deferring = self.defers_logps(model)
         deferring = self.deferring
         trl_off = in_loss and self.settings.trl.sampler_correction
+        self._round_routes = [] if self.routing is not None else None
 
         def record(output: dict[str, Any]) -> None:
             if self.old_logps == "none":  # TRL's placeholder: the sampler's log-probs are the old ones
                 output.pop("old_per_token_logps", None)
             if deferring:
                 self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
+            if self._round_routes is not None:
+                self.attach_routes(output, self._round_routes)
 
         try:
             with trl_sampler_correction_off() if trl_off else nullcontext():
                 yield record
         finally:
             self.deferring = False
+            self._round_routes = None
+
+    @property
+    def records_routes(self) -> bool:
+        """Whether grpo_plus's generator records each completion token's experts (routing replay or its receipt)."""
+        return self.routing is not None
+
+    def attach_routes(self, output: dict[str, Any], recorded: list) -> None:
+        """Put the round's recorded experts in the generation batch (`ROUTES_KEY`, one row per completion). Where the
+        round's generation recorded none (TRL's generation ran, or tool turns called it more than once): with replay
+        on, an error saying why (the user chose replay); with the receipt only, nothing is logged for the round."""
+        routes = recorded[0] if len(recorded) == 1 else None
+        if isinstance(routes, torch.Tensor) and routes.shape[0] == output["completion_ids"].shape[0]:
+            output[ROUTES_KEY] = fit_routes(routes, output["completion_ids"].shape[1])
+            return
+        if self.routing.replay:
+            if isinstance(routes, str):  # generation ran TRL's way: why
+                reason = routes
+            elif len(recorded) != 1:
+                reason = f"generate was called {len(recorded)} times for it (tool turns)"
+            else:
+                reason = "its rows are not the generation batch's"
+            raise RuntimeError(
+                f"routing_replay=True: this round's generation recorded no experts to replay, because {reason}"
+            )
 
     def placeholder(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, None, None]:
         return torch.zeros((input_ids.shape[0], logits_to_keep), device=input_ids.device), None, None
@@ -344,7 +397,7 @@ class ZeroWastePass:
         with torch.no_grad(), disable_gradient_checkpointing(model, self.settings.trl.gradient_checkpointing_kwargs):
             logps, _, _ = self.logps_and_entropies(
                 model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size,
-                **model_inputs,
+                routes=batch.get(ROUTES_KEY), **model_inputs,
             )  # fmt: skip
         return logps
 
@@ -359,21 +412,39 @@ class ZeroWastePass:
         batch_size: int | None = None,
         compute_entropy: bool = False,
         compute_aux_loss: bool = False,
+        routes: torch.Tensor | None = None,
+        route_tally: RouteTally | None = None,
         **model_inputs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's `_get_per_token_logps_and_entropies` (same arguments, same result) without the padding after the
         completions and, where the model allows it, with each shared prompt computed once (a VLM: each prompt's images
         encoded once); TRL's method (`trl_logps`) computes the rest. Inside TRL's generation step (`deferring`) its
-        no-grad passes get placeholders."""
+        no-grad passes get placeholders. `routes` (B, `logits_to_keep`, layers, k): the sampler's experts of the
+        completion columns (routing replay: each forward of them routes there; `route_tally` counts the flips)."""
         if self.deferring and not torch.is_grad_enabled():
             return self.placeholder(input_ids, logits_to_keep)
-        full = functools.partial(
+        if routes is None and self._round_routes is not None and self.routing.replay:
+            raise RuntimeError(
+                "routing_replay=True: TRL runs a no-grad log-prob pass at generation, before the recorded experts are "
+                "in the batch (zero_waste_pass=False with beta > 0 or off-policy old log-probs, or a sampler "
+                "correction computed at generation); keep zero_waste_pass on (it computes those passes after the "
+                "split, with the records) or turn routing_replay off"
+            )
+        trl_full = functools.partial(
             self.trl_logps,
             model,
             batch_size=batch_size,
             compute_entropy=compute_entropy,
             compute_aux_loss=compute_aux_loss,
         )
+
+        def full(ids, attention, width, **extra):
+            if routes is None or self.routing is None:
+                return trl_full(ids, attention, width, **extra)
+            plan = completion_plan(fit_routes(routes, width), ids.shape[1] - width)
+            with self.routing.planned(model, plan, route_tally):
+                return trl_full(ids, attention, width, **extra)
+
         images = self.row_images(model_inputs, input_ids.shape[0], "the padding and the shared prompt")
         if not self.enabled or self.dropout_blocker(model) is not None or isinstance(images, tuple):
             self.positions += input_ids.numel()
@@ -387,8 +458,9 @@ class ZeroWastePass:
             )
             if reason is None:
                 packed = self.shared_prompt_logps(
-                    model, input_ids, attention_mask, logits_to_keep, batch_size, images, compute_aux_loss
-                )
+                    model, input_ids, attention_mask, logits_to_keep, batch_size, images, compute_aux_loss,
+                    routes, route_tally,
+                )  # fmt: skip
                 if packed is not None:
                     logps, entropies, aux_loss = packed
                     return logps, entropies if compute_entropy else None, aux_loss
@@ -441,8 +513,9 @@ class ZeroWastePass:
         return half or kv_heads in (None, heads)
 
     def shared_prompt_logps(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size, images=None, compute_aux_loss=False
-    ):
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, images=None, compute_aux_loss=False,
+        routes=None, route_tally=None,
+    ):  # fmt: skip
         """Log-probs, entropies and (`compute_aux_loss`) the router's load-balancing loss with one prompt copy per pack
         (and, with `images`, each pack's prompt images encoded once); None where packing does not pay. The loss is
         TRL's exactly: every position of the packs is routed, each weighed by the tokens of TRL's forward it stands
@@ -468,7 +541,11 @@ class ZeroWastePass:
             extra = images.model_inputs(batch.prompt_rows) if with_images else {}
             self.images += images.image_count(batch.prompt_rows) if with_images else 0
             recording = recorded_router_logits(unwrapped) if compute_aux_loss else nullcontext()
-            with accelerator.autocast(), recording as router_logits:
+            replaying = nullcontext()
+            if routes is not None and self.routing is not None:  # each packed completion position: its row's record
+                plan = packed_plan(routes, batch.origin, prompt_width, ~batch.padding)
+                replaying = self.routing.planned(model, plan, route_tally)
+            with accelerator.autocast(), recording as router_logits, replaying:
                 logps, entropies = fused_lm_head_forward(
                     model, batch.input_ids, block_mask, position_ids, batch.targets, **extra, **router_off
                 )
