@@ -405,3 +405,54 @@ def test_the_benchmark_smoke_run_reports_both_sides(tmp_path, benchmark_in_this_
     plain, ours = case["plain"], case["speculative"]
     assert plain["fallback"] is None and ours["fallback"] is None
     assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1
+
+
+# ------------------------------------------------------------------------------------ vLLM's own (vllm_speculative_config)
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def test_vllm_speculative_config_reaches_the_settings_from_python_and_the_command_line(tmp_path):
+    """A dict, or the JSON string a command line gives (TRL's parser), is the engine's `speculative_config`."""
+    from trl import TrlParser
+
+    from grpo_plus.config import PlusSettings
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True)
+    config = grpo_plus.GRPOConfig(**common, vllm_speculative_config=NGRAM)
+    assert PlusSettings.from_config(config).vllm.speculative_config == NGRAM
+    argv = [f"--{name}={value}" for name, value in common.items()]
+    (parsed,) = TrlParser((grpo_plus.GRPOConfig,)).parse_args_and_config(
+        argv
+        + ["--vllm_speculative_config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}']
+    )
+    assert PlusSettings.from_config(parsed).vllm.speculative_config == NGRAM
+    assert PlusSettings.from_config(grpo_plus.GRPOConfig(**common)).vllm.speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(vllm_speculative_config=NGRAM), "None without vLLM (use_vllm=False)"),
+        (
+            dict(vllm_speculative_config=NGRAM, use_vllm=True, vllm_mode="server"),
+            'grpo-plus vllm-serve --speculative_config \'{"method": "ngram"',
+        ),
+        (dict(vllm_speculative_config={"num_speculative_tokens": 4}, use_vllm=True), 'a dict with a "method"'),
+        (dict(vllm_speculative_config="ngram", use_vllm=True), "a JSON object"),
+        (dict(vllm_speculative_config=["ngram"], use_vllm=True), "a dict, as vLLM's speculative_config takes it"),
+    ],
+)
+def test_a_vllm_speculative_config_that_cannot_work_is_refused_at_construction(tmp_path, kwargs, fragment):
+    with pytest.raises(ConfigError, match="vllm_speculative_config") as error:
+        grpo_plus.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kwargs)
+    assert fragment in str(error.value)
+
+
+def test_grpo_plus_vllm_serve_checks_its_speculative_config_before_starting_vllm():
+    """`grpo-plus vllm-serve --speculative_config` (TRL's flag, handed to `vllm serve --speculative-config`): a value
+    with no "method" is refused by name before any process starts."""
+    from grpo_plus.engine.server import serve
+
+    with pytest.raises(ConfigError, match='--speculative_config=.* must be a dict with a "method"'):
+        serve(["--model", "unused", "--speculative_config", '{"num_speculative_tokens": 4}'])
