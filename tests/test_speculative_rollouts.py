@@ -57,10 +57,9 @@ def greedy_config(tokenizer, **overrides) -> GenerationConfig:
 # ---------------------------------------------------------------------------------------------------- greedy: same ids
 
 
-@needs_loop
-@pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen3", False), ("qwen2", False), ("llama", True)])
-def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
-    model, tokenizer = tiny_model(family, lora=lora)
+def greedy_with_and_without_speculation(model, tokenizer):
+    """Greedy decoding of `repetitive_batch` without and with speculation, checked equal: (prompt ids, sequences,
+    the speculative call's GenerationStats)."""
     ids, mask = repetitive_batch(len(tokenizer))
     config = greedy_config(tokenizer)
     reference, plain = generate(model, input_ids=ids, attention_mask=mask, generation_config=config)
@@ -69,10 +68,42 @@ def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
     )
     assert plain.fallback is None and stats.fallback is None and stats.speculation.fallback is None
     assert torch.equal(ours, reference)
+    return ids, reference, stats
+
+
+@needs_loop
+@pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen3", False), ("qwen2", False), ("llama", True)])
+def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
+    model, tokenizer = tiny_model(family, lora=lora)
+    ids, reference, stats = greedy_with_and_without_speculation(model, tokenizer)
     counts = stats.speculation
     assert counts.accepted > 0  # drafts were kept: the test exercises speculation
     assert counts.tokens == counts.accepted + counts.row_forwards and counts.tokens_per_row_forward > 1
     assert stats.positions > 0 and stats.full_positions == len(ids) * (reference.shape[1] - 1)
+
+
+@needs_loop
+@pytest.mark.parametrize("lora", [False, True])
+def test_greedy_tokens_are_the_same_on_a_4bit_base(tiny_model_dir_bnb, lora):
+    """A bitsandbytes nf4 base (QLoRA's: the trainer's own model generates), with and without LoRA on it: a verify
+    forward of k + 1 positions per row goes through the 4-bit kernels with other shapes than one token per row, and
+    gives the same greedy tokens."""
+    from transformers import AutoTokenizer, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir_bnb, quantization_config=quantization)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, config)
+    model.eval()
+    assert any(type(module).__name__ == "Linear4bit" for module in model.modules())
+    _, _, stats = greedy_with_and_without_speculation(model, AutoTokenizer.from_pretrained(tiny_model_dir_bnb))
+    assert stats.speculation.accepted > 0  # drafts were kept: the verify forwards ran through the 4-bit layers
 
 
 @needs_loop
