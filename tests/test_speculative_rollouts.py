@@ -430,12 +430,34 @@ def test_the_benchmark_smoke_run_reports_both_sides(tmp_path, benchmark_in_this_
     import speculative_rollouts
 
     output = tmp_path / "speculative.json"
-    speculative_rollouts.main(["--smoke", "--tasks", "demo", "--json", str(output)])
-    (case,) = json.loads(output.read_text())["cases"]
-    assert case["new_tokens"] == 16 and case["rows"] == 16
-    plain, ours = case["plain"], case["speculative"]
-    assert plain["fallback"] is None and ours["fallback"] is None
-    assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1
+    speculative_rollouts.main(["--smoke", "--tasks", "demo", "gsm8k", "--json", str(output)])
+    cases = json.loads(output.read_text())["cases"]
+    assert [case["task"] for case in cases] == ["demo", "gsm8k"]
+    for case in cases:
+        assert case["new_tokens"] == 16 and case["rows"] == 16
+        plain, ours = case["plain"], case["speculative"]
+        assert plain["fallback"] is None and ours["fallback"] is None
+        assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1
+
+
+def test_the_gsm8k_format_file_is_gsm8k_shaped_and_its_steps_add_up(benchmark_in_this_process):
+    """benchmarks/data/gsm8k_format.jsonl (written for the benchmark): GSM8K's fields, every `<<expression=value>>`
+    calculator note right, the `#### N` final answer the last note's value."""
+    import re
+
+    import speculative_rollouts
+
+    problems = speculative_rollouts.gsm8k_problems()
+    assert len(problems) == 16 and len({row["question"] for row in problems}) == 16
+    for row in problems:
+        assert set(row) == {"question", "answer"} and row["question"].endswith("?")
+        steps, final = row["answer"].rsplit("\n#### ", 1)
+        notes = re.findall(r"<<([^=<>]+)=([^<>]+)>>", steps)
+        assert notes, row
+        for expression, value in notes:
+            assert re.fullmatch(r"[\d+\-*/() ]+", expression), expression
+            assert eval(expression) == float(value), (expression, value)  # noqa: S307 (digits and operators only)
+        assert final == notes[-1][1] and final.isdigit(), row
 
 
 # ------------------------------------------------------------------------------------ vLLM's own (vllm_speculative_config)
