@@ -321,7 +321,7 @@ def test_an_unknown_logits_processor_makes_the_loop_step_aside_with_the_same_tok
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        (dict(speculative_rollouts=True, use_vllm=True), "ngram"),
+        (dict(speculative_rollouts=True, use_vllm=True), "vllm_speculative_config={'method': 'ngram'"),
         (dict(speculative_rollouts=True, zero_waste_generation=False), "zero_waste_generation"),
         (dict(speculative_rollouts=True, generation_kwargs={"num_beams": 2}), "beam"),
         (dict(speculative_max_draft_tokens=0), "speculative_max_draft_tokens"),
