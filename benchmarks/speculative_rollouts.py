@@ -2,11 +2,14 @@
 
     .venv/bin/python benchmarks/speculative_rollouts.py [--new-tokens 256 1024] [--generations 8] [--prompts 2]
                                                        [--repeats 3] [--threads 1] [--max-draft 4]
-                                                       [--temperature 0.7] [--smoke] [--json out.json]
+                                                       [--temperature 0.7] [--tasks demo chain_sum gsm8k]
+                                                       [--smoke] [--json out.json]
 
 Model: the embedded SmolLM2-135M-Instruct, float32, no adapter (--smoke: the random tiny model; the numbers then mean
 nothing). Tasks: the demo's word problems (grpo_plus.app.tasks, level word-mixed, chat template and its system
-prompt) and reasoning-gym's chain_sum (where reasoning_gym is installed). Each case: `--prompts` prompts x G =
+prompt), reasoning-gym's chain_sum (where reasoning_gym is installed) and `gsm8k`: grade-school word problems in
+GSM8K's format (benchmarks/data/gsm8k_format.jsonl: 16 problems written for this benchmark, `question` and an `answer`
+whose worked steps carry GSM8K's `<<a*b=c>>` calculator notes and end in `#### N`; no download). Each case: `--prompts` prompts x G =
 `--generations` completions of at most `--new-tokens` tokens, sampled as TRL samples (temperature, top_p 1, top_k 0),
 `grpo_plus.zero_waste.generation.generate` with and without `speculation=SpeculativeDecoder(...)`, alternated, the
 same seed per repeat, median of `--repeats`. Reported per case: seconds, new tokens per second, mean completion length
@@ -25,15 +28,27 @@ from harness.timing import alternating
 from harness.trainers import model_path
 
 SIDES = ("plain", "speculative")
+GSM8K_FILE = ROOT / "benchmarks" / "data" / "gsm8k_format.jsonl"
+
+
+def gsm8k_problems(path=GSM8K_FILE) -> list[dict]:
+    """The GSM8K-format file's rows: {"question": ..., "answer": "<worked steps>\\n#### <number>"}."""
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def task_prompts(tokenizer, task: str, count: int) -> list[str]:
-    """`count` chat-formatted prompts of `task` ("demo": word-mixed sums; "chain_sum": reasoning-gym's)."""
+    """`count` chat-formatted prompts of `task` ("demo": word-mixed sums; "gsm8k": the GSM8K-format file's first
+    `count` questions; "chain_sum" or another reasoning-gym task: reasoning-gym's)."""
     from grpo_plus.app import tasks
 
     if task == "demo":
         problems = tasks.generate_problems(tasks.BENCHMARK_LEVEL, "test", size=count, seed=0)
         messages = [tasks.format_prompt(problem.question) for problem in problems]
+    elif task == "gsm8k":
+        problems = gsm8k_problems()[:count]
+        messages = [[{"role": "user", "content": row["question"] + " Think step by step."}] for row in problems]
     else:
         import reasoning_gym
 
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ngram-min", type=int, default=1)
     parser.add_argument("--ngram-max", type=int, default=3)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--tasks", nargs="+", default=["demo", "chain_sum"])
+    parser.add_argument("--tasks", nargs="+", default=["demo", "chain_sum", "gsm8k"])
     args = parser.parse_args(argv)
     report, started = start_report(args)
     import tempfile

@@ -51,6 +51,7 @@ from .config import PlusSettings
 from .engine.precision import engine_precision, sleep_mode_blocker
 from .engine.receipt import SyncReceipt, log_receipts
 from .engine.server import server_client, server_sync
+from .engine.speculation import engine_speculation
 from .engine.sync import reload_on_sync
 from .fit.check import check_before_training
 from .long_completions.lm_head_tiles import size_lm_head_tiles
@@ -91,9 +92,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         # Before TRL loads the model: the reward workers fork from a process that holds little (grpo_plus.rewards)
         self._reward_runner = RewardRunner(plus.rewards, reward_funcs)
         try:
-            # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes"); a server reached over the
-            # transport it reports (grpo_plus.engine.server: gloo off CUDA)
-            with engine_precision(args, plus.vllm.quantization, plus.vllm.dtype), server_client(args):
+            # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes") and speculative decoding; a
+            # server reached over the transport it reports (grpo_plus.engine.server: gloo off CUDA)
+            with (
+                engine_precision(args, plus.vllm.quantization, plus.vllm.dtype),
+                engine_speculation(args, plus.vllm.speculative_config),
+                server_client(args),
+            ):
                 super().__init__(model, reward_funcs, plus.trl_config(args), *pos_args, **kwargs)
         except BaseException:
             self._reward_runner.close()

@@ -68,6 +68,7 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "vllm_quantization",
         "vllm_dtype",
         "vllm_sync_check",
+        "vllm_speculative_config",
         "async_generation",
         "max_staleness",
         "weight_sync_steps",
@@ -314,8 +315,8 @@ def test_every_grpo_plus_field_is_declared_once_beside_its_settings():
         assert own[name].metadata["help"].strip() and own[name].metadata["help"] == setting.metadata["help"], name
         assert set(own[name].metadata) <= {"help", "choices"}, name
     # grpo_plus's fields when they were gathered into groups (53: none lost on the way), asynchronous generation's 3,
-    # speculative rollouts' 5, routing replay's 2
-    assert len(own) == 63
+    # speculative rollouts' 5, vllm_speculative_config, routing replay's 2
+    assert len(own) == 64
 
 
 def test_a_field_declared_twice_is_refused():

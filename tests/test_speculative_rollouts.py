@@ -57,10 +57,9 @@ def greedy_config(tokenizer, **overrides) -> GenerationConfig:
 # ---------------------------------------------------------------------------------------------------- greedy: same ids
 
 
-@needs_loop
-@pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen3", False), ("qwen2", False), ("llama", True)])
-def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
-    model, tokenizer = tiny_model(family, lora=lora)
+def greedy_with_and_without_speculation(model, tokenizer):
+    """Greedy decoding of `repetitive_batch` without and with speculation, checked equal: (prompt ids, sequences,
+    the speculative call's GenerationStats)."""
     ids, mask = repetitive_batch(len(tokenizer))
     config = greedy_config(tokenizer)
     reference, plain = generate(model, input_ids=ids, attention_mask=mask, generation_config=config)
@@ -69,10 +68,42 @@ def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
     )
     assert plain.fallback is None and stats.fallback is None and stats.speculation.fallback is None
     assert torch.equal(ours, reference)
+    return ids, reference, stats
+
+
+@needs_loop
+@pytest.mark.parametrize(("family", "lora"), [("llama", False), ("qwen3", False), ("qwen2", False), ("llama", True)])
+def test_greedy_tokens_are_the_same_with_drafts_kept(family, lora):
+    model, tokenizer = tiny_model(family, lora=lora)
+    ids, reference, stats = greedy_with_and_without_speculation(model, tokenizer)
     counts = stats.speculation
     assert counts.accepted > 0  # drafts were kept: the test exercises speculation
     assert counts.tokens == counts.accepted + counts.row_forwards and counts.tokens_per_row_forward > 1
     assert stats.positions > 0 and stats.full_positions == len(ids) * (reference.shape[1] - 1)
+
+
+@needs_loop
+@pytest.mark.parametrize("lora", [False, True])
+def test_greedy_tokens_are_the_same_on_a_4bit_base(tiny_model_dir_bnb, lora):
+    """A bitsandbytes nf4 base (QLoRA's: the trainer's own model generates), with and without LoRA on it: a verify
+    forward of k + 1 positions per row goes through the 4-bit kernels with other shapes than one token per row, and
+    gives the same greedy tokens."""
+    from transformers import AutoTokenizer, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir_bnb, quantization_config=quantization)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, config)
+    model.eval()
+    assert any(type(module).__name__ == "Linear4bit" for module in model.modules())
+    _, _, stats = greedy_with_and_without_speculation(model, AutoTokenizer.from_pretrained(tiny_model_dir_bnb))
+    assert stats.speculation.accepted > 0  # drafts were kept: the verify forwards ran through the 4-bit layers
 
 
 @needs_loop
@@ -290,7 +321,7 @@ def test_an_unknown_logits_processor_makes_the_loop_step_aside_with_the_same_tok
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        (dict(speculative_rollouts=True, use_vllm=True), "ngram"),
+        (dict(speculative_rollouts=True, use_vllm=True), "vllm_speculative_config={'method': 'ngram'"),
         (dict(speculative_rollouts=True, zero_waste_generation=False), "zero_waste_generation"),
         (dict(speculative_rollouts=True, generation_kwargs={"num_beams": 2}), "beam"),
         (dict(speculative_max_draft_tokens=0), "speculative_max_draft_tokens"),
@@ -399,9 +430,82 @@ def test_the_benchmark_smoke_run_reports_both_sides(tmp_path, benchmark_in_this_
     import speculative_rollouts
 
     output = tmp_path / "speculative.json"
-    speculative_rollouts.main(["--smoke", "--tasks", "demo", "--json", str(output)])
-    (case,) = json.loads(output.read_text())["cases"]
-    assert case["new_tokens"] == 16 and case["rows"] == 16
-    plain, ours = case["plain"], case["speculative"]
-    assert plain["fallback"] is None and ours["fallback"] is None
-    assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1
+    speculative_rollouts.main(["--smoke", "--tasks", "demo", "gsm8k", "--json", str(output)])
+    cases = json.loads(output.read_text())["cases"]
+    assert [case["task"] for case in cases] == ["demo", "gsm8k"]
+    for case in cases:
+        assert case["new_tokens"] == 16 and case["rows"] == 16
+        plain, ours = case["plain"], case["speculative"]
+        assert plain["fallback"] is None and ours["fallback"] is None
+        assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1
+
+
+def test_the_gsm8k_format_file_is_gsm8k_shaped_and_its_steps_add_up(benchmark_in_this_process):
+    """benchmarks/data/gsm8k_format.jsonl (written for the benchmark): GSM8K's fields, every `<<expression=value>>`
+    calculator note right, the `#### N` final answer the last note's value."""
+    import re
+
+    import speculative_rollouts
+
+    problems = speculative_rollouts.gsm8k_problems()
+    assert len(problems) == 16 and len({row["question"] for row in problems}) == 16
+    for row in problems:
+        assert set(row) == {"question", "answer"} and row["question"].endswith("?")
+        steps, final = row["answer"].rsplit("\n#### ", 1)
+        notes = re.findall(r"<<([^=<>]+)=([^<>]+)>>", steps)
+        assert notes, row
+        for expression, value in notes:
+            assert re.fullmatch(r"[\d+\-*/() ]+", expression), expression
+            assert eval(expression) == float(value), (expression, value)  # noqa: S307 (digits and operators only)
+        assert final == notes[-1][1] and final.isdigit(), row
+
+
+# ------------------------------------------------------------------------------------ vLLM's own (vllm_speculative_config)
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def test_vllm_speculative_config_reaches_the_settings_from_python_and_the_command_line(tmp_path):
+    """A dict, or the JSON string a command line gives (TRL's parser), is the engine's `speculative_config`."""
+    from trl import TrlParser
+
+    from grpo_plus.config import PlusSettings
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", use_vllm=True)
+    config = grpo_plus.GRPOConfig(**common, vllm_speculative_config=NGRAM)
+    assert PlusSettings.from_config(config).vllm.speculative_config == NGRAM
+    argv = [f"--{name}={value}" for name, value in common.items()]
+    (parsed,) = TrlParser((grpo_plus.GRPOConfig,)).parse_args_and_config(
+        argv
+        + ["--vllm_speculative_config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}']
+    )
+    assert PlusSettings.from_config(parsed).vllm.speculative_config == NGRAM
+    assert PlusSettings.from_config(grpo_plus.GRPOConfig(**common)).vllm.speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        (dict(vllm_speculative_config=NGRAM), "None without vLLM (use_vllm=False)"),
+        (
+            dict(vllm_speculative_config=NGRAM, use_vllm=True, vllm_mode="server"),
+            'grpo-plus vllm-serve --speculative_config \'{"method": "ngram"',
+        ),
+        (dict(vllm_speculative_config={"num_speculative_tokens": 4}, use_vllm=True), 'a dict with a "method"'),
+        (dict(vllm_speculative_config="ngram", use_vllm=True), "a JSON object"),
+        (dict(vllm_speculative_config=["ngram"], use_vllm=True), "a dict, as vLLM's speculative_config takes it"),
+    ],
+)
+def test_a_vllm_speculative_config_that_cannot_work_is_refused_at_construction(tmp_path, kwargs, fragment):
+    with pytest.raises(ConfigError, match="vllm_speculative_config") as error:
+        grpo_plus.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **kwargs)
+    assert fragment in str(error.value)
+
+
+def test_grpo_plus_vllm_serve_checks_its_speculative_config_before_starting_vllm():
+    """`grpo-plus vllm-serve --speculative_config` (TRL's flag, handed to `vllm serve --speculative-config`): a value
+    with no "method" is refused by name before any process starts."""
+    from grpo_plus.engine.server import serve
+
+    with pytest.raises(ConfigError, match='--speculative_config=.* must be a dict with a "method"'):
+        serve(["--model", "unused", "--speculative_config", '{"num_speculative_tokens": 4}'])

@@ -369,11 +369,12 @@ class SharedVLLMEngine:
 
 
 @contextmanager
-def shared_vllm_engine():
-    """Every TRL trainer built inside (colocate mode) generates with one `SharedVLLMEngine`, closed on exit."""
+def shared_vllm_engine(engine: SharedVLLMEngine | None = None):
+    """Every TRL trainer built inside (colocate mode) generates with one `SharedVLLMEngine` (`engine`, or a new one),
+    closed on exit."""
     import trl.generation.vllm_generation as vllm_generation
 
-    engine = SharedVLLMEngine()
+    engine = SharedVLLMEngine() if engine is None else engine
     original = vllm_generation.LLM
     vllm_generation.LLM = engine
     try:

@@ -5,6 +5,7 @@ Modules, along the seams: `reload` (vLLM's layerwise reload around a weight stre
 reports), `lora_stream` (a LoRA model's weights merged out of place, the base never written), `sync` (TRL's
 `VLLMGeneration` wired to both, one log per sync), `receipt` (the check after each sync, before the engine generates:
 `GRPOConfig.vllm_sync_check`), `precision` (what the engine serves the weights in: `vllm_dtype`, `vllm_quantization`),
+`speculation` (vLLM's own speculative decoding in the colocated engine: `vllm_speculative_config`),
 `settings` (those GRPOConfig fields, validated); in server mode `server` (`grpo-plus vllm-serve`, the trainer's
 client, the LoRA stream and coverage checks there) and `gloo_transport` (the weight transfer off CUDA).
 """

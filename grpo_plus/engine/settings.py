@@ -1,8 +1,12 @@
-"""GRPOConfig's colocated-engine fields (`vllm_quantization`, `vllm_dtype`, `vllm_sync_check`): declared and checked."""
+"""GRPOConfig's colocated-engine fields (`vllm_quantization`, `vllm_dtype`, `vllm_sync_check`,
+`vllm_speculative_config`): declared and checked."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..settings import SettingsGroup, not_allowed, setting
 from .precision import VLLM_DTYPES, VLLM_QUANTIZATION_AUTO
@@ -38,8 +42,18 @@ class VLLMSettings(SettingsGroup):
         "failed check raises SyncCheckError naming what disagrees. 'every' sync, the 'first' only, or 'off'.",
         choices=SYNC_CHECK_MODES,
     )
+    speculative_config: dict | None = setting(
+        None,
+        "vLLM's own speculative decoding in a colocated engine (use_vllm=True, vllm_mode='colocate'): the dict vLLM's "
+        '`speculative_config` engine argument takes, handed to the engine TRL builds as it is, e.g. {"method": '
+        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3} (n-gram drafts from each request\'s '
+        "prompt and output; a JSON string on the command line). A server (vllm_mode='server') takes it as "
+        "`grpo-plus vllm-serve --speculative_config '{...}'`. None: no speculative decoding (TRL's engine).",
+        config_type=dict | str | None,
+    )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", speculative_config_value(self.speculative_config))
         if not isinstance(self.quantization, str) or self.quantization.lower() == "bitsandbytes":
             raise not_allowed(
                 "vllm_quantization",
@@ -57,3 +71,48 @@ class VLLMSettings(SettingsGroup):
                 "'every' (each weight sync checked before the engine generates from it), 'first' (the first sync "
                 "only) or 'off'",
             )
+
+    def check_combinations(self, use_vllm: bool, vllm_mode: str) -> None:
+        """vllm_speculative_config is the colocated engine's: refused where grpo_plus builds no engine."""
+        if self.speculative_config is None:
+            return
+        if not use_vllm:
+            raise not_allowed(
+                "vllm_speculative_config",
+                self.speculative_config,
+                "None without vLLM (use_vllm=False): it configures vLLM's engine; grpo_plus's own generator drafts "
+                "with speculative_rollouts=True",
+            )
+        if vllm_mode != "colocate":
+            raise not_allowed(
+                "vllm_speculative_config",
+                self.speculative_config,
+                f"None with vllm_mode={vllm_mode!r}: the server builds its engine, so give it there: grpo-plus "
+                f"vllm-serve --speculative_config '{json.dumps(self.speculative_config)}'",
+            )
+
+
+def speculative_config_value(value: Any, name: str = "vllm_speculative_config") -> dict | None:
+    """`value` as the dict vLLM's `speculative_config` takes (a JSON string parsed), or None; a ConfigError naming
+    `name` where it is no mapping with a "method" (vLLM checks the rest when it builds the engine)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise not_allowed(name, value, f"a JSON object ({error})") from None
+    if not isinstance(value, Mapping):
+        raise not_allowed(
+            name, value, 'a dict, as vLLM\'s speculative_config takes it (e.g. {"method": "ngram", ...})'
+        )
+    method = value.get("method")
+    if not isinstance(method, str) or not method:
+        raise not_allowed(
+            name,
+            dict(value),
+            'a dict with a "method" (vLLM\'s speculative decoding method: "ngram" drafts from the prompt and the '
+            'output, with "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"; the others need a '
+            "draft model)",
+        )
+    return dict(value)

@@ -79,9 +79,10 @@ class SpeculativeSettings(SettingsGroup):
             raise not_allowed(
                 "speculative_rollouts",
                 True,
-                "False with use_vllm=True: vLLM generates, and vLLM has its own n-gram speculative decoding "
-                "(its `speculative_config={'method': 'ngram', 'num_speculative_tokens': k, 'prompt_lookup_max': n}`, "
-                "an engine argument); grpo_plus's speculation runs in its own transformers generator",
+                "False with use_vllm=True: vLLM generates, and vLLM has its own n-gram speculative decoding: set "
+                "vllm_speculative_config={'method': 'ngram', 'num_speculative_tokens': k, 'prompt_lookup_max': n} "
+                "(a server: grpo-plus vllm-serve --speculative_config); grpo_plus's speculation runs in its own "
+                "transformers generator",
             )
         if not zero_waste_generation:
             raise not_allowed(
