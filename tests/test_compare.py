@@ -9,6 +9,7 @@ from grpo_plus.app.compare import PRESETS, parse_configuration
 
 
 @pytest.mark.slow
+@pytest.mark.engine  # a benchmark's smoke run (moved out of make test: its 10-minute budget)
 def test_compare_writes_png_table_and_runs(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "report"
     code = main(

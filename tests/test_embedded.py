@@ -193,6 +193,7 @@ def test_cache_location_defaults_to_home(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.floor("embedded_model")
+@pytest.mark.engine  # converts and loads the real SmolLM2-135M (moved out of make test: its 10-minute budget)
 def test_real_conversion_is_cached_loads_and_answers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -179,6 +179,7 @@ def without_shortcuts(monkeypatch) -> None:
 @needs_fused_lm_head
 @pytest.mark.parametrize("side", fit.SIDES)
 @pytest.mark.parametrize("options", [False, True], ids=["plain", "memory-options"])
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_the_shortcuts_count_what_the_full_count_counts(side, options, monkeypatch):
     """TRL's LM head over 5 token tiles (18K positions) counted on its distinct tiles only, and the packing's CPU work
     on real values: the device counts are the full count's, byte for byte, on both sides, with and without
@@ -214,6 +215,7 @@ def wide_mlp(**changes) -> fit.FitSpec:
     ],
     ids=["partial-last", "all-full-fp32", "no-checkpointing", "offloaded"],
 )
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_a_tiled_mlp_counted_on_four_tiles_counts_what_every_tile_counts(changes, monkeypatch):
     """grpo_plus's tiled MLP counted on its first two and last two tiles (the others leave nothing behind: they write
     into buffers the first tile allocated): every count of the pass, device and host, is the full count's, byte for
@@ -231,6 +233,7 @@ def test_a_tiled_mlp_counted_on_four_tiles_counts_what_every_tile_counts(changes
 
 @needs_cpu_logps
 @needs_fused_lm_head
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_a_tiled_mlp_counted_on_fewer_tiles_counts_less(monkeypatch):
     """Negative controls of the test above: without the second tile the forward's peak is missed (the first tile's
     output is still alive while the second runs), without the one before the last the backward's."""
@@ -246,6 +249,7 @@ def test_a_tiled_mlp_counted_on_fewer_tiles_counts_less(monkeypatch):
 
 @needs_cpu_logps
 @needs_fused_lm_head  # TRL 1.14's activation offloading needs CUDA streams
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_activation_offloading_lets_go_of_the_layer_input_before_the_mlp_tiles(monkeypatch):
     """With activation offloading, the layer's recompute brings its input back to the device, and TRL's offloader holds
     it until the autograd node that asked for it is done: the tiled MLP has a one-element node ask first, so the input

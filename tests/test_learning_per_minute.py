@@ -16,6 +16,7 @@ def benchmark(benchmark_in_this_process):  # it imports benchmarks/harness/, as 
     return learning_per_minute
 
 
+@pytest.mark.engine  # a benchmark's smoke run (moved out of make test: its 10-minute budget)
 def test_smoke_run_reports_both_sides_with_the_same_numbers_per_step(benchmark, tmp_path):
     output = tmp_path / "lpm.json"
     assert benchmark.main(["--smoke", "--json", str(output)]) == 0

@@ -297,6 +297,7 @@ def tiny_spec(**changes) -> fit.FitSpec:
 @needs_cpu_logps
 @needs_fused_lm_head
 @pytest.mark.parametrize("side", fit.SIDES)
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_training_pass_runs_on_a_fake_accelerator(side):
     """TRL's and grpo_plus's `_compute_loss`, forward and backward, with the model on the fake accelerator (nothing on
     the CPU but what the code moves there), gradient checkpointing on; every value the pass reads is known (no value
@@ -337,6 +338,7 @@ def test_a_tensor_made_on_the_wrong_device_fails_the_fake_pass(monkeypatch):
 @needs_fused_lm_head
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("side", fit.SIDES)
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_fake_count_equals_real_compute(side, attention):
     """At small shapes the same pass computed for real on the CPU (random weights) allocates what the fake count
     counts, to the byte (TRL's CPU fold in the LM head on both sides; with sdpa, the count made with a CPU's attention
@@ -386,6 +388,7 @@ def test_fake_count_of_grouped_query_heads_equals_real_compute(monkeypatch):
 
 
 @needs_cpu_logps
+@pytest.mark.engine  # a heavy memory count (moved out of make test: its 10-minute budget)
 def test_depth_extrapolation_and_the_generation_count(monkeypatch):
     """Counts at 1 and 2 layers extend to 3 exactly (layers are identical); generation holds every row's keys and
     values at full length (an offloaded cache two layers of them)."""

@@ -4,11 +4,14 @@ what stock TRL computes."""
 
 import json
 
+import pytest
+
 from grpo_plus.compat.versions import version_gap
 
 PARTS = ("generation", "scoring", "train_pass", "optimizer")
 
 
+@pytest.mark.engine  # a benchmark's smoke run (moved out of make test: its 10-minute budget)
 def test_long_completions_smoke_reports_paired_steps_and_trl_positions(tmp_path, benchmark_in_this_process):
     output = tmp_path / "long.json"
     import long_completions
