@@ -342,3 +342,23 @@ def test_the_colocate_sync_fails_at_construction_when_trl_lacks_a_method_it_wrap
     monkeypatch.delattr(VLLMGeneration, method)
     with pytest.raises(TRLCompatibilityError, match=f"VLLMGeneration has no {method}"):
         trl_vllm.colocate_weight_stream_name()
+
+
+@pytest.mark.floor("fused_lm_head", "cpu_logps")  # TRL 1.16: its module imports without Triton
+def test_where_the_lm_head_folds_is_read_on_every_tested_trl(monkeypatch):
+    """TRL 1.16 folds the fused LM head's tiles with torch operators off CUDA/XPU (`_use_triton`); TRL 1.15 has no
+    such fallback and no `_use_triton`: its Triton kernel is the only path. Reading it failed on a CUDA machine with
+    TRL 1.15 (an AttributeError in the first training step, seen on an H200). TRL 1.15's module imports Triton, which a
+    CPU machine lacks, so its shape (the module without `_use_triton`) stands in for it here."""
+    import sys
+    import types
+
+    import trl.kernels
+
+    from grpo_plus.compat.lm_head import lm_head_folds_in_torch
+
+    assert lm_head_folds_in_torch(torch.device("cpu")) is True  # TRL 1.16's own module: the torch fold off CUDA
+    triton_only = types.ModuleType("trl.kernels.chunked_logprob")  # TRL 1.15's: no _use_triton
+    monkeypatch.setitem(sys.modules, "trl.kernels.chunked_logprob", triton_only)
+    monkeypatch.setattr(trl.kernels, "chunked_logprob", triton_only, raising=False)
+    assert lm_head_folds_in_torch(torch.device("cuda")) is False

@@ -102,7 +102,10 @@ def lm_head_folds_in_torch(device: torch.device) -> bool:
     float32 temporaries of the tile's size; False where a Triton kernel folds them (CUDA, XPU) and allocates nothing."""
     from trl.kernels import chunked_logprob
 
-    return not chunked_logprob._use_triton(device)
+    use_triton = getattr(chunked_logprob, "_use_triton", None)
+    if use_triton is None:  # TRL 1.15: the Triton kernel on every device (no torch fold; it runs on CUDA/XPU only)
+        return False
+    return not use_triton(device)
 
 
 # ---- the fused forward, its tile width chosen per call ----------------------------------------------------------------
