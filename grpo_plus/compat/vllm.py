@@ -4,6 +4,10 @@ sync, the engine and client factories it looks up.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import trl
 
 from .versions import TRLCompatibilityError, tested_trl_versions_text
@@ -18,6 +22,7 @@ __all__ = [
     "colocate_distribution",
     "colocate_weight_stream_name",
     "colocated_model_runner",
+    "kernel_scan_guard",
     "vllm_engine_factory",
 ]
 
@@ -75,3 +80,35 @@ def vllm_engine_factory():
     import importlib
 
     return importlib.import_module(VLLM_ENGINE_MODULE), VLLM_ENGINE_FACTORY
+
+
+# vLLM 0.31's CPU worker, as it starts, points Triton kernels at its CPU overrides (`register_triton_kernel_overrides`
+# -> `vllm.triton_utils.dispatcher._rebind_kernels`) by scanning every attribute of every imported module and calling
+# `vars(value).get("kernel")` on each value with a `__dict__`. llvmlite's library handle (`llvmlite.binding.ffi.lib`,
+# a `_lib_wrapper`) forwards unknown attributes to its ctypes library, `__dict__` included, wrapped in a
+# `_lib_fn_wrapper` that has no `.get`: once numba is imported (vLLM's own n-gram proposer imports it), every later
+# engine start in the process fails with "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'".
+LLVMLITE_LIBRARY_MODULE, LLVMLITE_LIBRARY_CLASS = "llvmlite.binding.ffi", "_lib_wrapper"
+
+
+@contextmanager
+def kernel_scan_guard() -> Iterator[None]:
+    """While a vLLM engine starts: llvmlite's library handle answers dunder lookups (`__dict__`) itself, with an
+    AttributeError, instead of forwarding them to its ctypes library, so vLLM's kernel scan passes over it. A no-op
+    where llvmlite is not imported."""
+    library_class = getattr(sys.modules.get(LLVMLITE_LIBRARY_MODULE), LLVMLITE_LIBRARY_CLASS, None)
+    forward = vars(library_class).get("__getattr__") if library_class is not None else None
+    if forward is None:
+        yield
+        return
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return forward(self, name)
+
+    library_class.__getattr__ = __getattr__
+    try:
+        yield
+    finally:
+        library_class.__getattr__ = forward

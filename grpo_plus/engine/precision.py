@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..compat.vllm import vllm_engine_factory
+from ..compat.vllm import kernel_scan_guard, vllm_engine_factory
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ def engine_precision(args: Any, quantization: str = VLLM_QUANTIZATION_AUTO, dtyp
         )  # fmt: skip
         if dtype != "auto":
             kwargs["dtype"] = dtype
-        return build(**kwargs)
+        with kernel_scan_guard():
+            return build(**kwargs)
 
     setattr(module, name, build_with_precision)
     try:

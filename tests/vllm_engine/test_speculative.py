@@ -113,3 +113,20 @@ def test_a_config_vllm_refuses_fails_the_trainer_naming_the_field(model_dir, tmp
         EngineSpeculationError, match="(?s)vllm_speculative_config.*num_speculative_tokens must be provided"
     ):
         build(model_dir, tmp_path, vllm_speculative_config={"method": "ngram"})
+
+
+def test_vllm_kernel_scan_passes_over_llvmlite_once_numba_is_loaded():
+    """vLLM's n-gram proposer imports numba (llvmlite), after which vLLM 0.31's kernel scan at every CPU engine start
+    raised on llvmlite's library handle: the next engine in the process failed (CI, the suite in a random order). The
+    scan is vLLM's own, run as the worker runs it; unguarded it fails (the negative control)."""
+    import vllm.v1.spec_decode.ngram_proposer  # noqa: F401  (imports numba, and with it llvmlite's library handle)
+    from vllm.triton_utils.dispatcher import _rebind_kernels
+
+    from grpo_plus.compat.vllm import kernel_scan_guard
+
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+        _rebind_kernels([])
+    with kernel_scan_guard():
+        _rebind_kernels([])
+    with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+        _rebind_kernels([])  # the guard is undone: llvmlite's handle forwards its attributes again
