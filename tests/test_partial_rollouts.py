@@ -244,3 +244,23 @@ def test_verls_rollout_correction_weighs_each_carried_token_by_its_own_sampler(t
         assert abs(entry[spread.format("max")] - 1) < 2e-6 and abs(entry[spread.format("min")] - 1) < 2e-6, entry
     for entry in stale:
         assert max(entry[spread.format("max")] - 1, 1 - entry[spread.format("min")]) > 1e-2, entry
+
+
+@needs_loop
+@pytest.mark.engine  # a benchmark's smoke run
+def test_the_benchmark_smoke_runs_every_side(tmp_path, benchmark_in_this_process):
+    """benchmarks/partial_rollouts.py cannot rot: its --smoke run trains the three sides and reports the generation
+    seconds of each step (the partial side's chunks timed: its generation is not zero) and the staleness metrics."""
+    import json
+
+    import partial_rollouts
+
+    output = tmp_path / "partial.json"
+    partial_rollouts.main(["--smoke", "--json", str(output)])
+    report = json.loads(output.read_text())
+    (run,) = report["runs"]
+    for side in partial_rollouts.SIDES:
+        assert len(run[side]["generation_seconds"]) == len(run[side]["step_seconds"]) == 3
+        assert all(seconds > 0 for seconds in run[side]["generation_seconds"]), side
+    assert run["partial"]["staleness"]["partial_rollouts/stale_token_frac"][0] == 0  # step 0 carries nothing
+    assert set(report["summary"]["0"]) >= {"generation_ratio_vs_trl", "generation_ratio_vs_ours"}
