@@ -13,8 +13,8 @@ seed, the order rotating from seed to seed: "trl", stock TRL's trainer; "ours", 
 synchronous); "partial", grpo_plus with `partial_rollout_tokens=--chunk` and `rollout_correction="decoupled_token_is"`.
 
 Per optimizer step, after --warmup steps, medians: `step` (on_step_begin -> on_step_end) and `generation` (the
-generator's calls: TRL's `_generate_single_turn` on the first two sides, the pool's chunks on the third). Ratios against
-both other sides, in the same run. Learning: the rewards of each step, and greedy held-out accuracy after the last step
+generator's calls: TRL's `_generate_single_turn` on the first two sides, the pool's chunks on the third). Ratios
+against both other sides, in the same run. Learning: the rewards of each step, and greedy held-out accuracy after the last step
 (--eval-size questions, not timed). The partial side's `partial_rollouts/*` metrics (the share of trained tokens
 sampled by older weights and their age) are kept per step. Writes --json (and the Markdown table beside it).
 Timings on a busy machine mean little: run it alone.

@@ -80,7 +80,7 @@ class Handoff:
     replayed: bool = False
 
     def replay(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-        """What TRL's `_generate_single_turn` returns for these rows: (completion ids, the sampler's log-probs), checked
+        """What TRL's `_generate_single_turn` returns for these rows: (completion ids, sampler log-probs), checked
         against the prompts TRL tokenized for them; once (a second generation inside the handoff is not TRL's)."""
         if self.replayed:
             raise PartialRolloutError(
@@ -144,7 +144,8 @@ class PartialRollouts:
     """One run's pool (`settings`: PartialRolloutSettings). `num_generations`: G; `max_completion_length`: L;
     `eos_token_ids`: what ends a completion (TRL's); `lookahead`: the trainer's generation batches read ahead
     (`grpo_plus.async_generation.PromptLookahead`); `tokenize(prompts)`: TRL's prompt ids of dataset prompts;
-    `decode`: runs a chunk (`chunk_decoder`); `skip_data`: whether a resumed run skips the batches of its epoch already trained (not `ignore_data_skip`)."""
+    `decode`: runs a chunk (`chunk_decoder`); `skip_data`: whether a resumed run skips the batches of its epoch
+    already trained (not `ignore_data_skip`)."""
 
     checkpoint_name = "partial_rollouts"
 
