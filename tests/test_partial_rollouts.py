@@ -178,6 +178,10 @@ def test_the_pool_state_is_versioned_and_checked():
     restored = PartialRollouts(settings, 4, 8, [1], None, lambda prompts: [], None)
     restored.load_state_dict(state)
     assert restored.state_dict() == state
+    with pytest.raises(pool.PartialRolloutError, match="has images"):
+        fresh._enter([{"prompt": "a", "image": object()}] * 4, step=0)
+    with pytest.raises(pool.PartialRolloutError, match="need a 'prompt' in every row"):
+        fresh._enter([{"environment": "e"}] * 4, step=0)
     with pytest.raises(ValueError, match="unknown partial-rollouts state version"):
         restored.load_state_dict({**state, "version": 99})
     other = PartialRollouts(settings, 2, 8, [1], None, lambda prompts: [], None)

@@ -221,6 +221,8 @@ class PartialRollouts:
     def _enter(self, inputs: list[dict[str, Any]], step: int) -> None:
         if any(row.get(column) is not None for row in inputs for column in IMAGE_COLUMNS):
             raise PartialRolloutError("partial rollouts take text prompts only: this generation batch has images")
+        if any("prompt" not in row for row in inputs):  # an environment_factory's rows: its reset() writes the prompt
+            raise PartialRolloutError("partial rollouts need a 'prompt' in every row (environments are not supported)")
         prompt_ids = self._tokenize([row["prompt"] for row in inputs])
         size = self.num_generations
         for start in range(0, len(inputs), size):
