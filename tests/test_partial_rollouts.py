@@ -7,6 +7,8 @@ pool is not restored does not); what cannot work is refused at construction."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 from helpers.models import saved_model_trainer, tiny_run_kwargs
@@ -141,6 +143,14 @@ def test_the_groups_handed_to_trl_are_complete_and_trls_batch(tiny_model_dir, tm
             assert ids[: len(row.tokens)].tolist() == row.tokens  # TRL scored the pool's completions
         carried += any(age > 0 for age in handoff.token_ages())
     assert carried > 0, "no step trained a carried row: the chunk did not bite"
+    # the logged staleness of each step: the share of its tokens sampled by older weights, their mean and largest age
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    for handoff, entry in zip(recorded.handoffs, logs, strict=True):
+        ages = handoff.token_ages()
+        old = [age for age in ages if age > 0]
+        assert entry["partial_rollouts/stale_token_frac"] == pytest.approx(len(old) / len(ages), abs=1e-7)
+        assert entry["partial_rollouts/stale_token_age_mean"] == pytest.approx(sum(old) / len(old) if old else 0.0)
+        assert entry["partial_rollouts/stale_token_age_max"] == max(old, default=0)
 
 
 @needs_loop
@@ -167,6 +177,65 @@ def test_a_run_resumed_with_rows_in_flight_ends_at_the_uninterrupted_weights(tin
     monkeypatch.setattr(PartialRollouts, "load_state_dict", without_tokens)
     forgotten, _, _, _ = train(tiny_model_dir, tmp_path / "whole", resume=str(checkpoint), **settings)
     assert max_weight_diff(forgotten, whole) > 1e-3
+
+
+class ScriptedPrompts:
+    """A pool's collaborators with scripted completions: prompt "p<i>" is token 100 + i, and each of its rows emits
+    token 7 until it holds `lengths[i]` tokens, the last one EOS (1); each token's "log-prob" is -(its position)."""
+
+    EOS = 1
+
+    def __init__(self, lengths: list[int], group: int = 2):
+        self.lengths, self.group, self.read = lengths, group, 0
+
+    def batch(self, index: int) -> list[dict]:
+        return [{"prompt": f"p{index}"}] * self.group
+
+    def next_batch(self) -> list[dict]:  # the PromptLookahead protocol
+        self.read += 1
+        return self.batch(self.read - 1)
+
+    def tokenize(self, prompts: list[str]) -> list[list[int]]:
+        return [[100 + int(prompt[1:])] for prompt in prompts]
+
+    def decode(self, prompt_ids: list[list[int]], max_new_tokens: int):
+        tokens, logps = [], []
+        for ids in prompt_ids:
+            have, target = len(ids) - 1, self.lengths[ids[0] - 100]
+            new = [7] * min(max_new_tokens, target - have)
+            if have + len(new) == target:
+                new[-1] = self.EOS
+            tokens.append(new)
+            logps.append([-float(have + i) for i in range(len(new))])
+        return tokens, logps
+
+
+def test_the_pool_hands_the_oldest_complete_groups_and_bounds_their_age():
+    """One group per step, chunks of 2 tokens, completions of at most 12: prompt 0 needs all 12, the others end after
+    2. With max_staleness=2, p0 waits while the batches read ahead (p1, p2) complete and are handed first; at step 2 it
+    has waited 2 steps and is decoded to the end before anything else: its tokens carry versions 0, 1 and 2. With
+    max_staleness=1 it is finished at step 1 instead."""
+    for max_staleness, handed_order, versions in (
+        (2, ["p1", "p2", "p0"], [0] * 4 + [1] * 4 + [2] * 4),
+        (1, ["p1", "p0", "p2"], [0] * 4 + [1] * 8),
+    ):
+        script = ScriptedPrompts([12, 2, 2, 2, 2])
+        settings = pool.PartialRolloutSettings(tokens=2, max_staleness=max_staleness)
+        rollouts = PartialRollouts(settings, 2, 12, [ScriptedPrompts.EOS], script, script.tokenize, script.decode)
+        handoffs = [rollouts.generation_batch(script.batch(step), step, defaultdict(list)) for step in range(3)]
+        assert [handoff.inputs[0]["prompt"] for handoff in handoffs] == handed_order
+        long = next(h for h in handoffs if h.inputs[0]["prompt"] == "p0")
+        assert all(row.versions == versions and len(row.tokens) == 12 for row in long.rows)
+        assert all(row.logps == [-float(i) for i in range(12)] and row.tokens[-1] == 1 for row in long.rows)
+        assert max(age for h in handoffs for age in h.token_ages()) == max_staleness
+        assert all(len(h.rows) == 2 and all(row.finished for row in h.rows) for h in handoffs)
+    # TRL's loop handing over another batch than the one read ahead of it
+    script = ScriptedPrompts([12, 2, 2, 2])
+    rollouts = PartialRollouts(pool.PartialRolloutSettings(tokens=2, max_staleness=2), 2, 12, [1], script,
+                               script.tokenize, script.decode)  # fmt: skip
+    rollouts.generation_batch(script.batch(0), 0, defaultdict(list))
+    with pytest.raises(pool.PartialRolloutError, match="not the one read ahead"):
+        rollouts.generation_batch(script.batch(3), 1, defaultdict(list))
 
 
 def test_the_pool_state_is_versioned_and_checked():
