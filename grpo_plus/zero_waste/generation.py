@@ -76,12 +76,8 @@ class GenerationStats:
     speculation: object | None = None  # the speculative loop's counts when one was handed over (grpo_plus.speculative)
     record_routes: bool = False  # asked: record each completion token's experts (MoE: grpo_plus.routing)
     routes: torch.Tensor | None = None  # (B, completion width, layers, k), -1 where none: grpo_plus.routing.replay
-    record_logps: bool = (
-        False  # asked: each sampled token's log-prob under the processed distribution it was drawn from
-    )
-    sampler_logps: torch.Tensor | None = (
-        None  # (B, completion width) float32 where recorded (grpo_plus.partial_rollouts)
-    )
+    record_logps: bool = False  # asked: each sampled token's log-prob, as drawn (the processed scores)
+    sampler_logps: torch.Tensor | None = None  # (B, completion width) float32: grpo_plus.partial_rollouts
 
     @property
     def positions_frac(self) -> float:
