@@ -400,11 +400,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         finally:
             self._turn_cache = None
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, sampler_stats=None, **kwargs):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, chunk=None, **kwargs):
         """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
         the previous turn did not compute; image prompts: each image encoded once) and decoding only unfinished rows
-        (grpo_plus.zero_waste.generation) where that samples what transformers' own loop samples. `sampler_stats` sees
-        the stats, each token's sampler log-prob in them (grpo_plus.partial_rollouts, replaying its handoff here)."""
+        (grpo_plus.zero_waste.generation) where that samples what transformers' own loop samples. `chunk`: a partial
+        rollout's (its tokens' sampler log-probs, the step's kept caches); a handoff is replayed (partial_rollouts)."""
         if self._partial_rollouts is not None and self._partial_rollouts.handing is not None:
             return self._partial_rollouts.handing.replay(prompt_ids)
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
@@ -424,12 +424,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._zero_waste.record_generation(stats, metrics)
             if speculation is not None:
                 speculation.record(stats, metrics)
-            if sampler_stats is not None:
-                sampler_stats(stats)
+            if chunk is not None:
+                chunk.record(stats)
 
         with generate_patched(
-            model, record, self._turn_cache, num_images, speculation, self._zero_waste.records_routes,
-            record_logps=sampler_stats is not None,
+            model, record, self._turn_cache if chunk is None else chunk.turns, num_images, speculation,
+            self._zero_waste.records_routes, record_logps=chunk is not None,
         ):  # fmt: skip
             return trl_generation(*args, **kwargs)
 

@@ -198,7 +198,7 @@ class ScriptedPrompts:
     def tokenize(self, prompts: list[str]) -> list[list[int]]:
         return [[100 + int(prompt[1:])] for prompt in prompts]
 
-    def decode(self, prompt_ids: list[list[int]], max_new_tokens: int):
+    def decode(self, prompt_ids: list[list[int]], max_new_tokens: int, turns=None):
         tokens, logps = [], []
         for ids in prompt_ids:
             have, target = len(ids) - 1, self.lengths[ids[0] - 100]
@@ -337,3 +337,23 @@ def test_the_benchmark_smoke_runs_every_side(tmp_path, benchmark_in_this_process
         assert all(seconds > 0 for seconds in run[side]["generation_seconds"]), side
     assert run["partial"]["staleness"]["partial_rollouts/stale_token_frac"][0] == 0  # step 0 carries nothing
     assert set(report["summary"]["0"]) >= {"generation_ratio_vs_trl", "generation_ratio_vs_ours"}
+
+
+@needs_loop
+@pytest.mark.engine
+def test_a_steps_later_chunks_continue_from_the_caches_its_earlier_chunks_kept(tiny_model_dir, tmp_path, monkeypatch):
+    """Within a step the weights are the same: a row's next chunk starts from the keys/values its last chunk kept
+    (grpo_plus.zero_waste.multi_turn's TurnCache) instead of prefilling its prompt and tokens again. Counted: the token
+    positions through the model; the negative control keeps no cache."""
+    counted = []
+    record = pool.Chunk.record
+    monkeypatch.setattr(
+        pool.Chunk, "record", lambda self, stats: (counted.append(stats.positions), record(self, stats))
+    )
+    train(tiny_model_dir, tmp_path / "kept", partial_rollout_tokens=3)
+    kept, counted[:] = sum(counted), []
+    monkeypatch.setattr(pool, "TurnCache", lambda: None)
+    train(tiny_model_dir, tmp_path / "prefilled", partial_rollout_tokens=3)
+    prefilled = sum(counted)
+    print(f"positions: kept caches {kept}, prefilled again {prefilled}")
+    assert kept < 0.6 * prefilled, (kept, prefilled)

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..compat.common import attribute_set
 from ..compat.model import single_turn_arguments
+from ..zero_waste.multi_turn import TurnCache
 from .settings import PartialRolloutSettings
 
 STATE_VERSION = 1
@@ -98,23 +99,37 @@ class Handoff:
         return [self.step - version for row in self.rows for version in row.versions]
 
 
-# decode(prompt ids of each row, max new tokens) -> (each row's new tokens, TRL's EOS cut applied; their log-probs)
-Decode = Callable[[list[list[int]], int], tuple[list[list[int]], list[list[float]]]]
+@dataclass
+class Chunk:
+    """What one chunk asks of grpo_plus's generator (the trainer's `_generate_single_turn` takes it as `chunk`): each
+    call's stats, with each token's sampler log-prob (`record`), and `turns`, the caches the step's earlier chunks kept
+    (a row's prompt and tokens so far are not prefilled again while the weights are the same), or None."""
+
+    turns: TurnCache | None
+    stats: list = field(default_factory=list)
+
+    def record(self, stats: Any) -> None:
+        self.stats.append(stats)
+
+
+# decode(prompt ids of each row, max new tokens, the step's kept caches) -> (each row's new tokens, TRL's EOS cut
+# applied; their sampler log-probs)
+Decode = Callable[[list[list[int]], int, TurnCache | None], tuple[list[list[int]], list[list[float]]]]
 
 
 def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num_generations: int) -> Decode:
-    """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's, whose `sampler_stats` keyword
-    asks grpo_plus's generator for each token's sampler log-prob), TRL's `generation_config` (its `max_new_tokens` the
-    chunk's for the call), text prompts only."""
+    """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's, whose `chunk` keyword asks
+    grpo_plus's generator for each token's sampler log-prob and hands it the step's kept caches), TRL's
+    `generation_config` (its `max_new_tokens` the chunk's for the call), text prompts only."""
     extra_arguments = single_turn_arguments(num_generations)
 
-    def decode(prompt_ids: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
-        recorded: list = []
+    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None):
+        chunk = Chunk(turns)
         with attribute_set(generation_config, "max_new_tokens", max_new_tokens):
-            completions, _ = single_turn(prompt_ids, None, {}, *extra_arguments, sampler_stats=recorded.append)
-        logps = recorded[0].sampler_logps if len(recorded) == 1 else None
+            completions, _ = single_turn(prompt_ids, None, {}, *extra_arguments, chunk=chunk)
+        logps = chunk.stats[0].sampler_logps if len(chunk.stats) == 1 else None
         if logps is None:
-            why = recorded[0].fallback if len(recorded) == 1 else f"generate was called {len(recorded)} times"
+            why = chunk.stats[0].fallback if len(chunk.stats) == 1 else f"generate was called {len(chunk.stats)} times"
             raise PartialRolloutError(f"grpo_plus's generator recorded no sampler log-probs, because {why}")
         return completions, [logps[i, : len(ids)].tolist() for i, ids in enumerate(completions)]
 
@@ -182,11 +197,12 @@ class PartialRollouts:
             )
         needed = size // self.num_generations
         self._take_trl_batch(inputs, step)
+        turns = TurnCache()  # this step's chunks: the weights are the same, each row's cache is kept for the next one
         stale = [g for g in self.groups if not g.complete and step - g.entered >= self.settings.max_staleness]
         if stale:  # waited max_staleness steps: decoded to the end before anything else
-            self._decode([row for g in stale for row in g.rows], self.max_completion_length, step)
+            self._decode([row for g in stale for row in g.rows], self.max_completion_length, step, turns)
         while self._complete_count() < needed:
-            self._decode([row for g in self.groups for row in g.rows], self.settings.tokens, step)
+            self._decode([row for g in self.groups for row in g.rows], self.settings.tokens, step, turns)
             if self._complete_count() < needed and len(self.groups) < 2 * needed:
                 self._enter(self._next_batch_ahead(), step)
         handed = [g for g in self.groups if g.complete][:needed]
@@ -242,14 +258,15 @@ class PartialRollouts:
         self.read_ahead[self.entered_batches] = [dict(row) for row in batch]
         return batch
 
-    def _decode(self, rows: list[Row], budget: int, step: int) -> None:
-        """Every unfinished row of `rows` by at most `budget` more tokens, under the weights of `step`."""
+    def _decode(self, rows: list[Row], budget: int, step: int, turns: TurnCache) -> None:
+        """Every unfinished row of `rows` by at most `budget` more tokens, under the weights of `step` (`turns`: the
+        caches the step's earlier chunks kept)."""
         live = [row for row in rows if not row.finished]
         if not live:
             return
         limit = self.max_completion_length
         chunk = min(budget, max(limit - len(row.tokens) for row in live))
-        tokens, logps = self._decode_chunk([row.prompt_ids + row.tokens for row in live], chunk)
+        tokens, logps = self._decode_chunk([row.prompt_ids + row.tokens for row in live], chunk, turns)
         for row, new, new_logps in zip(live, tokens, logps, strict=True):
             new, new_logps = new[: limit - len(row.tokens)], new_logps[: limit - len(row.tokens)]
             row.tokens += new
