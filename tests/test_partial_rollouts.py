@@ -271,6 +271,7 @@ def test_the_pool_state_is_versioned_and_checked():
         ),
         (dict(partial_rollout_tokens=4, speculative_rollouts=True), "with speculative_rollouts=True"),
         (dict(partial_rollout_tokens=4, dynamic_sampling=True), "with dynamic sampling"),
+        (dict(partial_rollout_tokens=4, advantage_estimator="remax"), "generates a greedy baseline"),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings, message):
