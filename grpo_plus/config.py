@@ -37,8 +37,10 @@ from .compat.versions import ignore_renames_trl_still_uses
 from .engine.settings import VLLMSettings
 from .fit.settings import FitSettings
 from .long_completions.settings import LongCompletionSettings
+from .objective import ADVANTAGE_ESTIMATORS
 from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
+from .partial_rollouts.settings import PartialRolloutSettings
 from .plugins import PluginSettings, load_plugins
 from .rewards.settings import RewardRunnerSettings
 from .routing.settings import RoutingSettings
@@ -78,6 +80,7 @@ class PlusSettings:
     fit: FitSettings = FitSettings()
     vllm: VLLMSettings = VLLMSettings()
     async_generation: AsyncGenerationSettings = AsyncGenerationSettings()
+    partial_rollouts: PartialRolloutSettings = PartialRolloutSettings()
     speculative: SpeculativeSettings = SpeculativeSettings()
     routing: RoutingSettings = RoutingSettings()
     rewards: RewardRunnerSettings = RewardRunnerSettings()
@@ -194,6 +197,14 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     speculative.check_combinations(
         config.use_vllm, zero_waste.generation, _continuous_batching(config), config.generation_kwargs
     )
+    partial_rollouts = PartialRolloutSettings.from_config(config, max_staleness=async_generation.max_staleness)
+    partial_rollouts.check_combinations(
+        use_vllm=bool(config.use_vllm), zero_waste_generation=zero_waste.generation,
+        async_generation=async_generation.enabled, speculative=speculative.enabled,
+        dynamic_sampling=dynamic_sampling.enabled, selective_rollout=selective_rollout.enabled,
+        continuous_batching=_continuous_batching(config),
+        greedy_baseline="reward_baselines" in ADVANTAGE_ESTIMATORS.entry(algorithms.advantage_estimator).requires,
+    )  # fmt: skip
     routing = RoutingSettings.from_config(config)
     routing.check_combinations(
         config.use_vllm, zero_waste.generation, speculative.enabled, objective.loss_type, _continuous_batching(config)
@@ -217,6 +228,7 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         fit=fit,
         vllm=vllm,
         async_generation=async_generation,
+        partial_rollouts=partial_rollouts,
         speculative=speculative,
         routing=routing,
         rewards=RewardRunnerSettings.from_config(config),

@@ -2,12 +2,12 @@
 
 Each override is a few lines that call the concern folder holding the capability: the micro-batch loss around the
 objective, the published algorithms and verl's rollout correction (`algorithms`), the zero-waste pass and generation
-(`zero_waste`), speculative rollouts (`speculative`), dynamic sampling and selective rollout (`sampling`), long
-completions (`long_completions`), crashes, resuming and input checks (`run`), the vLLM engine (`engine`), the reward
-runner (`rewards`); what TRL resolved and TRL's private protocols are read through `compat`. Each helper gets what it needs, not the trainer. Everything else
-(TRL's generation around `model.generate`, vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss
-types grpo_plus does not aggregate itself (cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`.
-"""
+(`zero_waste`), speculative rollouts (`speculative`), partial rollouts (`partial_rollouts`), dynamic sampling and
+selective rollout (`sampling`), long completions (`long_completions`), crashes, resuming and input checks (`run`), the
+vLLM engine (`engine`), the reward runner (`rewards`); what TRL resolved and TRL's private protocols are read through
+`compat`. Each helper gets what it needs, not the trainer. Everything else (TRL's generation around `model.generate`,
+vLLM, reward functions, PEFT, logging, checkpoints) is TRL's own code. Loss types grpo_plus does not aggregate itself
+(cispo, sapo, luspo, vespo) run through TRL's `_compute_loss`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from .compat.loss import (
     trl_training_settings,
 )
 from .compat.model import (
+    completion_eos_token_ids,
     environment_routing,
     greedy_completions,
     reference_model,
@@ -58,6 +59,7 @@ from .long_completions.lm_head_tiles import size_lm_head_tiles
 from .long_completions.offloading import training_step_context
 from .long_completions.tiled_mlp import tile_mlps
 from .objective import combine_rewards
+from .partial_rollouts import PartialRollouts, chunk_decoder, partial_rollouts_blocker
 from .rewards.runner import RewardRunner
 from .run.checkpoints import hide_local_base_model_path, without_hub_token
 from .run.distributed import check_launch, gather_rows, whole_model_for_generation
@@ -83,9 +85,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args: trl.GRPOConfig | None = None, *pos_args, **kwargs):
         check_trl_compatibility()  # an untested TRL warns; a changed private method fails here, not mid-training
-        # The run's settings, checked once: those GRPOConfig built (a plain trl.GRPOConfig: built here); TRL gets the
-        # config with its own fields canonical (PlusSettings.trl_config), the user's object unchanged.
-        # (no config: TRL builds its default one, whose settings are the defaults)
+        # The run's settings, checked once: those GRPOConfig built (a plain trl.GRPOConfig: built here; none: TRL's
+        # default one, the defaults); TRL gets the config with its own fields canonical (PlusSettings.trl_config).
         self.plus = plus = PlusSettings.from_config(args) if args is not None else PlusSettings()
         if args is not None and (reason := sleep_mode_blocker(args)) is not None:  # before TRL starts vLLM
             raise ValueError(reason)
@@ -96,35 +97,33 @@ class GRPOTrainer(trl.GRPOTrainer):
             # server reached over the transport it reports (grpo_plus.engine.server: gloo off CUDA)
             with (
                 engine_precision(args, plus.vllm.quantization, plus.vllm.dtype),
-                engine_speculation(args, plus.vllm.speculative_config),
-                server_client(args),
-            ):
+                engine_speculation(args, plus.vllm.speculative_config), server_client(args),
+            ):  # fmt: skip
                 super().__init__(model, reward_funcs, plus.trl_config(args), *pos_args, **kwargs)
         except BaseException:
             self._reward_runner.close()
             raise
         check_launch(self.accelerator.distributed_type.value, self.accelerator.num_processes)
-        unavailable = logps_unavailable_reason(self.accelerator.device.type)
-        if unavailable is not None:  # fail now, not with TRL's AttributeError at the first training step
+        if (unavailable := logps_unavailable_reason(self.accelerator.device.type)) is not None:  # not at the 1st step
             raise TRLCompatibilityError(f"grpo_plus cannot train here: {unavailable}.")
         prompt_required, environment_names = environment_routing(self)
         # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
         check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
-        has_rollout_func = getattr(self, "rollout_func", None) is not None
-        if self.plus.rollout.active and (reason := sampler_blocker(self.use_vllm, has_rollout_func)):
+        has_rollout_func = getattr(self, "rollout_func", None) is not None  # partial rollouts report log-probs too
+        reports_logps = self.use_vllm or plus.partial_rollouts.enabled
+        if self.plus.rollout.active and (reason := sampler_blocker(reports_logps, has_rollout_func)):
             raise ValueError(f"grpo_plus cannot correct this sampler: {reason}.")
         if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
             self._sync_weights_checked()
         self._async_generation = self._start_async_generation() if plus.async_generation.enabled else None
+        self._partial_rollouts = self._start_partial_rollouts() if plus.partial_rollouts.enabled else None
         self._kl_coefficient = KLCoefficient(self.beta, self.plus.algorithms)
         keep_4bit_trainable_on_cpu(self.model)
         self._rewards_per_func: torch.Tensor | None = None  # the last round's rewards, gathered from all processes
         self._dynamic_sampling = DynamicSampling.for_dataset(
-            self.plus.dynamic_sampling, self.train_dataset, self.num_generations, seed=self.args.seed + 1
-        )
+            self.plus.dynamic_sampling, self.train_dataset, self.num_generations, seed=self.args.seed + 1)  # fmt: skip
         self._selective_rollout = SelectiveRollout.for_dataset(
-            self.plus.selective_rollout, self.train_dataset, self.args.seed, self.shuffle_dataset
-        )
+            self.plus.selective_rollout, self.train_dataset, self.args.seed, self.shuffle_dataset)  # fmt: skip
         self._turn_cache: TurnCache | None = None  # a round's tool-turn caches (grpo_plus.zero_waste.multi_turn)
         # the decoding loop handed to grpo_plus's generator (grpo_plus.speculative), or None
         self._speculation = SpeculativeDecoder(plus.speculative) if plus.speculative.enabled else None
@@ -142,10 +141,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         parts = functools.partial(stateful_parts, self)  # looked up when used: every part a feature adds counts
         self._training_state = TrainingState(parts, self.accelerator.process_index, self.accelerator.num_processes)
         self._crash_checkpoint = CrashCheckpoint(self, parts)
-        self.add_callback(self._training_state)
-        self.add_callback(self._crash_checkpoint)
         self._health = TrainingHealthGuard(self.plus.health)  # reads each log; with "stop", ends train() (below)
-        self.add_callback(self._health)
+        for callback in (self._training_state, self._crash_checkpoint, self._health):
+            self.add_callback(callback)
         self._long_completions_setup()
 
     def _wire_training_pass(self, **pass_settings) -> None:
@@ -177,10 +175,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         policy = self.accelerator.unwrap_model(self.model)
         device = self.accelerator.device
         long_completions = self.plus.long_completions
-        settings = {
-            "tiled_mlp_tokens": long_completions.tiled_mlp_tokens,
-            "activation_offloading": long_completions.activation_offloading,
-        }
+        settings = {name: getattr(long_completions, name) for name in ("tiled_mlp_tokens", "activation_offloading")}
         if self.plus.fit.check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
             counted = check_before_training(self.args, policy, self.train_dataset, self.processing_class, device,
                                             self.plus.fit.check, self.plus)  # fmt: skip
@@ -202,22 +197,19 @@ class GRPOTrainer(trl.GRPOTrainer):
             server_sync(self.vllm_generation, sync_check=self.plus.vllm.sync_check)
             return
         reload_on_sync(
-            self.vllm_generation,
-            sync_check=self.plus.vllm.sync_check,
+            self.vllm_generation, sync_check=self.plus.vllm.sync_check,
             inference=functools.partial(whole_model_for_generation, self.model, self, gather=True),
-            autocast=self.accelerator.autocast,
-            on_receipt=self._log_sync_receipt,
-        )
+            autocast=self.accelerator.autocast, on_receipt=self._log_sync_receipt,
+        )  # fmt: skip
 
     def _start_async_generation(self) -> AsyncGeneration:
         """The server generates ahead of the trainer (grpo_plus.async_generation), handed what it reads."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        reason = trainer_blocker(
+        if reason := trainer_blocker(
             self.accelerator.num_processes, self.accelerator.distributed_type.name, generate_every,
             self.args.gradient_accumulation_steps,
             bool(getattr(self, "tools", None)), getattr(self, "rollout_func", None) is not None,
-        )  # fmt: skip
-        if reason is not None:
+        ):  # fmt: skip
             raise ValueError(reason)
         return AsyncGeneration(
             self.plus.async_generation, self.vllm_generation,
@@ -227,6 +219,18 @@ class GRPOTrainer(trl.GRPOTrainer):
             metrics=lambda: self._metrics["train"], server_timeout=self.args.vllm_server_timeout,
             skip_data=not self.args.ignore_data_skip,
         ).install()  # fmt: skip
+
+    def _start_partial_rollouts(self) -> PartialRollouts:
+        """The pool of groups in flight (grpo_plus.partial_rollouts), handed what it reads, or ValueError."""
+        tools, rollout_func = bool(getattr(self, "tools", None)), getattr(self, "rollout_func", None) is not None
+        generation = generation_blocker(use_vllm=self.use_vllm, continuous_batching=uses_continuous_batching(self))
+        if reason := partial_rollouts_blocker(self.accelerator.num_processes, tools, rollout_func, generation):
+            raise ValueError(reason)
+        reader = PromptLookahead(self.get_train_dataloader, self.args.steps_per_generation * self.num_iterations)
+        decode = chunk_decoder(self._generate_single_turn, self.generation_config, self.num_generations)
+        return PartialRollouts(self.plus.partial_rollouts, self.num_generations, self.max_completion_length,
+            completion_eos_token_ids(self), reader, lambda prompts: self._tokenize_prompts(prompts)[0], decode,
+            skip_data=not self.args.ignore_data_skip)  # fmt: skip
 
     def _log_sync_receipt(self, receipt: SyncReceipt) -> None:
         """A checked weight sync's figures, logged with the step that generates from it (`vllm_sync/*`)."""
@@ -292,14 +296,17 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         # TRL gathers the rewards of all processes here; keep them so our normalizer sees every group whole.
         self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        # the reward runner's rewards/<name>/timeouts, /errors, /seconds, from every process (grpo_plus.rewards)
-        sink = self._metrics["train" if self.model.training else "eval"]
+        sink = self._metrics["train" if self.model.training else "eval"]  # rewards/<name>/timeouts, ... (rewards)
         self._reward_runner.log_metrics(sink, self.accelerator.gather, self.accelerator.device)
         return self._rewards_per_func
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        dynamic, selective = self._dynamic_sampling, self._selective_rollout
-        if self.model.training and (dynamic is not None or selective is not None):  # grpo_plus.sampling.rounds
+        dynamic, selective, partial = self._dynamic_sampling, self._selective_rollout, self._partial_rollouts
+        if self.model.training and partial is not None:  # the groups the pool completed (grpo_plus.partial_rollouts)
+            handoff = partial.generation_batch(inputs, self.state.global_step, self._metrics["train"])
+            with partial.handing_over(handoff):
+                output = self._score_round(handoff.inputs)
+        elif self.model.training and (dynamic is not None or selective is not None):  # grpo_plus.sampling.rounds
             output = generation_batch(
                 inputs, self._score_round, self._round_rewards, self.train_dataset, self._batch_layout, dynamic,
                 selective, self.accelerator, self.current_gradient_accumulation_steps, self._metrics["train"],
@@ -321,13 +328,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         training, accelerator = self.model.training, self.accelerator
         batch_size = self.args.per_device_train_batch_size if training else self.args.per_device_eval_batch_size
         return self._rollout_correction.correct_generation_batch(
-            output,
-            old_logps_pass=lambda: self._zero_waste.old_logps_of_every_row(output, batch_size, self.model),
-            gather_rows=functools.partial(gather_rows, accelerator),
-            process_index=accelerator.process_index,
+            output, old_logps_pass=lambda: self._zero_waste.old_logps_of_every_row(output, batch_size, self.model),
+            gather_rows=functools.partial(gather_rows, accelerator), process_index=accelerator.process_index,
             count_tokens=lambda mask: accelerator.gather(mask.sum()).sum(),
             metrics=self._metrics["train" if training else "eval"],
-        )
+        )  # fmt: skip
 
     def _score_round(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """TRL's generation and scoring, with the advantages recomputed by grpo_plus's normalizer."""
@@ -395,19 +400,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         finally:
             self._turn_cache = None
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, **kwargs):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, *args, chunk=None, **kwargs):
         """TRL's generation, its `model.generate` call prefilling each distinct prompt once (a tool turn: only what
         the previous turn did not compute; image prompts: each image encoded once) and decoding only unfinished rows
-        (grpo_plus.zero_waste.generation) where that samples what transformers' own loop samples."""
+        (grpo_plus.zero_waste.generation) where that samples what transformers' own loop samples. `chunk`: a partial
+        rollout's (its tokens' sampler log-probs, the step's kept caches); a handoff is replayed (partial_rollouts)."""
+        if self._partial_rollouts is not None and self._partial_rollouts.handing is not None:
+            return self._partial_rollouts.handing.replay(prompt_ids)
         trl_generation = functools.partial(super()._generate_single_turn, prompt_ids, images, multimodal_fields)
         if not self.plus.zero_waste.generation:
             return trl_generation(*args, **kwargs)
         reason = generation_blocker(use_vllm=self.use_vllm, continuous_batching=uses_continuous_batching(self))
-        speculation = self._speculation
+        if (speculation := self._speculation) is not None and reason is not None:
+            speculation.note(reason)
         if reason is not None:
             self._zero_waste.note_fallback("generation", reason)
-            if speculation is not None:
-                speculation.note(reason)
             return trl_generation(*args, **kwargs)
         model = self.accelerator.unwrap_model(self.model_wrapped)
         metrics = self._metrics["train" if self.model.training else "eval"]
@@ -417,10 +424,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._zero_waste.record_generation(stats, metrics)
             if speculation is not None:
                 speculation.record(stats, metrics)
+            if chunk is not None:
+                chunk.record(stats)
 
         with generate_patched(
-            model, record, self._turn_cache, num_images, speculation, self._zero_waste.records_routes
-        ):
+            model, record, self._turn_cache if chunk is None else chunk.turns, num_images, speculation,
+            self._zero_waste.records_routes, record_logps=chunk is not None,
+        ):  # fmt: skip
             return trl_generation(*args, **kwargs)
 
     # ---- the zero-waste pass (grpo_plus.zero_waste.training_pass) -----------------------------------------------------------------

@@ -72,6 +72,7 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "async_generation",
         "max_staleness",
         "weight_sync_steps",
+        "partial_rollout_tokens",
         "speculative_rollouts",
         "speculative_max_draft_tokens",
         "speculative_adaptive_draft",
@@ -315,8 +316,8 @@ def test_every_grpo_plus_field_is_declared_once_beside_its_settings():
         assert own[name].metadata["help"].strip() and own[name].metadata["help"] == setting.metadata["help"], name
         assert set(own[name].metadata) <= {"help", "choices"}, name
     # grpo_plus's fields when they were gathered into groups (53: none lost on the way), asynchronous generation's 3,
-    # speculative rollouts' 5, vllm_speculative_config, routing replay's 2
-    assert len(own) == 64
+    # speculative rollouts' 5, vllm_speculative_config, routing replay's 2, partial_rollout_tokens
+    assert len(own) == 65
 
 
 def test_a_field_declared_twice_is_refused():

@@ -134,7 +134,7 @@ def test_the_top_level_shows_the_concerns():
     folders = {path.name for path in PACKAGE.iterdir() if path.is_dir() and path.name != "__pycache__"}
     assert folders == {
         "objective", "algorithms", "sampling", "zero_waste", "long_completions", "run", "compat", "engine", "rewards",
-        "fit", "app", "async_generation", "speculative", "routing",
+        "fit", "app", "async_generation", "speculative", "routing", "partial_rollouts",
     }  # fmt: skip
     assert all((PACKAGE / folder / "__init__.py").exists() for folder in folders)
 

@@ -29,7 +29,9 @@ class AsyncGenerationSettings(SettingsGroup):
         "on: it is dropped and generated again with the server's current weights (`async/dropped_batches`). The "
         "server is asked for `max_staleness - weight_sync_steps + 1` batches ahead, so in an uninterrupted run "
         "every batch is exactly as stale as this allows and the run is reproducible: batch k is generated with "
-        "the weights of step k - max_staleness (the last sync at or before it).",
+        "the weights of step k - max_staleness (the last sync at or before it). Partial rollouts "
+        "(partial_rollout_tokens): the most optimizer steps a group waits unfinished before it is decoded to the end "
+        "(no token is trained more than max_staleness steps after the weights that sampled it).",
     )
     weight_sync_steps: int = setting(
         1,

@@ -85,6 +85,13 @@ def completion_eos_token_ids(trainer) -> list[int]:
     return list(ids) if ids is not None else [trainer._tokenizer.eos_token_id]
 
 
+def single_turn_arguments(num_generations: int) -> tuple:
+    """What TRL's `_generate_single_turn` takes after the prompts' ids, images and fields: the group size from TRL
+    1.14.2 on, nothing in 1.14.0."""
+    parameters = inspect.signature(trl.GRPOTrainer._generate_single_turn).parameters
+    return (num_generations,) if "num_generations" in parameters else ()
+
+
 def ends_completions_at_generation_config_eos() -> bool:
     """Whether TRL ends completions at every eos id of the model's generation config (see
     `completion_eos_token_ids`)."""

@@ -76,6 +76,8 @@ class GenerationStats:
     speculation: object | None = None  # the speculative loop's counts when one was handed over (grpo_plus.speculative)
     record_routes: bool = False  # asked: record each completion token's experts (MoE: grpo_plus.routing)
     routes: torch.Tensor | None = None  # (B, completion width, layers, k), -1 where none: grpo_plus.routing.replay
+    record_logps: bool = False  # asked: each sampled token's log-prob, as drawn (the processed scores)
+    sampler_logps: torch.Tensor | None = None  # (B, completion width) float32: grpo_plus.partial_rollouts
 
     @property
     def positions_frac(self) -> float:
@@ -151,17 +153,21 @@ def generate_patched(
     num_images: list[int] | None = None,
     speculation=None,
     record_routes: bool = False,
+    record_logps: bool = False,
 ):
     """Within the block, `model.generate(...)` runs `generate` here (continuing from `turns` if given; `num_images`,
     `speculation`: see `generate`); `on_call(stats)` sees every call's stats (with `record_routes`, an MoE model's
-    experts for each completion token in `stats.routes`, where this loop decoded)."""
+    experts for each completion token in `stats.routes`, where this loop decoded; with `record_logps`, each sampled
+    token's log-prob under the processed distribution it was drawn from in `stats.sampler_logps`)."""
     previous = model.__dict__.get("generate")  # a wrapper someone installed on the instance stays in the chain
     model_generate = model.generate
 
     def patched(*args, **kwargs):
         if args:
             kwargs["inputs"] = args[0]
-        sequences, stats = _generate(model, model_generate, kwargs, turns, num_images, speculation, record_routes)
+        sequences, stats = _generate(
+            model, model_generate, kwargs, turns, num_images, speculation, record_routes, record_logps
+        )
         on_call(stats)
         return sequences
 
@@ -176,9 +182,16 @@ def generate_patched(
 
 
 def _generate(
-    model, model_generate, generate_kwargs: dict, turns=None, num_images=None, speculation=None, record_routes=False
+    model,
+    model_generate,
+    generate_kwargs: dict,
+    turns=None,
+    num_images=None,
+    speculation=None,
+    record_routes=False,
+    record_logps=False,
 ) -> tuple[torch.Tensor, GenerationStats]:
-    stats = GenerationStats(record_routes=record_routes)
+    stats = GenerationStats(record_routes=record_routes, record_logps=record_logps)
     reason = transformers_blocker()
     base_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT wraps the model
     if reason is None and not isinstance(base_model, GenerationMixin):
@@ -357,12 +370,15 @@ def decode_rows(
     # routing replay: decoding step j feeds in completion token j of the live rows; its experts are that token's
     steps = StepRoutes(model, batch_size) if stats.record_routes else None
     recording = recorded_experts(model) if steps is not None else contextlib.nullcontext()
+    logps: list[torch.Tensor] | None = [] if stats.record_logps else None
     with optimized_for_decode(), recording as chosen:
         while True:
             input_ids, unfinished = _next_tokens(
-                input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config
+                input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config, logps
             )
             if not bool(unfinished.any()):
+                if logps is not None:
+                    stats.sampler_logps = torch.stack(logps, dim=1)
                 if turns is not None:
                     _keep(turns, model_kwargs, torch.arange(len(live), device=live.device), input_ids[live])
                 stats.routes = (
@@ -401,11 +417,15 @@ def _keep(turns: TurnCache, model_kwargs: dict, cache_rows: torch.Tensor, sequen
     turns.keep(model_kwargs[CACHE_INPUT], cache_rows, sequences, None if mask is None else mask[cache_rows])
 
 
-def _next_tokens(input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config):
+def _next_tokens(
+    input_ids, logits, live, unfinished, logits_processor, stopping_criteria, generation_config, logps=None
+):
     """One token for every row, as transformers' `_sample` picks it: (input_ids with it appended, unfinished rows).
 
     `logits` holds the rows `live`; the others (finished, their token replaced by the pad token) get uniform scores
-    for the processors and the draw, so the draw consumes the random numbers transformers' loop consumes.
+    for the processors and the draw, so the draw consumes the random numbers transformers' loop consumes. `logps`, a
+    list or None: appended with each row's log-prob of its token under the processed scores it was drawn from (the
+    distribution vLLM's `processed_logprobs` reports; a finished row's entry means nothing).
     """
     batch_size = input_ids.shape[0]
     next_token_logits = logits.new_zeros((batch_size, logits.shape[-1])).index_copy_(0, live, logits)
@@ -420,5 +440,7 @@ def _next_tokens(input_ids, logits, live, unfinished, logits_processor, stopping
     if any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria):
         pad_token_id = generation_config._pad_token_tensor
         next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+    if logps is not None:
+        logps.append(torch.log_softmax(next_token_scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1))
     input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
     return input_ids, unfinished & ~stopping_criteria(input_ids, None)

@@ -1,0 +1,202 @@
+"""Partial rollouts against stock TRL and grpo_plus's synchronous generation, on one device, in one run.
+
+    .venv/bin/python benchmarks/partial_rollouts.py [--steps 30] [--seeds 3] [--max-completion-length 256]
+                                                   [--chunk 64] [--eval-size 48] [--smoke] [--json out.json]
+
+Issue 51 part 5's case: a long-tailed length distribution (max_completion_length raised), generation seconds per step
+at most 0.7x the synchronous run's, accuracy per step within the seeds' spread. The run: the demo config
+(recipes/configs/demo_cpu.yaml: LoRA r=16 all-linear, 2 prompts x 8 completions, lr 3e-4, dapo + clip-higher) on
+reasoning-gym chain_sum (the recipe's correctness + 0.5 x format rewards; the demo's one-digit sums where reasoning_gym
+is missing), with --max-completion-length, the embedded SmolLM2-135M-Instruct in float32 (--smoke: the random tiny
+model, a few steps; the numbers then mean nothing). Three sides per seed, trained one after the other from the same
+seed, the order rotating from seed to seed: "trl", stock TRL's trainer; "ours", grpo_plus's defaults (its generator,
+synchronous); "partial", grpo_plus with `partial_rollout_tokens=--chunk` and `rollout_correction="decoupled_token_is"`.
+
+Per optimizer step, after --warmup steps, medians: `step` (on_step_begin -> on_step_end) and `generation` (the
+generator's calls: TRL's `_generate_single_turn` on the first two sides, the pool's chunks on the third). Ratios
+against both other sides, in the same run. Learning: the rewards of each step, and greedy held-out accuracy after the last step
+(--eval-size questions, not timed). The partial side's `partial_rollouts/*` metrics (the share of trained tokens
+sampled by older weights and their age) are kept per step. Writes --json (and the Markdown table beside it).
+Timings on a busy machine mean little: run it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from harness.flags import arguments  # noqa: E402
+from harness.report import ROOT, markdown_table, start_report, write_report  # noqa: E402
+from harness.timing import StepTimer  # noqa: E402
+from harness.trainers import demo_lora, demo_settings, model_path, package  # noqa: E402
+
+SIDES = ("trl", "ours", "partial")
+EVAL_MAX_NEW_TOKENS = 64
+STALENESS = (
+    "partial_rollouts/stale_token_frac",
+    "partial_rollouts/stale_token_age_mean",
+    "partial_rollouts/stale_token_age_max",
+    "partial_rollouts/carried_groups",
+)
+
+
+def task_data(smoke: bool, train_size: int, eval_size: int):
+    """(train, held-out, (correctness, format) rewards): reasoning-gym chain_sum, or the demo's sums without it."""
+    from grpo_plus.app import real_tasks, tasks
+
+    try:
+        train, held_out = real_tasks.reasoning_gym_datasets(
+            "reasoning-gym:chain_sum", "min_terms=2,max_terms=3,max_digits=2", train_size, eval_size, seed=0
+        )
+        return train, held_out, real_tasks.task_rewards(train)
+    except ImportError as error:
+        print(f"chain_sum unavailable ({error}): the demo's one-digit sums instead")
+        train = tasks.make_dataset("train", "add-1d", seed=0)
+        held_out = tasks.make_dataset("test", "add-1d", seed=0).select(range(eval_size))
+        return train, held_out, (tasks.correctness_reward, tasks.format_reward)
+
+
+def timed(owner, name: str, record) -> None:
+    """Wrap `owner.name` (an instance attribute from then on) to hand each call's wall time to `record`."""
+    method = getattr(owner, name)
+
+    def timed_call(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - started)
+
+    setattr(owner, name, timed_call)
+
+
+def train_side(side: str, seed: int, model_dir: str, data, args, output_dir: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, set_seed
+
+    from grpo_plus.app import tasks
+
+    train, held_out, rewards = data
+    settings = demo_settings(args.steps)
+    settings.update(output_dir=str(output_dir), seed=seed, max_completion_length=args.max_completion_length)
+    if side == "partial":
+        settings.update(partial_rollout_tokens=args.chunk, rollout_correction="decoupled_token_is")
+    set_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    library = package(side)
+    trainer = library.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=list(rewards),
+        args=library.GRPOConfig(**settings), train_dataset=train, processing_class=tokenizer,
+        peft_config=demo_lora(),
+    )  # fmt: skip
+    trainer.remove_callback(PrinterCallback)
+    timer = StepTimer(side)
+    trainer.add_callback(timer)
+    generation: dict[int, float] = {}  # optimizer step -> seconds in the generator
+
+    def record(seconds: float) -> None:
+        step = trainer.state.global_step
+        generation[step] = generation.get(step, 0.0) + seconds
+
+    if side == "partial":  # the pool's chunks (its replay of the handoff through TRL's generation costs nothing)
+        timed(trainer._partial_rollouts, "_decode_chunk", record)
+    else:
+        timed(trainer, "_generate_single_turn", record)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    correctness, format_reward = rewards
+    rng = torch.random.get_rng_state()
+    accuracy = tasks.evaluate(trainer.model, tokenizer, held_out, max_new_tokens=EVAL_MAX_NEW_TOKENS, progress=False,
+                              correctness=correctness, format=format_reward)["accuracy"]  # fmt: skip
+    torch.random.set_rng_state(rng)
+    print(f"  seed {seed} {side:7s} {sum(timer.step) / 60:5.2f} min  held-out accuracy {accuracy:.3f}", flush=True)
+    return {
+        "step_seconds": timer.step,
+        "generation_seconds": [generation.get(step, 0.0) for step in range(len(timer.step))],
+        "rewards": [entry.get("reward") for entry in logs],
+        "mean_length": [entry.get("completions/mean_length") for entry in logs],
+        "staleness": {key: [entry.get(key) for entry in logs] for key in STALENESS} if side == "partial" else None,
+        "held_out_accuracy": accuracy,
+    }
+
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    summary = {}
+    for run in runs:
+        medians = {
+            side: {
+                kind: statistics.median(run[side][f"{kind}_seconds"][warmup:] or run[side][f"{kind}_seconds"])
+                for kind in ("step", "generation")
+            }
+            for side in SIDES
+        }
+        partial = medians["partial"]
+        summary[run["seed"]] = {
+            "medians": medians,
+            "generation_ratio_vs_trl": partial["generation"] / medians["trl"]["generation"],
+            "generation_ratio_vs_ours": partial["generation"] / medians["ours"]["generation"],
+            "step_ratio_vs_trl": partial["step"] / medians["trl"]["step"],
+            "step_ratio_vs_ours": partial["step"] / medians["ours"]["step"],
+            "held_out_accuracy": {side: run[side]["held_out_accuracy"] for side in SIDES},
+        }
+    return summary
+
+
+def table(summary: dict) -> str:
+    rows = [
+        [seed, *(f"{s['medians'][side]['generation']:.2f}" for side in SIDES),
+         f"**{s['generation_ratio_vs_trl']:.2f}x** / {s['generation_ratio_vs_ours']:.2f}x",
+         *(f"{s['medians'][side]['step']:.2f}" for side in SIDES),
+         f"{s['step_ratio_vs_trl']:.2f}x / {s['step_ratio_vs_ours']:.2f}x",
+         " / ".join(f"{s['held_out_accuracy'][side]:.3f}" for side in SIDES)]
+        for seed, s in summary.items()
+    ]  # fmt: skip
+    header = ["seed", "generation TRL (s)", "generation grpo_plus", "generation partial",
+              "partial / TRL / grpo_plus", "step TRL (s)", "step grpo_plus", "step partial",
+              "step partial / TRL / grpo_plus", "held-out accuracy TRL / grpo_plus / partial"]  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    parser = arguments(
+        __doc__, smoke="the random tiny model, 3 steps, one seed", steps=30, warmup=2, threads=1,
+        json=ROOT / "outputs" / "bench-partial-rollouts" / "partial_rollouts.json",
+    )  # fmt: skip
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--max-completion-length", type=int, default=256)
+    parser.add_argument("--chunk", type=int, default=64, help="partial_rollout_tokens of the partial side")
+    parser.add_argument("--train-size", type=int, default=512)
+    parser.add_argument("--eval-size", type=int, default=48)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.seeds, args.warmup, args.eval_size, args.train_size = 3, 1, 0, 4, 32
+        args.max_completion_length, args.chunk = 16, 4
+    torch.set_num_threads(args.threads)
+    report, started = start_report(args, versions=("torch", "transformers", "trl"))
+    folder = Path(tempfile.mkdtemp(prefix="bench-partial-"))
+    model_dir = model_path(args.smoke, folder)
+    data = task_data(args.smoke, args.train_size, args.eval_size)
+    runs = []
+    for seed in range(args.seeds):
+        order = SIDES[seed % len(SIDES) :] + SIDES[: seed % len(SIDES)]
+        seed_run = {"seed": seed, "order": list(order)}
+        for side in order:
+            seed_run[side] = train_side(side, seed, model_dir, data, args, folder / f"{side}-{seed}")
+        runs.append(seed_run)
+    summary = summarize(runs, args.warmup)
+    markdown = table(summary)
+    print(markdown)
+    write_report({**report, "settings": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+                  "summary": summary}, args.json, markdown, started=started)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

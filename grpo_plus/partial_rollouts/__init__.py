@@ -1,0 +1,15 @@
+"""Partial rollouts for the long tail: a step's generation stops once it holds its groups (see `pool`)."""
+
+from .pool import Chunk, Handoff, PartialRolloutError, PartialRollouts, chunk_decoder
+from .pool import trainer_blocker as partial_rollouts_blocker
+from .settings import PartialRolloutSettings
+
+__all__ = [
+    "Chunk",
+    "Handoff",
+    "PartialRolloutError",
+    "PartialRolloutSettings",
+    "PartialRollouts",
+    "chunk_decoder",
+    "partial_rollouts_blocker",
+]

@@ -1,0 +1,345 @@
+"""Partial rollouts for the long tail: the pool of groups in flight, decoded in chunks, handed over whole.
+
+TRL's step waits for its longest completion. Here a step's generation works on a pool: the groups carried from earlier
+steps plus the step's own (TRL's generation batch). Every unfinished row is decoded by at most `partial_rollout_tokens`
+tokens at a time (one call of grpo_plus's generator on all of them, each row's prompt followed by the tokens it already
+has, under the current weights); after each chunk, once the pool holds as many complete groups (all G rows ended: EOS
+or max_completion_length) as the step trains, generation stops and the oldest complete groups are handed to TRL's
+scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the sampler drew it with (the
+processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the weights that drew it.
+
+Where the carry comes from: the pool hands exactly one generation batch of groups per step, so it can carry only what
+came in beyond one batch. When a chunk leaves the pool short of complete groups, the next generation batch of the
+trainer's own sampler enters early (read ahead with `PromptLookahead`, the asynchronous pipeline's reader: the same
+RepeatSampler, seeded the same, no random number drawn); when TRL's loop later hands that batch over, it is checked
+against the one read ahead. The pool is capped (not refused): it holds at most two generation batches of groups, so at
+most one batch is carried; with that cap, the groups that waited `max_staleness` steps (at most one batch of them) are
+decoded to the end before anything else, and are the oldest: no token is trained more than `max_staleness` optimizer
+steps after the weights that sampled it. With a chunk of at least max_completion_length tokens every row of the step's
+batch ends in the first chunk: nothing is read ahead, and the generation is TRL's call, token for token.
+
+The pool's state (each group's dataset rows, each row's prompt ids, tokens, sampler log-probs and versions, the reading
+position) is a stateful part (grpo_plus.run.state): saved in checkpoints atomically with the rest, restored on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..compat.common import attribute_set
+from ..compat.model import single_turn_arguments
+from ..zero_waste.multi_turn import TurnCache
+from .settings import PartialRolloutSettings
+
+STATE_VERSION = 1
+METRIC_PREFIX = "partial_rollouts/"
+# The dataset columns TRL reads pictures from: image prompts are refused (a checkpoint holds the pool as plain data).
+IMAGE_COLUMNS = ("image", "images")
+
+
+class PartialRolloutError(RuntimeError):
+    """Partial rollouts cannot give the trainer the generation batch it asked for."""
+
+
+@dataclass
+class Row:
+    """One completion in flight: its prompt's token ids, the tokens sampled so far, each token's sampler log-prob
+    (float32 values) and the optimizer step of the weights that sampled it, and whether it ended."""
+
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class Group:
+    """The G rows of one prompt: TRL's dataset rows (`inputs`), their completions, the step it entered the pool at and
+    the generation batch it came from."""
+
+    inputs: list[dict[str, Any]]
+    rows: list[Row]
+    entered: int
+    batch: int
+
+    @property
+    def complete(self) -> bool:
+        return all(row.finished for row in self.rows)
+
+
+@dataclass
+class Handoff:
+    """The groups a step trains, oldest first: TRL's rows (`inputs`, flat), and each row's completion."""
+
+    inputs: list[dict[str, Any]]
+    rows: list[Row]
+    step: int
+    replayed: bool = False
+
+    def replay(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """What TRL's `_generate_single_turn` returns for these rows: (completion ids, sampler log-probs), checked
+        against the prompts TRL tokenized for them; once (a second generation inside the handoff is not TRL's)."""
+        if self.replayed:
+            raise PartialRolloutError(
+                "TRL's scoring generated twice for one handoff (a tool turn or a greedy baseline)"
+            )
+        self.replayed = True
+        if [list(ids) for ids in prompt_ids] != [row.prompt_ids for row in self.rows]:
+            raise PartialRolloutError(
+                "TRL tokenized the handed-over groups' prompts into other ids than the pool decoded them from"
+            )
+        return [list(row.tokens) for row in self.rows], [list(row.logps) for row in self.rows]
+
+    def token_ages(self) -> list[int]:
+        """Each completion token's age at this step: optimizer steps since the weights that sampled it."""
+        return [self.step - version for row in self.rows for version in row.versions]
+
+
+@dataclass
+class Chunk:
+    """What one chunk asks of grpo_plus's generator (the trainer's `_generate_single_turn` takes it as `chunk`): each
+    call's stats, with each token's sampler log-prob (`record`), and `turns`, the caches the step's earlier chunks kept
+    (a row's prompt and tokens so far are not prefilled again while the weights are the same), or None."""
+
+    turns: TurnCache | None
+    stats: list = field(default_factory=list)
+
+    def record(self, stats: Any) -> None:
+        self.stats.append(stats)
+
+
+# decode(prompt ids of each row, max new tokens, the step's kept caches) -> (each row's new tokens, TRL's EOS cut
+# applied; their sampler log-probs)
+Decode = Callable[[list[list[int]], int, TurnCache | None], tuple[list[list[int]], list[list[float]]]]
+
+
+def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num_generations: int) -> Decode:
+    """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's, whose `chunk` keyword asks
+    grpo_plus's generator for each token's sampler log-prob and hands it the step's kept caches), TRL's
+    `generation_config` (its `max_new_tokens` the chunk's for the call), text prompts only."""
+    extra_arguments = single_turn_arguments(num_generations)
+
+    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None):
+        chunk = Chunk(turns)
+        with attribute_set(generation_config, "max_new_tokens", max_new_tokens):
+            completions, _ = single_turn(prompt_ids, None, {}, *extra_arguments, chunk=chunk)
+        logps = chunk.stats[0].sampler_logps if len(chunk.stats) == 1 else None
+        if logps is None:
+            why = chunk.stats[0].fallback if len(chunk.stats) == 1 else f"generate was called {len(chunk.stats)} times"
+            raise PartialRolloutError(f"grpo_plus's generator recorded no sampler log-probs, because {why}")
+        return completions, [logps[i, : len(ids)].tolist() for i, ids in enumerate(completions)]
+
+    return decode
+
+
+def trainer_blocker(
+    num_processes: int, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None
+) -> str | None:
+    """Why a trainer cannot run partial rollouts (a sentence naming what to change), or None."""
+    reasons = (
+        (num_processes > 1, f"one process (this run has {num_processes}): the pool is one device's"),
+        (has_tools, "no tools: a tool loop's turns are generated in several calls"),
+        (has_rollout_func, "no rollout_func: it generates instead of grpo_plus's generator"),
+        (
+            generation_blocker is not None,
+            f"grpo_plus's generator, which cannot run here: {generation_blocker}",
+        ),
+    )
+    for blocked, needs in reasons:
+        if blocked:
+            return f"partial_rollout_tokens needs {needs}; set partial_rollout_tokens=None"
+    return None
+
+
+class PartialRollouts:
+    """One run's pool (`settings`: PartialRolloutSettings). `num_generations`: G; `max_completion_length`: L;
+    `eos_token_ids`: what ends a completion (TRL's); `lookahead`: the trainer's generation batches read ahead
+    (`grpo_plus.async_generation.PromptLookahead`); `tokenize(prompts)`: TRL's prompt ids of dataset prompts;
+    `decode`: runs a chunk (`chunk_decoder`); `skip_data`: whether a resumed run skips the batches of its epoch
+    already trained (not `ignore_data_skip`)."""
+
+    checkpoint_name = "partial_rollouts"
+
+    def __init__(
+        self,
+        settings: PartialRolloutSettings,
+        num_generations: int,
+        max_completion_length: int,
+        eos_token_ids: list[int],
+        lookahead: Any,
+        tokenize: Callable[[list[Any]], list[list[int]]],
+        decode: Decode,
+        skip_data: bool = True,
+    ):
+        self.settings, self.num_generations = settings, num_generations
+        self.max_completion_length, self.eos_token_ids = max_completion_length, set(eos_token_ids)
+        self._lookahead, self._tokenize, self._decode_chunk, self._skip_data = lookahead, tokenize, decode, skip_data
+        self.groups: list[Group] = []
+        self.entered_batches = 0  # generation batches that entered the pool (TRL's or read ahead)
+        self.handed_batches = 0  # generation batches handed to TRL's scoring
+        self.read_ahead: dict[int, list[dict[str, Any]]] = {}  # batches entered ahead of TRL's loop, until it comes
+        self._read_ahead = 0  # the lookahead's position: batches it has yielded
+        self._resume_at: int | None = None  # a restored pool: where the lookahead restarts
+        self.handing: Handoff | None = None  # inside `handing_over`: what TRL's generation replays
+
+    # ---- a step's generation -----------------------------------------------------------------------------------
+
+    def generation_batch(self, inputs: list[dict[str, Any]], step: int, metrics: dict) -> Handoff:
+        """The groups TRL's step `step` trains, as many as `inputs` (TRL's generation batch) holds, oldest first."""
+        size = len(inputs)
+        if size % self.num_generations:
+            raise PartialRolloutError(
+                f"a generation batch of {size} rows is not whole groups of {self.num_generations}"
+            )
+        needed = size // self.num_generations
+        self._take_trl_batch(inputs, step)
+        turns = TurnCache()  # this step's chunks: the weights are the same, each row's cache is kept for the next one
+        stale = [g for g in self.groups if not g.complete and step - g.entered >= self.settings.max_staleness]
+        if stale:  # waited max_staleness steps: decoded to the end before anything else
+            self._decode([row for g in stale for row in g.rows], self.max_completion_length, step, turns)
+        while self._complete_count() < needed:
+            self._decode([row for g in self.groups for row in g.rows], self.settings.tokens, step, turns)
+            if self._complete_count() < needed and len(self.groups) < 2 * needed:
+                self._enter(self._next_batch_ahead(), step)
+        handed = [g for g in self.groups if g.complete][:needed]
+        self.groups = [g for g in self.groups if all(g is not h for h in handed)]
+        self.handed_batches += 1
+        handoff = Handoff([row for g in handed for row in g.inputs], [row for g in handed for row in g.rows], step)
+        self._log(handoff, metrics)
+        return handoff
+
+    @contextlib.contextmanager
+    def handing_over(self, handoff: Handoff) -> Iterator[None]:
+        """Within the block, TRL's generation (its `_generate_single_turn`, as the trainer wires it) replays
+        `handoff`: TRL's loop calls it with no room for an argument, so the handoff is held here for the block."""
+        self.handing = handoff
+        try:
+            yield
+        finally:
+            self.handing = None
+
+    def _take_trl_batch(self, inputs: list[dict[str, Any]], step: int) -> None:
+        """TRL's generation batch enters the pool, unless it entered ahead: then it must be the batch read ahead."""
+        if self.handed_batches == self.entered_batches:
+            self._enter(inputs, step)
+            return
+        ahead = self.read_ahead.pop(self.handed_batches, None)
+        if ahead != list(inputs):
+            raise PartialRolloutError(
+                f"TRL's generation batch {self.handed_batches} is not the one read ahead of it (the sampler's order "
+                "changed: a resume into a later epoch, or a dataloader that does not repeat its order)"
+            )
+
+    def _enter(self, inputs: list[dict[str, Any]], step: int) -> None:
+        if any(row.get(column) is not None for row in inputs for column in IMAGE_COLUMNS):
+            raise PartialRolloutError("partial rollouts take text prompts only: this generation batch has images")
+        if any("prompt" not in row for row in inputs):  # an environment_factory's rows: its reset() writes the prompt
+            raise PartialRolloutError("partial rollouts need a 'prompt' in every row (environments are not supported)")
+        prompt_ids = self._tokenize([row["prompt"] for row in inputs])
+        size = self.num_generations
+        for start in range(0, len(inputs), size):
+            rows = [Row(list(ids)) for ids in prompt_ids[start : start + size]]
+            self.groups.append(Group(list(inputs[start : start + size]), rows, step, self.entered_batches))
+        self.entered_batches += 1
+
+    def _next_batch_ahead(self) -> list[dict[str, Any]]:
+        if self._resume_at is not None:  # a restored pool: the reader restarts where the resumed loop does
+            self._lookahead.resume_at(self._resume_at, self._skip_data)
+            self._read_ahead, self._resume_at = self._resume_at, None
+        if self._read_ahead > self.entered_batches:
+            raise PartialRolloutError("the prompt reader is past the batch the pool needs next")
+        while self._read_ahead <= self.entered_batches:
+            batch = list(self._lookahead.next_batch())
+            self._read_ahead += 1
+        self.read_ahead[self.entered_batches] = [dict(row) for row in batch]
+        return batch
+
+    def _decode(self, rows: list[Row], budget: int, step: int, turns: TurnCache) -> None:
+        """Every unfinished row of `rows` by at most `budget` more tokens, under the weights of `step` (`turns`: the
+        caches the step's earlier chunks kept)."""
+        live = [row for row in rows if not row.finished]
+        if not live:
+            return
+        limit = self.max_completion_length
+        chunk = min(budget, max(limit - len(row.tokens) for row in live))
+        tokens, logps = self._decode_chunk([row.prompt_ids + row.tokens for row in live], chunk, turns)
+        for row, new, new_logps in zip(live, tokens, logps, strict=True):
+            new, new_logps = new[: limit - len(row.tokens)], new_logps[: limit - len(row.tokens)]
+            row.tokens += new
+            row.logps += [float(value) for value in new_logps[: len(new)]]
+            row.versions += [step] * len(new)
+            ended = bool(new) and new[-1] in self.eos_token_ids
+            row.finished = ended or len(row.tokens) >= limit or len(new) < chunk
+
+    def _complete_count(self) -> int:
+        return sum(g.complete for g in self.groups)
+
+    def _log(self, handoff: Handoff, metrics: dict) -> None:
+        ages = handoff.token_ages()
+        stale = [age for age in ages if age > 0]
+        metrics[METRIC_PREFIX + "stale_token_frac"].append(len(stale) / len(ages) if ages else 0.0)
+        metrics[METRIC_PREFIX + "stale_token_age_mean"].append(sum(stale) / len(stale) if stale else 0.0)
+        metrics[METRIC_PREFIX + "stale_token_age_max"].append(float(max(stale, default=0)))
+        metrics[METRIC_PREFIX + "carried_groups"].append(float(len(self.groups)))
+        metrics[METRIC_PREFIX + "carried_tokens"].append(
+            float(sum(len(r.tokens) for g in self.groups for r in g.rows))
+        )
+
+    # ---- checkpoint state --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pool as plain data (a snapshot: later steps do not change it)."""
+        return {
+            "version": STATE_VERSION,
+            "num_generations": self.num_generations,
+            "entered_batches": self.entered_batches,
+            "handed_batches": self.handed_batches,
+            "read_ahead": [[index, [dict(row) for row in rows]] for index, rows in sorted(self.read_ahead.items())],
+            "groups": [
+                {
+                    "inputs": [dict(row) for row in g.inputs],
+                    "entered": g.entered,
+                    "batch": g.batch,
+                    "rows": [
+                        {
+                            "prompt_ids": list(r.prompt_ids),
+                            "tokens": list(r.tokens),
+                            "logps": list(r.logps),
+                            "versions": list(r.versions),
+                            "finished": r.finished,
+                        }
+                        for r in g.rows
+                    ],
+                }
+                for g in self.groups
+            ],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            found = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"unknown partial-rollouts state version {found!r} (this grpo_plus writes {STATE_VERSION})"
+            )
+        if state["num_generations"] != self.num_generations:
+            raise ValueError(
+                f"its pool holds groups of {state['num_generations']} completions; this run's num_generations is "
+                f"{self.num_generations}. Resume with the same num_generations."
+            )
+        self.groups = [
+            Group(
+                [dict(row) for row in g["inputs"]],
+                [Row(list(r["prompt_ids"]), list(r["tokens"]), list(r["logps"]), list(r["versions"]), r["finished"])
+                 for r in g["rows"]],
+                g["entered"],
+                g["batch"],
+            )
+            for g in state["groups"]
+        ]  # fmt: skip
+        self.entered_batches, self.handed_batches = state["entered_batches"], state["handed_batches"]
+        self.read_ahead = {index: [dict(row) for row in rows] for index, rows in state["read_ahead"]}
+        self._resume_at, self._read_ahead, self.handing = self.handed_batches, 0, None

@@ -1,0 +1,85 @@
+"""GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator (the
+code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in async_generation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..settings import SettingsGroup, not_allowed, setting
+
+
+@dataclass(frozen=True)
+class PartialRolloutSettings(SettingsGroup):
+    """Whether a step's generation decodes in chunks and stops once it holds the groups its step needs."""
+
+    tokens: int | None = setting(
+        None,
+        "Partial rollouts for the long tail, one device, grpo_plus's own generator (zero_waste_generation, no vLLM): "
+        "a step's generation decodes every unfinished completion by at most this many tokens at a time and stops "
+        "as soon as it holds as many complete groups (all G completions ended) as the step trains; the unfinished "
+        "rows keep their tokens and per-token sampler log-probs and continue in a later step under newer weights "
+        "(each token's optimizer step recorded). A group is decoded to the end once it has waited `max_staleness` "
+        "steps. None (default): TRL's generation, unchanged.",
+        field="partial_rollout_tokens",
+    )
+    # GRPOConfig's `max_staleness` (declared by async_generation), given by the caller: the most optimizer steps a
+    # group waits in the pool before it is decoded to the end
+    max_staleness: int = field(default=1)
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int)):
+            raise not_allowed("partial_rollout_tokens", self.tokens, "None or an integer >= 1")
+        if self.tokens is not None and self.tokens < 1:
+            raise not_allowed("partial_rollout_tokens", self.tokens, "None or an integer >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.tokens is not None
+
+    def check_combinations(
+        self,
+        *,
+        use_vllm: bool,
+        zero_waste_generation: bool,
+        async_generation: bool,
+        speculative: bool,
+        dynamic_sampling: bool,
+        selective_rollout: bool,
+        continuous_batching: bool,
+        greedy_baseline: bool = False,
+    ) -> None:
+        """Refuse what partial rollouts cannot run with, naming the field and what to do instead."""
+        if not self.enabled:
+            return
+        refusals = (
+            (
+                async_generation,
+                "with async_generation=True: asynchronous generation is the vLLM server's layout; partial rollouts "
+                "are the one-device one (choose one)",
+            ),
+            (use_vllm, "with use_vllm=True: vLLM partial rollouts are not built yet (grpo_plus's generator only)"),
+            (
+                not zero_waste_generation,
+                "with zero_waste_generation=False: partial rollouts run in grpo_plus's own generator, which records "
+                "each token's sampler log-prob (set zero_waste_generation=True)",
+            ),
+            (speculative, "with speculative_rollouts=True: the speculative loop records no sampler log-probs yet"),
+            (
+                dynamic_sampling or selective_rollout,
+                "with dynamic sampling or selective rollout: they choose a step's prompts from its own generation "
+                "rounds",
+            ),
+            (
+                greedy_baseline,
+                "with an advantage estimator that generates a greedy baseline (remax): it would generate for prompts "
+                "whose completions the pool decoded under other weights",
+            ),
+            (
+                continuous_batching,
+                "with use_transformers_continuous_batching=True: transformers' continuous batching generates there, "
+                "not grpo_plus's generator",
+            ),
+        )
+        for refused, why in refusals:
+            if refused:
+                raise not_allowed("partial_rollout_tokens", self.tokens, f"None {why}")
