@@ -345,8 +345,8 @@ def test_the_trainer_replays_in_every_forward(monkeypatch, tmp_path):
     importance ratio is exactly 1. Negative control: the receipt alone logs every token flipped, and a KL > 0 would show a
     pass that routed otherwise."""
     record_elsewhere(monkeypatch)
-    replayed = train(tmp_path / "replay", routing_replay=True, beta=0.1, gradient_checkpointing=True, peft_config=lora(),
-                     steps_per_generation=2)  # fmt: skip
+    replayed = train(tmp_path / "replay", routing_replay=True, beta=0.1, gradient_checkpointing=True,
+                     peft_config=lora(), steps_per_generation=2)  # fmt: skip
     assert logged(replayed, "routing/route_flips") == [0.0, 0.0]
     assert logged(replayed, "routing/router_flips") == [1.0, 1.0]
     assert logged(replayed, "kl")[0] == 0.0

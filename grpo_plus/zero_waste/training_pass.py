@@ -6,7 +6,8 @@ the run's state (fallback notes, placeholders handed to TRL, the positions count
 it what it reads: the run's settings once (`PassSettings`, with what TRL resolved: `TRLTrainingSettings`), TRL's own
 log-prob method as a callable, the accelerator (its `unwrap_model` and `autocast`), and per call the model, the
 reference model, the metrics and, inside one of TRL's generation steps, that step's `GenerationRound` (made by
-`generation_step`, handed back by the trainer to the calls TRL makes inside the step). Calls go one way: the trainer calls the pass, the pass calls TRL's method, never the trainer.
+`generation_step`, handed back by the trainer to the calls TRL makes inside the step). Calls go one way: the trainer
+calls the pass, the pass calls TRL's method, never the trainer.
 """
 
 from __future__ import annotations
