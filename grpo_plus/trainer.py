@@ -75,7 +75,7 @@ from .sampling.selective_rollout import SelectiveRollout
 from .speculative import SpeculativeDecoder
 from .zero_waste.generation import generate_patched, generation_blocker
 from .zero_waste.multi_turn import TurnCache
-from .zero_waste.training_pass import PassSettings, ZeroWastePass
+from .zero_waste.training_pass import GenerationRound, PassSettings, ZeroWastePass
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._selective_rollout = SelectiveRollout.for_dataset(
             self.plus.selective_rollout, self.train_dataset, self.args.seed, self.shuffle_dataset)  # fmt: skip
         self._turn_cache: TurnCache | None = None  # a round's tool-turn caches (grpo_plus.zero_waste.multi_turn)
+        # inside TRL's generation step: the step's GenerationRound, handed to the pass by the calls TRL makes there
+        self._generation_round: GenerationRound | None = None
         # the decoding loop handed to grpo_plus's generator (grpo_plus.speculative), or None
         self._speculation = SpeculativeDecoder(plus.speculative) if plus.speculative.enabled else None
         self._batch_layout = BatchLayout(  # a generation batch's groups and micro-batches (grpo_plus.sampling.rounds)
@@ -343,11 +345,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             trl_correction_off = functools.partial(trl_sampler_correction_off, self)
             # an MoE config with output_router_logits=True generates with them off (transformers' loss fails there)
             generation = self._zero_waste.generation_step(self.model, trl_correction_off)
-            with generation as record, self._tool_turns(), router_logits_off(self.model):
+            with generation as generation_round, self._tool_turns(), router_logits_off(self.model):
+                self._generation_round = generation_round  # TRL calls our overrides inside: they hand it on
                 output = super()._generate_and_score_completions(inputs)
-                record(output)
+                self._zero_waste.finish_round(generation_round, output)
         finally:
-            self.scale_rewards = normalizer
+            self.scale_rewards, self._generation_round = normalizer, None
         if self.multi_objective_aggregation == "sum_then_normalize":
             output["advantages"] = self._round_advantages(inputs, output)
         return output
@@ -419,9 +422,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model_wrapped)
         metrics = self._metrics["train" if self.model.training else "eval"]
         num_images = None if images is None else [len(row) if row else 0 for row in images]
+        generation_round = self._generation_round  # None outside TRL's generation step (ReMax's greedy baseline)
 
         def record(stats) -> None:
-            self._zero_waste.record_generation(stats, metrics)
+            self._zero_waste.record_generation(stats, metrics, generation_round)
             if speculation is not None:
                 speculation.record(stats, metrics)
             if chunk is not None:
@@ -438,7 +442,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's log-probs (entropies, aux loss), computing only what the zero-waste pass cannot skip, for TRL's callers
         (its no-grad old / reference passes get placeholders, filled after the micro-batch split; its own loss types)."""
-        return self._zero_waste.logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        return self._zero_waste.logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, generation_round=self._generation_round, **kwargs
+        )
 
     # ---- loss (grpo_plus.algorithms.micro_batch_loss) --------------------------------------------------------------
 

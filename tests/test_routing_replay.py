@@ -8,9 +8,12 @@ import copy
 
 import pytest
 import torch
-from helpers.models import make_tokenizer, tiny_config, tiny_run_kwargs, tiny_trainer
+from helpers.models import make_tokenizer, save_tiny_model, tiny_config, tiny_run_kwargs, tiny_trainer
+from helpers.probes import max_weight_diff
 from helpers.rewards import half_dead_reward
 from peft import LoraConfig
+from test_resume import assert_same_trajectory
+from test_resume import train as resumable_run
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
@@ -18,7 +21,8 @@ from grpo_plus.app.testing import MOE_FAMILIES
 from grpo_plus.compat.moe import moe_layers
 from grpo_plus.compat.versions import version_gap
 from grpo_plus.routing import replay as routing_replay
-from grpo_plus.routing.replay import NO_ROUTE, RouteReplay, RouteTally, completion_plan
+from grpo_plus.routing.replay import NO_ROUTE, ROUTES_KEY, RouteReplay, RouteTally, completion_plan
+from grpo_plus.run.state import GenerationBuffer
 from grpo_plus.settings import ConfigError
 from grpo_plus.zero_waste import generation
 
@@ -31,6 +35,10 @@ LOGP_BOUND = 1e-6
 # the replayed forward against the oracle (float32; gradient checkpointing on one side): worst measured logits 2.2e-8,
 # gradients 2.0e-7 of the largest entry (gpt-oss); a 0.1% change of the combine weights moves logits by 1.1e-5
 ORACLE_LOGITS_BOUND, ORACLE_GRAD_BOUND = 1e-7, 5e-7
+
+
+def lora() -> LoraConfig:  # a fresh one per trainer (PEFT writes into the config it is handed)
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
 
 
 def moe_model(family: str, dtype=torch.float32):
@@ -299,6 +307,18 @@ def test_a_dense_model_or_a_version_below_the_floor_is_refused_at_construction(m
         tiny_trainer(tmp_path, [half_dead_reward], model=model, tokenizer=tokenizer, routing_replay=True)
 
 
+def record_elsewhere(monkeypatch) -> None:
+    """The generator records, for each completion token, the experts after the ones chosen (a sampler that routed
+    elsewhere: with replay, every recorded token trains through other experts than the router's own)."""
+    assemble = routing_replay.StepRoutes.assemble
+
+    def elsewhere(self, width, device):
+        routes = assemble(self, width, device)
+        return (routes.long() + 1).remainder(4).to(routes.dtype).masked_fill(routes < 0, NO_ROUTE)
+
+    monkeypatch.setattr(routing_replay.StepRoutes, "assemble", elsewhere)
+
+
 def train(tmp_path, family="qwen3_moe", peft_config=None, **settings):
     model, tokenizer = moe_model(family)
     model.train()
@@ -324,16 +344,9 @@ def test_the_trainer_replays_in_every_forward(monkeypatch, tmp_path):
     the KL is exactly 0; so does the old-policy pass (two micro-batches per generation batch): the first step's
     importance ratio is exactly 1. Negative control: the receipt alone logs every token flipped, and a KL > 0 would show a
     pass that routed otherwise."""
-    assemble = routing_replay.StepRoutes.assemble
-
-    def elsewhere(self, width, device):
-        routes = assemble(self, width, device)
-        return (routes.long() + 1).remainder(4).to(routes.dtype).masked_fill(routes < 0, NO_ROUTE)
-
-    monkeypatch.setattr(routing_replay.StepRoutes, "assemble", elsewhere)
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    replayed = train(tmp_path / "replay", routing_replay=True, beta=0.1, gradient_checkpointing=True, peft_config=lora,
-                     steps_per_generation=2)  # fmt: skip
+    record_elsewhere(monkeypatch)
+    replayed = train(tmp_path / "replay", routing_replay=True, beta=0.1, gradient_checkpointing=True,
+                     peft_config=lora(), steps_per_generation=2)  # fmt: skip
     assert logged(replayed, "routing/route_flips") == [0.0, 0.0]
     assert logged(replayed, "routing/router_flips") == [1.0, 1.0]
     assert logged(replayed, "kl")[0] == 0.0
@@ -341,7 +354,7 @@ def test_the_trainer_replays_in_every_forward(monkeypatch, tmp_path):
     if version_gap("shared_prompt") is None:  # shared prompts packed (TRL 1.14: rows computed one by one)
         assert all(frac < 1 for frac in logged(replayed, "zero_waste/positions_frac"))
     receipt = train(tmp_path / "receipt", routing_receipt=True, beta=0.1, gradient_checkpointing=True,
-                    peft_config=lora)  # fmt: skip
+                    peft_config=lora())  # fmt: skip
     assert logged(receipt, "routing/route_flips") == [1.0, 1.0] == logged(receipt, "routing/router_flips")
 
 
@@ -355,3 +368,80 @@ def test_an_unrecorded_round_stops_a_replaying_run(tmp_path):
                            per_device_train_batch_size=8, max_completion_length=8)  # fmt: skip
     with pytest.raises(RuntimeError, match="recorded no experts to replay, because dropout is active"):
         trainer.train()
+
+
+@pytest.mark.floor("cpu_logps")
+def test_a_no_grad_pass_at_generation_is_refused_with_replay(tmp_path):
+    """TRL's own reference pass at generation (zero_waste_pass=False, beta > 0) runs inside the generation step,
+    before the records are in the batch: with replay the run stops saying so, instead of routing that pass as the
+    router decides. The receipt alone (nothing replayed) trains."""
+    settings = dict(zero_waste_pass=False, beta=0.1, max_steps=1, peft_config=lora())
+    with pytest.raises(RuntimeError, match="TRL runs a no-grad log-prob pass at generation"):
+        train(tmp_path / "replay", routing_replay=True, **settings)
+    receipt = train(tmp_path / "receipt", routing_receipt=True, **settings)
+    assert logged(receipt, "routing/route_flips") == [0.0]
+
+
+# ---- resume with records in flight -------------------------------------------------------------------------------
+
+# steps_per_generation=4 micro-batches per generation batch, 2 per optimizer step: the checkpoints of steps 1 and 3
+# lie inside a generation batch, whose untrained micro-batches (their records with them) the checkpoint buffers.
+# LoRA: transformers 5.24's Trainer does not restore a fully trained MoE's experts from its own checkpoint (it saves
+# them per expert, as the hub's files hold them, and loads that state dict into the fused experts: "missing keys")
+RESUMABLE = dict(steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4, rewards=[half_dead_reward],
+                 routing_replay=True, optim="sgd", learning_rate=0.5)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), family="qwen3_moe"))
+
+
+def restored_records(monkeypatch, change) -> None:
+    """The resumed trainer's restored generation buffer, each micro-batch passed through `change` (records lost)."""
+    load = GenerationBuffer.load_state_dict
+
+    def load_and_change(self, state):
+        load(self, state)
+        for batch in self.trainer._buffered_inputs or []:
+            change(batch)
+
+    monkeypatch.setattr(GenerationBuffer, "load_state_dict", load_and_change)
+
+
+@pytest.mark.engine  # five short training runs
+@pytest.mark.floor("cpu_logps")
+def test_a_checkpoint_inside_a_generation_batch_resumes_with_its_records(tiny_moe_dir, tmp_path, monkeypatch):
+    """Records shifted to other experts (replay changes every recorded token's route), float32, SGD: resumed from a
+    checkpoint inside a generation batch (steps 1 and 3), the run is the uninterrupted one to the bit: weights, every
+    log entry, every micro-batch trained (its records included). The records travel in the checkpoint's buffer.
+    Negative controls: the same resume with the restored records emptied (each token routed as the router decides)
+    ends elsewhere (measured 1.2e-4 away); with them missing (a checkpoint written with routing_replay off) the run
+    stops saying so."""
+    record_elsewhere(monkeypatch)
+
+    def run(name: str, checkpoint: str | None = None, **settings):
+        saved = None if checkpoint is None else tmp_path / "whole" / checkpoint
+        return resumable_run(tiny_moe_dir, tmp_path / name, saved, peft_config=lora(), **RESUMABLE, **settings)
+
+    whole = run("whole", save_strategy="steps", save_steps=1)
+    assert (
+        logged_run(whole, "routing/route_flips") == [0.0] * 4
+        and logged_run(whole, "routing/router_flips") == [1.0] * 4
+    )
+    for step in (1, 3):
+        assert_same_trajectory(run(f"from-{step}", f"checkpoint-{step}"), whole, from_step=step)
+
+    def emptied(batch):
+        batch[ROUTES_KEY] = torch.full_like(batch[ROUTES_KEY], NO_ROUTE)
+
+    restored_records(monkeypatch, emptied)
+    dropped = run("emptied", "checkpoint-1")
+    assert max_weight_diff(whole.weights, dropped.weights) > 1e-5  # measured 1.2e-4 (the resumes: 0.0)
+    restored_records(monkeypatch, lambda batch: batch.pop(ROUTES_KEY))
+    with pytest.raises(RuntimeError, match="a micro-batch carries no recorded experts to replay"):
+        run("missing", "checkpoint-1")
+
+
+def logged_run(run, key: str) -> list:
+    return [entry.get(key) for entry in run.log_history if "loss" in entry]

@@ -264,6 +264,51 @@ class StepRoutes:
         return routes
 
 
+class RoundRoutes:
+    """The experts grpo_plus's generator recorded in one generation step, on their way from the step's `generate`
+    calls to its generation batch (created per step, handed to each call that needs it; `replay`: the records are
+    used, else only compared). One entry per `generate` call: its routes, or why it ran TRL's way and recorded none."""
+
+    def __init__(self, replay: bool):
+        self.replay = replay
+        self.calls: list[torch.Tensor | str | None] = []
+
+    def add(self, routes: torch.Tensor | None, fallback: str | None) -> None:
+        """One `generate` call's records (`routes`), or the reason it did not run grpo_plus's loop (`fallback`)."""
+        self.calls.append(routes if fallback is None else fallback)
+
+    def attach(self, output: dict) -> None:
+        """Put the step's records in its generation batch `output` (`ROUTES_KEY`, one row per completion). Where the
+        step recorded none (TRL's generation ran, or tool turns called it more than once): with replay on, an error
+        saying why (the user chose replay); with the receipt only, nothing is logged for the round."""
+        routes = self.calls[0] if len(self.calls) == 1 else None
+        rows, width = output["completion_ids"].shape
+        if isinstance(routes, torch.Tensor) and routes.shape[0] == rows:
+            output[ROUTES_KEY] = fit_routes(routes, width)
+            return
+        if self.replay:
+            if isinstance(routes, str):  # generation ran TRL's way: why
+                reason = routes
+            elif len(self.calls) != 1:
+                reason = f"generate was called {len(self.calls)} times for it (tool turns)"
+            else:
+                reason = "its rows are not the generation batch's"
+            raise RuntimeError(
+                f"routing_replay=True: this round's generation recorded no experts to replay, because {reason}"
+            )
+
+    def check_pass(self, routes: torch.Tensor | None) -> None:
+        """A log-prob pass inside the generation step (`routes`: the records it was handed): with replay on, one
+        without records (TRL's no-grad passes at generation, before the records are in the batch) is refused."""
+        if routes is None and self.replay:
+            raise RuntimeError(
+                "routing_replay=True: TRL runs a no-grad log-prob pass at generation, before the recorded experts are "
+                "in the batch (zero_waste_pass=False with beta > 0 or off-policy old log-probs, or a sampler "
+                "correction computed at generation); keep zero_waste_pass on (it computes those passes after the "
+                "split, with the records) or turn routing_replay off"
+            )
+
+
 def fit_routes(routes: torch.Tensor, width: int) -> torch.Tensor:
     """`routes` cut or padded (no record) to `width` completion columns."""
     if routes.shape[1] >= width:

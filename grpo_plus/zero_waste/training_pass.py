@@ -5,7 +5,9 @@ The computation is pure torch in `grpo_plus.zero_waste.rows`; this module decide
 the run's state (fallback notes, placeholders handed to TRL, the positions counter). `trainer.py` wires it in and hands
 it what it reads: the run's settings once (`PassSettings`, with what TRL resolved: `TRLTrainingSettings`), TRL's own
 log-prob method as a callable, the accelerator (its `unwrap_model` and `autocast`), and per call the model, the
-reference model, the metrics. Calls go one way: the trainer calls the pass, the pass calls TRL's method, never the trainer.
+reference model, the metrics and, inside one of TRL's generation steps, that step's `GenerationRound` (made by
+`generation_step`, handed back by the trainer to the calls TRL makes inside the step). Calls go one way: the trainer
+calls the pass, the pass calls TRL's method, never the trainer.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..compat.model import FORWARD_INPUT_KEYS, disable_gradient_checkpointing
 from ..compat.moe import expert_counts, is_moe, recorded_router_logits
 from ..compat.versions import version_gap
 from ..objective import IMPORTANCE_SAMPLERS, LOSS_TYPES, POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NOTHING
-from ..routing.replay import ROUTES_KEY, RouteReplay, RouteTally, completion_plan, fit_routes, packed_plan
+from ..routing.replay import ROUTES_KEY, RoundRoutes, RouteReplay, RouteTally, completion_plan, fit_routes, packed_plan
 from .generation import GenerationStats
 from .images import (
     RowImages,
@@ -74,6 +76,18 @@ class PolicyForward:
 
 
 @dataclass(frozen=True)
+class GenerationRound:
+    """One of TRL's generation steps as the zero-waste pass sees it: made by `ZeroWastePass.generation_step`, handed by
+    the trainer to the calls TRL makes inside the step (its `generate` calls, its log-prob passes) and back with the
+    step's generation batch (`ZeroWastePass.finish_round`). `deferring`: TRL's no-grad old / reference passes get
+    placeholders (computed after the micro-batch split); `routes`: the experts grpo_plus's generator records in the
+    step (routing replay or its receipt), else None."""
+
+    deferring: bool
+    routes: RoundRoutes | None = None
+
+
+@dataclass(frozen=True)
 class PassSettings:
     """What the zero-waste pass reads of the run, built once by the trainer. `enabled` / `shared_prompt` /
     `exact_entropy` are GRPOConfig's `zero_waste_pass` / `zero_waste_shared_prompt` / `zero_waste_exact_entropy`.
@@ -111,12 +125,10 @@ class ZeroWastePass:
         self._notes: set[tuple[str, str]] = set()
         self.positions = 0  # token positions the model computed since the training forward began
         self.images = 0  # images (or tiles) the vision tower encoded since the training forward began
-        self.deferring = False  # inside TRL's generation step: old/ref passes get placeholders
         self.pending: tuple[str, ...] = ()  # generation-batch keys still holding placeholders
         self.correction_in_loss = False  # the last generation batch's sampler correction is the training forward's
         self.row_skip_blocker = self.find_row_skip_blocker()
         self.routing = RouteReplay(settings.routing == "replay") if settings.routing else None
-        self._round_routes: list | None = None  # inside a generation step: each generate call's recorded experts
 
     def note_fallback(self, part: str, reason: str) -> None:
         """Say once per run which part of the zero-waste pass runs in full, and why."""
@@ -124,14 +136,17 @@ class ZeroWastePass:
             self._notes.add((part, reason))
             logger.warning("Zero-waste pass: %s computed in full, because %s.", part, reason)
 
-    def record_generation(self, stats: GenerationStats, metrics: dict[str, list]) -> None:
-        """What one zero-waste generation call reports: why a part stood aside (said once), the positions computed."""
+    def record_generation(
+        self, stats: GenerationStats, metrics: dict[str, list], generation_round: GenerationRound | None = None
+    ) -> None:
+        """What one zero-waste generation call reports: why a part stood aside (said once), the positions computed;
+        inside a generation step (`generation_round`), its recorded experts where the step records them."""
         if stats.fallback is not None:
             self.note_fallback("generation", stats.fallback)
         if stats.turns_blocker is not None:
             self.note_fallback("each tool turn's history in generation", stats.turns_blocker)
-        if self._round_routes is not None:
-            self._round_routes.append(stats.routes if stats.fallback is None else stats.fallback)
+        if generation_round is not None and generation_round.routes is not None:
+            generation_round.routes.add(stats.routes, stats.fallback)
         metrics["zero_waste/generation_positions_frac"].append(stats.positions_frac)
         metrics["zero_waste/generation_prefill_positions_frac"].append(stats.prefill_positions_frac)
         if stats.full_images:
@@ -196,6 +211,12 @@ class ZeroWastePass:
         old = inputs.get("old_per_token_logps")
         fill = old.detach() if old is not None else torch.zeros(mask.shape, device=mask.device)
         routes = inputs.get(ROUTES_KEY)  # the sampler's experts (routing replay), rows and completion columns
+        if routes is None and self.routing is not None and self.routing.replay:
+            raise RuntimeError(
+                "routing_replay=True: a micro-batch carries no recorded experts to replay (a generation batch restored "
+                "from a checkpoint written with routing_replay off); resume from a checkpoint between generation "
+                "batches, or with the routing_replay the checkpoint was written with"
+            )
 
         def forward(ids, attention, width, rows=None, columns=None):
             extra = model_inputs if not isinstance(images, RowImages) else images.select(rows, columns)
@@ -310,11 +331,11 @@ class ZeroWastePass:
     @contextmanager
     def generation_step(
         self, model: torch.nn.Module, trl_sampler_correction_off: Callable[[], AbstractContextManager]
-    ) -> Iterator[Callable[[dict[str, Any]], None]]:
-        """Around TRL's `_generate_and_score_completions` (`model`: the policy as the trainer holds it): yields
-        `record(output)`, which notes the placeholders. Where the sampler correction comes from the training forward,
-        TRL's vLLM correction is off for the call (inside `trl_sampler_correction_off()`: TRL then runs no old-log-prob
-        pass, on-policy it needs none)."""
+    ) -> Iterator[GenerationRound]:
+        """Around TRL's `_generate_and_score_completions` (`model`: the policy as the trainer holds it): yields the
+        step's `GenerationRound`, for the calls TRL makes inside it and for `finish_round` with its generation batch.
+        Where the sampler correction comes from the training forward, TRL's vLLM correction is off for the call
+        (inside `trl_sampler_correction_off()`: TRL then runs no old-log-prob pass, on-policy it needs none)."""
         in_loss = False
         if self.corrects_sampler():
             reason = self.correction_in_loss_blocker(model)
@@ -322,49 +343,26 @@ class ZeroWastePass:
                 self.note_fallback("the sampler correction's old log-probs (a no-grad pass at generation)", reason)
             in_loss = reason is None
         self.correction_in_loss = in_loss
-        self.deferring = self.defers_logps(model)
-        deferring = self.deferring
+        routes = RoundRoutes(self.routing.replay) if self.routing is not None else None
+        generation_round = GenerationRound(self.defers_logps(model), routes)
         trl_off = in_loss and self.settings.trl.sampler_correction
-        self._round_routes = [] if self.routing is not None else None
+        with trl_sampler_correction_off() if trl_off else nullcontext():
+            yield generation_round
 
-        def record(output: dict[str, Any]) -> None:
-            if self.old_logps == "none":  # TRL's placeholder: the sampler's log-probs are the old ones
-                output.pop("old_per_token_logps", None)
-            if deferring:
-                self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
-            if self._round_routes is not None:
-                self.attach_routes(output, self._round_routes)
-
-        try:
-            with trl_sampler_correction_off() if trl_off else nullcontext():
-                yield record
-        finally:
-            self.deferring = False
-            self._round_routes = None
+    def finish_round(self, generation_round: GenerationRound, output: dict[str, Any]) -> None:
+        """The step's generation batch `output`, as TRL returns it: its placeholders noted (filled after the split),
+        the step's recorded experts put in it."""
+        if self.old_logps == "none":  # TRL's placeholder: the sampler's log-probs are the old ones
+            output.pop("old_per_token_logps", None)
+        if generation_round.deferring:
+            self.pending = tuple(key for key in DEFERRED_LOGPS if output.get(key) is not None)
+        if generation_round.routes is not None:
+            generation_round.routes.attach(output)
 
     @property
     def records_routes(self) -> bool:
         """Whether grpo_plus's generator records each completion token's experts (routing replay or its receipt)."""
         return self.routing is not None
-
-    def attach_routes(self, output: dict[str, Any], recorded: list) -> None:
-        """Put the round's recorded experts in the generation batch (`ROUTES_KEY`, one row per completion). Where the
-        round's generation recorded none (TRL's generation ran, or tool turns called it more than once): with replay
-        on, an error saying why (the user chose replay); with the receipt only, nothing is logged for the round."""
-        routes = recorded[0] if len(recorded) == 1 else None
-        if isinstance(routes, torch.Tensor) and routes.shape[0] == output["completion_ids"].shape[0]:
-            output[ROUTES_KEY] = fit_routes(routes, output["completion_ids"].shape[1])
-            return
-        if self.routing.replay:
-            if isinstance(routes, str):  # generation ran TRL's way: why
-                reason = routes
-            elif len(recorded) != 1:
-                reason = f"generate was called {len(recorded)} times for it (tool turns)"
-            else:
-                reason = "its rows are not the generation batch's"
-            raise RuntimeError(
-                f"routing_replay=True: this round's generation recorded no experts to replay, because {reason}"
-            )
 
     def placeholder(self, input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, None, None]:
         return torch.zeros((input_ids.shape[0], logits_to_keep), device=input_ids.device), None, None
@@ -414,22 +412,20 @@ class ZeroWastePass:
         compute_aux_loss: bool = False,
         routes: torch.Tensor | None = None,
         route_tally: RouteTally | None = None,
+        generation_round: GenerationRound | None = None,
         **model_inputs,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's `_get_per_token_logps_and_entropies` (same arguments, same result) without the padding after the
         completions and, where the model allows it, with each shared prompt computed once (a VLM: each prompt's images
-        encoded once); TRL's method (`trl_logps`) computes the rest. Inside TRL's generation step (`deferring`) its
-        no-grad passes get placeholders. `routes` (B, `logits_to_keep`, layers, k): the sampler's experts of the
-        completion columns (routing replay: each forward of them routes there; `route_tally` counts the flips)."""
-        if self.deferring and not torch.is_grad_enabled():
-            return self.placeholder(input_ids, logits_to_keep)
-        if routes is None and self._round_routes is not None and self.routing.replay:
-            raise RuntimeError(
-                "routing_replay=True: TRL runs a no-grad log-prob pass at generation, before the recorded experts are "
-                "in the batch (zero_waste_pass=False with beta > 0 or off-policy old log-probs, or a sampler "
-                "correction computed at generation); keep zero_waste_pass on (it computes those passes after the "
-                "split, with the records) or turn routing_replay off"
-            )
+        encoded once); TRL's method (`trl_logps`) computes the rest. Called by TRL inside its generation step
+        (`generation_round`, where it defers them) its no-grad passes get placeholders. `routes` (B, `logits_to_keep`,
+        layers, k): the sampler's experts of the completion columns (routing replay: each forward of them routes there;
+        `route_tally` counts the flips)."""
+        if generation_round is not None:
+            if generation_round.deferring and not torch.is_grad_enabled():
+                return self.placeholder(input_ids, logits_to_keep)
+            if generation_round.routes is not None:
+                generation_round.routes.check_pass(routes)
         trl_full = functools.partial(
             self.trl_logps,
             model,
