@@ -54,7 +54,7 @@ from .engine.receipt import SyncReceipt, log_receipts
 from .engine.server import server_client, server_sync
 from .engine.speculation import engine_speculation
 from .engine.sync import reload_on_sync
-from .fit.check import check_before_training
+from .fit.check import memory_settings
 from .long_completions.lm_head_tiles import size_lm_head_tiles
 from .long_completions.offloading import training_step_context
 from .long_completions.tiled_mlp import tile_mlps
@@ -109,8 +109,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         prompt_required, environment_names = environment_routing(self)
         # what TRL's first step would fail on (no prompt, no environment to route to, no rows): fail now
         check_dataset(self.train_dataset, prompt_required=prompt_required, environment_names=environment_names)
-        has_rollout_func = getattr(self, "rollout_func", None) is not None  # partial rollouts report log-probs too
-        reports_logps = self.use_vllm or plus.partial_rollouts.enabled
+        reports_logps, has_rollout_func = self.use_vllm or plus.partial_rollouts.enabled, self.rollout_func is not None
         if self.plus.rollout.active and (reason := sampler_blocker(reports_logps, has_rollout_func)):
             raise ValueError(f"grpo_plus cannot correct this sampler: {reason}.")
         if self.use_vllm:  # weights reach the colocated engine through vLLM's reload, LoRA merged out of place
@@ -174,17 +173,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- long completions: offloading, tiled MLP, the fit check (grpo_plus.long_completions, grpo_plus.fit) ----------
 
     def _long_completions_setup(self) -> None:
-        policy = self.accelerator.unwrap_model(self.model)
-        device = self.accelerator.device
-        long_completions = self.plus.long_completions
-        settings = {name: getattr(long_completions, name) for name in ("tiled_mlp_tokens", "activation_offloading")}
-        if self.plus.fit.check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
-            counted = check_before_training(self.args, policy, self.train_dataset, self.processing_class, device,
-                                            self.plus.fit.check, self.plus)  # fmt: skip
-            settings |= counted.turned_on if counted is not None else {}
+        policy, device = self.accelerator.unwrap_model(self.model), self.accelerator.device
+        settings = memory_settings(self.args, policy, self.train_dataset, self.processing_class, device, self.plus)
         if settings["tiled_mlp_tokens"]:
             tile_mlps(policy, settings["tiled_mlp_tokens"])
-        size_lm_head_tiles(policy, long_completions.lm_head_tile_columns)
+        size_lm_head_tiles(policy, self.plus.long_completions.lm_head_tile_columns)
         self._offload_step = training_step_context(self.model, device, settings["activation_offloading"])
 
     def training_step(self, *args, **kwargs):

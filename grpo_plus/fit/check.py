@@ -197,6 +197,16 @@ def check_before_training(args, model, dataset, processing_class, device: torch.
     return check_fit(spec, budget, str(device), mode)
 
 
+def memory_settings(args, model, dataset, processing_class, device: torch.device, settings) -> dict:
+    """The run's tiled_mlp_tokens and activation_offloading (`settings`: its PlusSettings), with what fit_check='auto'
+    turns on (on a CUDA device; fit_check='off' or another device: the settings as given)."""
+    chosen = {name: getattr(settings.long_completions, name) for name in ("tiled_mlp_tokens", "activation_offloading")}
+    if settings.fit.check != "off" and device.type == "cuda":  # fit_check="auto" may turn more on: logged there
+        counted = check_before_training(args, model, dataset, processing_class, device, settings.fit.check, settings)
+        chosen |= counted.turned_on if counted is not None else {}
+    return chosen
+
+
 def report_of(result: StepEstimate) -> dict:
     """A count as the child writes it (one JSON line), for `estimate_from_report`."""
     return {"static": result.static, "training": dataclasses.asdict(result.training), "generation": result.generation}
