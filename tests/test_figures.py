@@ -740,6 +740,58 @@ QUOTES.append(
 )
 
 
+ROUTING_STEPS = "routing_replay_steps.json"
+
+
+def routing_step_row(setting: str):
+    def figures(data: dict) -> tuple:
+        row = data["step_time"][setting]
+        return (
+            setting,
+            f"{row['wall_s']:.3f}",
+            f"{row['wall_over_off']:.3f}",
+            f"{row['cpu_s']:.3f}",
+            f"{row['cpu_over_off']:.3f}",
+        )
+
+    return figures
+
+
+QUOTES += [
+    Quote("docs/guide/moe.md", "| {} | {} | {}x | {} | {}x |", ROUTING_STEPS, routing_step_row(setting))
+    for setting in ("off", "receipt", "replay")
+]
+
+
+def partial_row(data: dict) -> tuple:
+    run = data["summary"]["0"]
+    medians, accuracy = run["medians"], run["held_out_accuracy"]
+    return (
+        0, *(f"{medians[side]['generation']:.2f}" for side in ("trl", "ours", "partial")),
+        f"{run['generation_ratio_vs_trl']:.2f}", f"{run['generation_ratio_vs_ours']:.2f}",
+        *(f"{medians[side]['step']:.2f}" for side in ("trl", "ours", "partial")),
+        *(f"{accuracy[side]:.3f}" for side in ("trl", "ours", "partial")),
+    )  # fmt: skip
+
+
+QUOTES.append(
+    Quote(
+        "docs/guide/async-generation.md",
+        "| {} | {} | {} | {} | {}x | **{}x** | {} | {} | {} | {} / {} / {} |",
+        "partial_rollouts.json",
+        partial_row,
+    )
+)
+QUOTES.append(
+    Quote(
+        "README.md",
+        "measured on one seed: generation {}x the synchronous run's per step",
+        "partial_rollouts.json",
+        lambda data: (f"{data['summary']['0']['generation_ratio_vs_ours']:.2f}",),
+    )
+)
+
+
 def speculative_case(index: int) -> Callable[[dict], tuple]:
     def figures(data: dict) -> tuple:
         case = data["cases"][index]
