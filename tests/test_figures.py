@@ -812,6 +812,10 @@ QUOTES += [
     Quote("docs/guide/speculative-rollouts.md", SPECULATIVE_ROW, name, speculative_case(index))
     for name in ("speculative_rollouts.json", "speculative_rollouts_1024.json")
     for index in range(2)
+] + [
+    Quote(
+        "docs/guide/speculative-rollouts.md", SPECULATIVE_ROW, "speculative_rollouts_gsm8k.json", speculative_case(0)
+    )
 ]
 
 # ---- the checks --------------------------------------------------------------------------------------------------------
