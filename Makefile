@@ -10,7 +10,7 @@ LOCK   ?= constraints.txt
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast test-engines test-matrix test-matrix-pinned lock lint format demo bench compare clean bench-memory \
+.PHONY: install test test-fast test-engines test-matrix test-matrix-pinned test-matrix-trl-minors lock lint format demo bench compare clean bench-memory \
         bench-gpu test-gpu-parity gpu-wheels docs deepspeed-ops bench-memory-real bench-learning
 
 $(PY):
@@ -84,8 +84,11 @@ matrix_write_pins = $(if $(filter oldest,$*),$(PY) .ci/lower_bounds.py,grep -v '
 
 test-matrix: $(addprefix test-matrix-,$(MATRIX_ENVS))
 
-# CI's two lanes (.ci/run) take the environments that pin their versions and newest (resolved the day it runs) apart
+# CI's two lanes (.ci/run) take the environments that pin their versions and newest (resolved the day it runs) apart,
+# and the TRL minors' (the parity-critical files, a few minutes) apart from oldest's (the whole suite)
 test-matrix-pinned: $(addprefix test-matrix-,$(filter-out newest,$(MATRIX_ENVS)))
+	@:
+test-matrix-trl-minors: $(addprefix test-matrix-,$(filter trl-%,$(MATRIX_ENVS)))
 	@:
 
 test-matrix-%: $(MATRIX_DIR)/%/.installed

@@ -125,7 +125,7 @@ def train_side(side: str, seed: int, model_dir: str, data, args, output_dir: Pat
     }
 
 
-def summarize(runs: list[dict], warmup: int) -> dict:
+def summarize(runs: list[dict], warmup: int, sides: tuple[str, ...]) -> dict:
     summary = {}
     for run in runs:
         medians = {
@@ -133,33 +133,63 @@ def summarize(runs: list[dict], warmup: int) -> dict:
                 kind: statistics.median(run[side][f"{kind}_seconds"][warmup:] or run[side][f"{kind}_seconds"])
                 for kind in ("step", "generation")
             }
-            for side in SIDES
+            for side in sides
         }
-        partial = medians["partial"]
-        summary[run["seed"]] = {
-            "medians": medians,
-            "generation_ratio_vs_trl": partial["generation"] / medians["trl"]["generation"],
-            "generation_ratio_vs_ours": partial["generation"] / medians["ours"]["generation"],
-            "step_ratio_vs_trl": partial["step"] / medians["trl"]["step"],
-            "step_ratio_vs_ours": partial["step"] / medians["ours"]["step"],
-            "held_out_accuracy": {side: run[side]["held_out_accuracy"] for side in SIDES},
-        }
+        entry = {"medians": medians, "held_out_accuracy": {side: run[side]["held_out_accuracy"] for side in sides}}
+        for other in (side for side in sides if side != "partial"):
+            for kind in ("generation", "step"):
+                entry[f"{kind}_ratio_vs_{other}"] = medians["partial"][kind] / medians[other][kind]
+        summary[run["seed"]] = entry
     return summary
 
 
-def table(summary: dict) -> str:
+def learning(runs: list[dict], sides: tuple[str, ...]) -> dict:
+    """Per side, each step's reward over the seeds (mean, lowest, highest) and the held-out accuracies; then, for
+    the partial side against each other, the share of steps whose seed-mean reward lies within the other's seed
+    range (lowest to highest), and whether the mean held-out accuracy does."""
+    per_side = {}
+    for side in sides:
+        curves = [run[side]["rewards"] for run in runs]
+        steps = min(len(curve) for curve in curves)
+        by_step = [[curve[step] for curve in curves] for step in range(steps)]
+        accuracies = [run[side]["held_out_accuracy"] for run in runs]
+        per_side[side] = {
+            "reward_mean": [statistics.fmean(values) for values in by_step],
+            "reward_low": [min(values) for values in by_step],
+            "reward_high": [max(values) for values in by_step],
+            "held_out_accuracy": accuracies,
+            "held_out_accuracy_mean": statistics.fmean(accuracies),
+        }
+    comparisons = {}
+    for other in (side for side in sides if side != "partial"):
+        mine, theirs = per_side["partial"], per_side[other]
+        inside = [low <= mean <= high for mean, low, high in
+                  zip(mine["reward_mean"], theirs["reward_low"], theirs["reward_high"], strict=False)]  # fmt: skip
+        comparisons[other] = {
+            "steps_within_spread": sum(inside) / len(inside),
+            "held_out_within_spread": min(theirs["held_out_accuracy"])
+            <= mine["held_out_accuracy_mean"]
+            <= max(theirs["held_out_accuracy"]),
+        }
+    return {"sides": per_side, "partial_against": comparisons}
+
+
+def table(summary: dict, sides: tuple[str, ...]) -> str:
+    others = [side for side in sides if side != "partial"]
+    names = {"trl": "TRL", "ours": "grpo_plus", "partial": "partial"}
     rows = [
-        [seed, *(f"{s['medians'][side]['generation']:.2f}" for side in SIDES),
-         f"**{s['generation_ratio_vs_trl']:.2f}x** / {s['generation_ratio_vs_ours']:.2f}x",
-         *(f"{s['medians'][side]['step']:.2f}" for side in SIDES),
-         f"{s['step_ratio_vs_trl']:.2f}x / {s['step_ratio_vs_ours']:.2f}x",
-         " / ".join(f"{s['held_out_accuracy'][side]:.3f}" for side in SIDES)]
+        [seed, *(f"{s['medians'][side]['generation']:.2f}" for side in sides),
+         " / ".join(f"{s[f'generation_ratio_vs_{other}']:.2f}x" for other in others),
+         *(f"{s['medians'][side]['step']:.2f}" for side in sides),
+         " / ".join(f"{s[f'step_ratio_vs_{other}']:.2f}x" for other in others),
+         " / ".join(f"{s['held_out_accuracy'][side]:.3f}" for side in sides)]
         for seed, s in summary.items()
     ]  # fmt: skip
-    header = ["seed", "generation TRL (s)", "generation grpo_plus", "generation partial",
-              "partial / TRL / grpo_plus", "step TRL (s)", "step grpo_plus", "step partial",
-              "step partial / TRL / grpo_plus", "held-out accuracy TRL / grpo_plus / partial"]  # fmt: skip
-    return markdown_table(header, rows)
+    against = " / ".join(names[other] for other in others)
+    header = [f"generation {names[side]} (s)" for side in sides] + [f"partial / {against}"]
+    header += [f"step {names[side]} (s)" for side in sides] + [f"step partial / {against}"]
+    header += ["held-out accuracy " + " / ".join(names[side] for side in sides)]
+    return markdown_table(["seed", *header], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=64, help="partial_rollout_tokens of the partial side")
     parser.add_argument("--train-size", type=int, default=512)
     parser.add_argument("--eval-size", type=int, default=48)
+    parser.add_argument("--sides", default=",".join(SIDES), help="which of trl,ours,partial to train (partial always)")
     args = parser.parse_args(argv)
+    sides = tuple(side for side in SIDES if side in args.sides.split(","))
+    if "partial" not in sides or len(sides) < 2 or set(args.sides.split(",")) - set(SIDES):
+        parser.error(f"--sides: partial and at least one of trl, ours (comma-separated), not {args.sides!r}")
     if args.smoke:
         args.steps, args.seeds, args.warmup, args.eval_size, args.train_size = 3, 1, 0, 4, 32
         args.max_completion_length, args.chunk = 16, 4
@@ -185,16 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     data = task_data(args.smoke, args.train_size, args.eval_size)
     runs = []
     for seed in range(args.seeds):
-        order = SIDES[seed % len(SIDES) :] + SIDES[: seed % len(SIDES)]
+        order = sides[seed % len(sides) :] + sides[: seed % len(sides)]
         seed_run = {"seed": seed, "order": list(order)}
         for side in order:
             seed_run[side] = train_side(side, seed, model_dir, data, args, folder / f"{side}-{seed}")
         runs.append(seed_run)
-    summary = summarize(runs, args.warmup)
-    markdown = table(summary)
+    summary = summarize(runs, args.warmup, sides)
+    markdown = table(summary, sides)
     print(markdown)
     write_report({**report, "settings": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
-                  "summary": summary}, args.json, markdown, started=started)  # fmt: skip
+                  "summary": summary, "learning": learning(runs, sides)}, args.json, markdown, started=started)  # fmt: skip
     return 0
 
 

@@ -338,6 +338,11 @@ def test_the_benchmark_smoke_runs_every_side(tmp_path, benchmark_in_this_process
         assert all(seconds > 0 for seconds in run[side]["generation_seconds"]), side
     assert run["partial"]["staleness"]["partial_rollouts/stale_token_frac"][0] == 0  # step 0 carries nothing
     assert set(report["summary"]["0"]) >= {"generation_ratio_vs_trl", "generation_ratio_vs_ours"}
+    learning = report["learning"]  # each step's reward over the seeds, per side, and the partial side against each
+    assert learning["sides"]["ours"]["reward_mean"] == run["ours"]["rewards"]  # one seed: the mean is the run
+    assert set(learning["partial_against"]) == {"trl", "ours"}
+    with pytest.raises(SystemExit):  # the partial side is the benchmark's subject: it cannot be left out
+        partial_rollouts.main(["--smoke", "--sides", "trl,ours"])
 
 
 @needs_loop

@@ -50,10 +50,29 @@ def model_dir():
     return resolve_model("embedded")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """`grpo-plus vllm-serve` for the module, serving `model_dir` in float32; yields its base URL (helpers.server)."""
+@pytest.fixture(scope="session")
+def embedded_server(tmp_path_factory):
+    """`grpo-plus vllm-serve` serving the embedded model in float32, one for the whole run (a start costs 1-3 min on
+    two cores). Every trainer's first weight sync loads its own weights into it, as in the module-scoped engines; a
+    test that stops it (SIGSTOP) lets it go on (SIGCONT) before it returns."""
     from helpers.server import running_server
 
+    from grpo_plus.app.embedded import resolve_model
+
+    with running_server(resolve_model("embedded"), tmp_path_factory.mktemp("vllm-server")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, request, tmp_path_factory):
+    """`grpo-plus vllm-serve` serving `model_dir` in float32; yields its base URL (helpers.server). The run's one
+    server when `model_dir` is the embedded model, else the module's own."""
+    from helpers.server import running_server
+
+    from grpo_plus.app.embedded import resolve_model
+
+    if model_dir == resolve_model("embedded"):
+        yield request.getfixturevalue("embedded_server")
+        return
     with running_server(model_dir, tmp_path_factory.mktemp("vllm-server")) as url:
         yield url

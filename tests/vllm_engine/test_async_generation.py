@@ -116,7 +116,10 @@ def test_the_asynchronous_run_is_the_synchronous_run_with_a_lagging_server(serve
     assert logged(ours, "async/dropped_batches") == [0.0] * STEPS
 
 
-TWO_PROCESS_CASES = {"staleness-1-full": (1, 1, False), "staleness-2-lora": (2, 1, True)}
+# Two processes add the gathered read-ahead and the split batch to what one process has: the case with the most to get
+# wrong (two batches ahead, LoRA's stream). staleness-1-full ran here too, bit for bit in every CI run on record; it
+# left for CI's hour (4 min on a loaded machine).
+TWO_PROCESS_CASES = {"staleness-2-lora": (2, 1, True)}
 
 
 def launch_two_processes(server, model_dir, out, lora: bool, *flags: str):
