@@ -45,7 +45,7 @@ from .compat.model import (
     trl_pad_token_id,
     uses_continuous_batching,
 )
-from .compat.moe import router_logits_off
+from .compat.moe import experts_converted_on_resume, router_logits_off
 from .compat.rewards import get_soft_overlong_punishment, is_async_callable
 from .compat.versions import TRLCompatibilityError, check_trl_compatibility
 from .config import PlusSettings
@@ -239,6 +239,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
     # ---- training, checkpoints, crashes (grpo_plus.run.faults) -----------------------------------------------------------
+    _load_from_checkpoint = experts_converted_on_resume()  # an MoE's experts, saved per expert (grpo_plus.compat.moe)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """TRL's train; `resume_from_checkpoint=True` (or "true"/"last" from a CLI) picks the newest checkpoint in

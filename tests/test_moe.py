@@ -12,7 +12,7 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
-from helpers.models import make_tokenizer, tiny_config, tiny_trainer
+from helpers.models import make_tokenizer, save_tiny_model, tiny_config, tiny_trainer
 from helpers.probes import ForwardLog, max_weight_diff
 from helpers.rewards import half_dead_reward
 from peft import LoraConfig
@@ -335,3 +335,63 @@ def test_the_count_holds_every_expert_and_the_router():
     assert four_bit["weights"] == expected
     router = model.model.layers[0].mlp.gate.weight
     assert id(router) not in linear and router.dim() == 2  # what the name rule took for a quantized weight
+
+
+# ---- resuming a full fine-tune (grpo_plus.compat.checkpoint) -----------------------------------------------------
+
+
+@needs_expert_weights
+@pytest.mark.parametrize("shard", [None, "20KB"])
+def test_a_checkpoint_saved_per_expert_loads_into_the_fused_experts(shard, tmp_path):
+    """`save_pretrained` writes each expert's weights under its own names (one file, or shards with an index); loaded
+    through transformers' conversion every weight of the live model is the saved one, in place (the parameter objects
+    kept). Negative control: `load_state_dict(..., strict=False)` on the saved names, what transformers' Trainer does,
+    leaves the experts as they were. A checkpoint whose names are the model's is left to transformers (None)."""
+    from safetensors.torch import load_file
+
+    from grpo_plus.compat.moe import converted_checkpoint_load
+
+    trained, _ = moe_model("qwen3_moe")
+    with torch.no_grad():
+        for parameter in trained.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    trained.save_pretrained(tmp_path, **({} if shard is None else {"max_shard_size": shard}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == (shard is not None)
+    live, _ = moe_model("qwen3_moe")
+    before = dict(live.named_parameters())
+    result = converted_checkpoint_load(live, str(tmp_path))
+    assert result is not None and not result.missing_keys
+    assert all(parameter is before[name] for name, parameter in live.named_parameters())
+    assert max_weight_diff(trained.state_dict(), live.state_dict()) == 0.0
+    if shard is None:
+        stock, _ = moe_model("qwen3_moe")
+        stock.load_state_dict(load_file(str(tmp_path / "model.safetensors")), False)
+        assert max_weight_diff(trained.state_dict(), stock.state_dict()) > 0.1
+    dense = save_tiny_model(tmp_path / "dense")
+    assert converted_checkpoint_load(AutoModelForCausalLM.from_pretrained(dense), str(dense)) is None
+    assert converted_checkpoint_load(torch.nn.Linear(2, 2), str(tmp_path)) is None  # not a transformers model
+
+
+@pytest.mark.engine  # three short training runs
+@needs_expert_weights
+def test_a_full_fine_tune_resumes_with_its_experts(tmp_path, monkeypatch):
+    """A full fine-tune of a tiny Qwen3-MoE (float32, SGD), resumed from a mid-run checkpoint by a fresh trainer, ends at
+    the uninterrupted run's weights (0.0), the experts included: the checkpoint's per-expert weights are loaded through
+    transformers' conversion. Negative control: loaded as transformers' Trainer loads them (the saved names into the
+    model's state dict, strict=False) the resumed run keeps the experts it was built with and ends elsewhere
+    (measured 2.9e-4)."""
+    from test_resume import train as resumable_run
+
+    from grpo_plus.compat import moe
+
+    model_dir = str(save_tiny_model(tmp_path / "model", family="qwen3_moe"))
+    settings = dict(steps_per_generation=4, gradient_accumulation_steps=2, max_steps=4, rewards=[half_dead_reward],
+                    optim="sgd", learning_rate=0.5)  # fmt: skip
+    whole = resumable_run(model_dir, tmp_path / "whole", save_strategy="steps", save_steps=1, **settings)
+    for step in (1, 2):  # inside a generation batch, between two
+        resumed = resumable_run(model_dir, tmp_path / f"from-{step}", tmp_path / "whole" / f"checkpoint-{step}",
+                                **settings)  # fmt: skip
+        assert max_weight_diff(whole.weights, resumed.weights) == 0.0, step
+    monkeypatch.setattr(moe, "converted_checkpoint_load", lambda model, folder: None)
+    unconverted = resumable_run(model_dir, tmp_path / "unconverted", tmp_path / "whole" / "checkpoint-2", **settings)
+    assert max_weight_diff(whole.weights, unconverted.weights) > 1e-5  # measured 2.9e-4

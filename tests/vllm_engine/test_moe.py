@@ -96,3 +96,26 @@ def test_lora_on_the_experts_is_refused_for_the_engine(model_dir):
     )
     assert "model.layers.0.mlp.experts is a ParamWrapper LoRA layer" in sync_blocker(experts, False)
     assert sync_blocker(adapted(target_modules=["q_proj"]), False) is None
+
+
+def test_the_cpu_build_refuses_to_return_routed_experts(model_dir, monkeypatch):
+    """Why routing replay is refused with `use_vllm=True` (grpo_plus.routing.settings): vLLM's routed-experts output
+    (`enable_return_routed_experts`, `CompletionOutput.routed_experts`) is wired to Model Runner V2 only, which needs
+    Triton with a CPU backend, and the CPU build finds none, so its engine config fails before any model is loaded.
+    The day the installed build returns them, this fails (and replay with vLLM can be built). Control: the same engine
+    arguments without the routed experts make a config."""
+    import vllm.envs
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.triton_utils import HAS_TRITON
+
+    def engine_config(**extra):
+        return EngineArgs(model=model_dir, dtype="float32", max_model_len=64, **extra).create_engine_config()
+
+    assert engine_config().model_config.get_num_experts() == 4  # the MoE's own config makes an engine config
+    assert not HAS_TRITON
+    with pytest.raises(ValueError, match="AuxOutput Connector requires Model Runner V2"):
+        engine_config(enable_return_routed_experts=True)
+    # vLLM's VLLM_USE_V2_MODEL_RUNNER=1, set on its envs module (an engine started earlier in the process caches them)
+    monkeypatch.setattr(vllm.envs, "VLLM_USE_V2_MODEL_RUNNER", True, raising=False)
+    with pytest.raises(ValueError, match="Model Runner V2 requires Triton"):
+        engine_config(enable_return_routed_experts=True)
