@@ -1,5 +1,5 @@
-"""GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator (the
-code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in async_generation)."""
+"""GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator or
+colocated vLLM (the code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in async_generation)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ class PartialRolloutSettings(SettingsGroup):
 
     tokens: int | None = setting(
         None,
-        "Partial rollouts for the long tail, one device, grpo_plus's own generator (zero_waste_generation, no vLLM): "
+        "Partial rollouts for the long tail, one device, grpo_plus's own generator (zero_waste_generation) or vLLM in "
+        "colocate mode: "
         "a step's generation decodes every unfinished completion by at most this many tokens at a time and stops "
         "as soon as it holds as many complete groups (all G completions ended) as the step trains; the unfinished "
         "rows keep their tokens and per-token sampler log-probs and continue in a later step under newer weights "
@@ -40,6 +41,7 @@ class PartialRolloutSettings(SettingsGroup):
         self,
         *,
         use_vllm: bool,
+        vllm_mode: str,
         zero_waste_generation: bool,
         async_generation: bool,
         speculative: bool,
@@ -57,9 +59,14 @@ class PartialRolloutSettings(SettingsGroup):
                 "with async_generation=True: asynchronous generation is the vLLM server's layout; partial rollouts "
                 "are the one-device one (choose one)",
             ),
-            (use_vllm, "with use_vllm=True: vLLM partial rollouts are not built yet (grpo_plus's generator only)"),
             (
-                not zero_waste_generation,
+                use_vllm and vllm_mode != "colocate",
+                f"with vllm_mode={vllm_mode!r}: vLLM partial rollouts run in colocate mode only (the server samples "
+                "a group as n completions of one prompt, and a group's carried rows hold different tokens); on one "
+                "device use vllm_mode='colocate' (or grpo_plus's generator), with a server async_generation=True",
+            ),
+            (
+                not use_vllm and not zero_waste_generation,
                 "with zero_waste_generation=False: partial rollouts run in grpo_plus's own generator, which records "
                 "each token's sampler log-prob (set zero_waste_generation=True)",
             ),
