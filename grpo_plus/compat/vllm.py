@@ -16,6 +16,7 @@ from .versions import TRLCompatibilityError, tested_trl_versions_text
 __all__ = [
     "COLOCATE_SYNC_METHODS",
     "COLOCATE_WEIGHT_STREAM",
+    "ENGINE_MAX_TOKENS",
     "VLLM_CLIENT_FACTORY",
     "VLLM_CLIENT_MODULE",
     "VLLM_ENGINE_FACTORY",

@@ -4,10 +4,11 @@ TRL's step waits for its longest completion. Here a step's generation works on a
 steps plus the step's own (TRL's generation batch). Every unfinished row is decoded by at most `partial_rollout_tokens`
 tokens at a time (one call of TRL's `_generate_single_turn` on all of them, each row's prompt followed by the tokens it
 already has, under the current weights: grpo_plus's generator inside it, `chunk_decoder`, or TRL's colocated vLLM
-engine, `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete groups (all G rows ended: EOS
-or max_completion_length) as the step trains, generation stops and the oldest complete groups are handed to TRL's
-scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the sampler drew it with (the
-processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the weights that drew it.
+engine, `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete
+groups (all G rows ended: EOS or max_completion_length) as the step trains, generation stops and the oldest complete
+groups are handed to TRL's scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the
+sampler drew it with (the processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the
+weights that drew it.
 
 Where the carry comes from: the pool hands exactly one generation batch of groups per step, so it can carry only what
 came in beyond one batch. When a chunk leaves the pool short of complete groups, the next generation batch of the
@@ -141,8 +142,8 @@ def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num
 def engine_chunk_decoder(single_turn: Callable[..., tuple], vllm_generation: Any) -> Decode:
     """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's) on TRL's colocated vLLM engine
     (`vllm_generation`, TRL's `VLLMGeneration`): every row is its own request, its prompt ids and the tokens it has
-    sent as token ids, `max_tokens` the chunk's; each new token's log-prob is the one vLLM sampled it with (TRL asks for
-    the sampled token's, processed: `compat.vllm`). TRL syncs the weights into the engine at the step's first call.
+    sent as token ids, `max_tokens` the chunk's; each new token's log-prob is the one vLLM sampled it with (TRL asks
+    for the sampled token's, processed: `compat.vllm`). TRL syncs the weights into the engine at the step's first call.
     Within a step the weights are the same and vLLM's prefix cache keeps what the step's earlier chunks computed
     (`turns` is grpo_plus's generator's; the engine's own cache takes its place here)."""
     extra_arguments = single_turn_arguments(1)  # a group's rows hold different tokens: never n copies of one prompt
