@@ -204,6 +204,8 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         dynamic_sampling=dynamic_sampling.enabled, selective_rollout=selective_rollout.enabled,
         continuous_batching=_continuous_batching(config),
         greedy_baseline="reward_baselines" in ADVANTAGE_ESTIMATORS.entry(algorithms.advantage_estimator).requires,
+        generation_kwargs=config.generation_kwargs,
+        structured_outputs_regex=config.vllm_structured_outputs_regex,
     )  # fmt: skip
     routing = RoutingSettings.from_config(config)
     routing.check_combinations(

@@ -250,6 +250,17 @@ def test_the_pool_state_is_versioned_and_checked():
         (dict(partial_rollout_tokens=4, speculative_rollouts=True), "with speculative_rollouts=True"),
         (dict(partial_rollout_tokens=4, dynamic_sampling=True), "with dynamic sampling"),
         (dict(partial_rollout_tokens=4, advantage_estimator="remax"), "generates a greedy baseline"),
+        (
+            dict(
+                partial_rollout_tokens=4, use_vllm=True, generation_kwargs={"presence_penalty": 0.5, "min_tokens": 2}
+            ),
+            "generation_kwargs presence_penalty, min_tokens: each chunk",
+        ),
+        (dict(partial_rollout_tokens=4, generation_kwargs={"min_new_tokens": 2}), "generation_kwargs min_new_tokens"),
+        (
+            dict(partial_rollout_tokens=4, use_vllm=True, vllm_structured_outputs_regex="[0-9]+"),
+            "with vllm_structured_outputs_regex",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings, message):

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 
 from ..settings import SettingsGroup, not_allowed, setting
 
+# Sampling settings whose meaning depends on which tokens are the completion: each chunk sends a row's tokens so far as
+# part of its prompt, so the sampler would count only the chunk's own (vLLM's presence / frequency penalties,
+# min_tokens and structured outputs; transformers' min_new_tokens). Repetition penalties, n-gram bans and
+# transformers' min_length cover the prompt as well: unchanged by chunks.
+COMPLETION_SCOPED_GENERATION_KWARGS = (
+    "presence_penalty", "frequency_penalty", "min_tokens", "structured_outputs", "min_new_tokens",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class PartialRolloutSettings(SettingsGroup):
@@ -50,10 +58,13 @@ class PartialRolloutSettings(SettingsGroup):
         selective_rollout: bool,
         continuous_batching: bool,
         greedy_baseline: bool = False,
+        generation_kwargs: dict | None = None,
+        structured_outputs_regex: str | None = None,
     ) -> None:
         """Refuse what partial rollouts cannot run with, naming the field and what to do instead."""
         if not self.enabled:
             return
+        scoped = [key for key in COMPLETION_SCOPED_GENERATION_KWARGS if key in (generation_kwargs or {})]
         refusals = (
             (
                 async_generation,
@@ -86,6 +97,17 @@ class PartialRolloutSettings(SettingsGroup):
                 continuous_batching,
                 "with use_transformers_continuous_batching=True: transformers' continuous batching generates there, "
                 "not grpo_plus's generator",
+            ),
+        )
+        refusals += (
+            (
+                bool(scoped),
+                f"with generation_kwargs {', '.join(scoped)}: each chunk sends a row's tokens so far as its prompt, so "
+                "a setting counted over the completion would see only the chunk's tokens",
+            ),
+            (
+                structured_outputs_regex is not None,
+                "with vllm_structured_outputs_regex: each chunk would restart the pattern at the row's tokens so far",
             ),
         )
         for refused, why in refusals:
