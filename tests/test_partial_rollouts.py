@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 from helpers.models import saved_model_trainer, tiny_run_kwargs
-from helpers.probes import max_weight_diff
+from helpers.probes import PoolRecorder, max_weight_diff, restore_rows_without_tokens
 from helpers.rewards import digit_reward
 from transformers import AutoModelForCausalLM
 
@@ -31,24 +31,6 @@ RUN = dict(
     per_device_train_batch_size=8, num_generations=4, max_completion_length=12, temperature=TEMPERATURE,
     optim="sgd", learning_rate=0.5, max_steps=4, seed=3,
 )  # fmt: skip
-
-
-class Recorded:
-    """Every handoff of a run's pool, with the policy's weights at the step that generated it."""
-
-    def __init__(self, monkeypatch):
-        self.handoffs, self.weights = [], {}
-        original = PartialRollouts.generation_batch
-        recorded = self
-
-        def recording(self, inputs, step, metrics):
-            recorded.weights[step] = {k: v.detach().clone() for k, v in recorded.trainer.model.state_dict().items()}
-            handoff = original(self, inputs, step, metrics)
-            recorded.handoffs.append(handoff)
-            return handoff
-
-        monkeypatch.setattr(PartialRollouts, "generation_batch", recording)
-        self.trainer = None
 
 
 def train(model_dir, output_dir, recorded=None, resume=None, **settings):
@@ -81,7 +63,7 @@ def sampler_logps_of(model, row, temperature: float) -> torch.Tensor:
 
 @needs_loop
 def test_each_token_keeps_its_log_prob_under_the_weights_that_sampled_it(tiny_model_dir, tmp_path, monkeypatch):
-    recorded = Recorded(monkeypatch)
+    recorded = PoolRecorder(monkeypatch)
     train(tiny_model_dir, tmp_path / "run", recorded, partial_rollout_tokens=3)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     gap, wrong_gap, mixed_rows = 0.0, 0.0, 0
@@ -110,7 +92,7 @@ def test_each_token_keeps_its_log_prob_under_the_weights_that_sampled_it(tiny_mo
 @needs_loop
 def test_a_chunk_as_long_as_the_completions_trains_as_without_the_setting(tiny_model_dir, tmp_path, monkeypatch):
     plain = train(tiny_model_dir, tmp_path / "plain")
-    recorded = Recorded(monkeypatch)
+    recorded = PoolRecorder(monkeypatch)
     whole = train(
         tiny_model_dir, tmp_path / "whole", recorded, partial_rollout_tokens=RUN["max_completion_length"] + 1
     )
@@ -128,7 +110,7 @@ def test_a_chunk_as_long_as_the_completions_trains_as_without_the_setting(tiny_m
 
 @needs_loop
 def test_the_groups_handed_to_trl_are_complete_and_trls_batch(tiny_model_dir, tmp_path, monkeypatch):
-    recorded = Recorded(monkeypatch)
+    recorded = PoolRecorder(monkeypatch)
     _, _, completions, trainer = train(tiny_model_dir, tmp_path / "run", recorded, partial_rollout_tokens=3)
     size, group, limit = RUN["per_device_train_batch_size"], RUN["num_generations"], RUN["max_completion_length"]
     eos = set(completion_eos_token_ids(trainer))
@@ -167,14 +149,7 @@ def test_a_run_resumed_with_rows_in_flight_ends_at_the_uninterrupted_weights(tin
     for ours, theirs in zip(resumed_completions, whole_completions[1:], strict=True):
         assert torch.equal(ours, theirs)
     # the negative control: the rows in flight restored without their tokens (each restarts from its prompt)
-    load = PartialRollouts.load_state_dict
-
-    def without_tokens(self, state):
-        load(self, state)
-        for row in (row for group in self.groups for row in group.rows if not row.finished):
-            row.tokens, row.logps, row.versions = [], [], []
-
-    monkeypatch.setattr(PartialRollouts, "load_state_dict", without_tokens)
+    restore_rows_without_tokens(monkeypatch)
     forgotten, _, _, _ = train(tiny_model_dir, tmp_path / "whole", resume=str(checkpoint), **settings)
     assert max_weight_diff(forgotten, whole) > 1e-3
 
@@ -263,7 +238,10 @@ def test_the_pool_state_is_versioned_and_checked():
     [
         (dict(partial_rollout_tokens=0), "partial_rollout_tokens must be None or an integer >= 1"),
         (dict(partial_rollout_tokens=2.5), "partial_rollout_tokens must be an integer or null/None"),
-        (dict(partial_rollout_tokens=4, use_vllm=True), "vLLM partial rollouts are not built yet"),
+        (
+            dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server"),
+            "vLLM partial rollouts run in colocate mode only",
+        ),
         (dict(partial_rollout_tokens=4, zero_waste_generation=False), "set zero_waste_generation=True"),
         (
             dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server", async_generation=True),
@@ -272,11 +250,30 @@ def test_the_pool_state_is_versioned_and_checked():
         (dict(partial_rollout_tokens=4, speculative_rollouts=True), "with speculative_rollouts=True"),
         (dict(partial_rollout_tokens=4, dynamic_sampling=True), "with dynamic sampling"),
         (dict(partial_rollout_tokens=4, advantage_estimator="remax"), "generates a greedy baseline"),
+        (
+            dict(
+                partial_rollout_tokens=4, use_vllm=True, generation_kwargs={"presence_penalty": 0.5, "min_tokens": 2}
+            ),
+            "generation_kwargs presence_penalty, min_tokens: each chunk",
+        ),
+        (dict(partial_rollout_tokens=4, generation_kwargs={"min_new_tokens": 2}), "generation_kwargs min_new_tokens"),
+        (
+            dict(partial_rollout_tokens=4, use_vllm=True, vllm_structured_outputs_regex="[0-9]+"),
+            "with vllm_structured_outputs_regex",
+        ),
     ],
 )
 def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **settings)
+
+
+def test_colocated_vllm_is_accepted_without_grpo_plus_generator(tmp_path):
+    """vLLM colocated generates the chunks itself: grpo_plus's generator (zero_waste_generation) is not needed there;
+    the refusal above of zero_waste_generation=False holds without vLLM (the negative control)."""
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, partial_rollout_tokens=4, use_vllm=True,
+                        vllm_mode="colocate", zero_waste_generation=False)  # fmt: skip
+    assert config.partial_rollout_tokens == 4
 
 
 def test_trainers_that_cannot_run_it_are_refused():
@@ -285,6 +282,9 @@ def test_trainers_that_cannot_run_it_are_refused():
     assert "no tools" in trainer_blocker(1, True, False, None)
     assert "no rollout_func" in trainer_blocker(1, False, True, None)
     assert "cannot run here: transformers 4" in trainer_blocker(1, False, False, "transformers 4.56 is too old")
+    # with the colocated vLLM engine generating the chunks, grpo_plus's generator is not needed
+    assert trainer_blocker(1, False, False, "transformers 4.56 is too old", vllm=True) is None
+    assert "one process" in trainer_blocker(2, False, False, None, vllm=True)
 
 
 @needs_loop

@@ -362,3 +362,20 @@ def test_where_the_lm_head_folds_is_read_on_every_tested_trl(monkeypatch):
     monkeypatch.setitem(sys.modules, "trl.kernels.chunked_logprob", triton_only)
     monkeypatch.setattr(trl.kernels, "chunked_logprob", triton_only, raising=False)
     assert lm_head_folds_in_torch(torch.device("cuda")) is False
+
+
+def test_the_engine_reads_its_max_tokens_at_every_request():
+    """Partial rollouts with colocated vLLM set the chunk's token budget on TRL's `VLLMGeneration` for one call
+    (`compat.vllm.engine_max_tokens`): true only while its `generate` reads the attribute at each call, in both modes."""
+    import inspect
+    import types
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    source = inspect.getsource(VLLMGeneration.generate)
+    assert f"max_completion_length = self.{trl_vllm.ENGINE_MAX_TOKENS}" in source
+    assert source.count('"max_tokens": max_completion_length') == 2  # server and colocate requests
+    generation = types.SimpleNamespace(**{trl_vllm.ENGINE_MAX_TOKENS: 256})
+    with trl_vllm.engine_max_tokens(generation, 3):
+        assert getattr(generation, trl_vllm.ENGINE_MAX_TOKENS) == 3
+    assert getattr(generation, trl_vllm.ENGINE_MAX_TOKENS) == 256

@@ -10,11 +10,13 @@ from contextlib import contextmanager
 
 import trl
 
+from .common import attribute_set
 from .versions import TRLCompatibilityError, tested_trl_versions_text
 
 __all__ = [
     "COLOCATE_SYNC_METHODS",
     "COLOCATE_WEIGHT_STREAM",
+    "ENGINE_MAX_TOKENS",
     "VLLM_CLIENT_FACTORY",
     "VLLM_CLIENT_MODULE",
     "VLLM_ENGINE_FACTORY",
@@ -22,6 +24,7 @@ __all__ = [
     "colocate_distribution",
     "colocate_weight_stream_name",
     "colocated_model_runner",
+    "engine_max_tokens",
     "kernel_scan_guard",
     "vllm_engine_factory",
 ]
@@ -63,6 +66,21 @@ def colocate_distribution(generation):
     `is_fsdp`, `fsdp_version` (1 or 2 under FSDP, else None; TRL 1.14-1.16), the same object TRL's own weight stream
     uses."""
     return generation._dist
+
+
+# Its `generate(prompts, images, num_generations)` reads `self.max_completion_length` at every call as the request's
+# `max_tokens`, asks for `self.logprobs` log-probs per token (GRPOTrainer passes 0: the sampled token's only) and, in
+# colocate mode, sends each prompt as its own request (n=1, `num_generations` unused); TRL starts the colocated engine
+# with logprobs_mode="processed_logprobs" (after temperature, top-p, top-k: what the token was drawn from).
+ENGINE_MAX_TOKENS = "max_completion_length"
+
+
+@contextmanager
+def engine_max_tokens(generation, max_tokens: int) -> Iterator[None]:
+    """Inside the block, every request TRL's `VLLMGeneration` (`generation`) sends asks for at most `max_tokens`
+    tokens."""
+    with attribute_set(generation, ENGINE_MAX_TOKENS, max_tokens):
+        yield
 
 
 # TRL builds the colocated engine with `LLM(...)` looked up in this module's namespace (VLLMGeneration._init_vllm),

@@ -2,11 +2,13 @@
 
 TRL's step waits for its longest completion. Here a step's generation works on a pool: the groups carried from earlier
 steps plus the step's own (TRL's generation batch). Every unfinished row is decoded by at most `partial_rollout_tokens`
-tokens at a time (one call of grpo_plus's generator on all of them, each row's prompt followed by the tokens it already
-has, under the current weights); after each chunk, once the pool holds as many complete groups (all G rows ended: EOS
-or max_completion_length) as the step trains, generation stops and the oldest complete groups are handed to TRL's
-scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the sampler drew it with (the
-processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the weights that drew it.
+tokens at a time (one call of TRL's `_generate_single_turn` on all of them, each row's prompt followed by the tokens it
+already has, under the current weights: grpo_plus's generator inside it, `chunk_decoder`, or TRL's colocated vLLM
+engine, `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete
+groups (all G rows ended: EOS or max_completion_length) as the step trains, generation stops and the oldest complete
+groups are handed to TRL's scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the
+sampler drew it with (the processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the
+weights that drew it.
 
 Where the carry comes from: the pool hands exactly one generation batch of groups per step, so it can carry only what
 came in beyond one batch. When a chunk leaves the pool short of complete groups, the next generation batch of the
@@ -31,6 +33,7 @@ from typing import Any
 
 from ..compat.common import attribute_set
 from ..compat.model import single_turn_arguments
+from ..compat.vllm import engine_max_tokens
 from ..zero_waste.multi_turn import TurnCache
 from .settings import PartialRolloutSettings
 
@@ -136,17 +139,41 @@ def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num
     return decode
 
 
+def engine_chunk_decoder(single_turn: Callable[..., tuple], vllm_generation: Any) -> Decode:
+    """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's) on TRL's colocated vLLM engine
+    (`vllm_generation`, TRL's `VLLMGeneration`): every row is its own request, its prompt ids and the tokens it has
+    sent as token ids, `max_tokens` the chunk's; each new token's log-prob is the one vLLM sampled it with (TRL asks
+    for the sampled token's, processed: `compat.vllm`). TRL syncs the weights into the engine at the step's first call.
+    Within a step the weights are the same and vLLM's prefix cache keeps what the step's earlier chunks computed
+    (`turns` is grpo_plus's generator's; the engine's own cache takes its place here)."""
+    extra_arguments = single_turn_arguments(1)  # a group's rows hold different tokens: never n copies of one prompt
+
+    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None):
+        with engine_max_tokens(vllm_generation, max_new_tokens):
+            completions, logps = single_turn(prompt_ids, None, {}, *extra_arguments)
+        if logps is None:
+            raise PartialRolloutError("TRL's vLLM generation returned no per-token log-probs (its `logprobs` is None)")
+        # vLLM reports an unavailable (NaN) log-prob as None (TRL's `extract_logprobs`): NaN, as TRL maps it
+        unknown = float("nan")
+        return [list(ids) for ids in completions], [
+            [unknown if value is None else float(value) for value in row] for row in logps
+        ]
+
+    return decode
+
+
 def trainer_blocker(
-    num_processes: int, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None
+    num_processes: int, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None, vllm: bool = False
 ) -> str | None:
-    """Why a trainer cannot run partial rollouts (a sentence naming what to change), or None."""
+    """Why a trainer cannot run partial rollouts (a sentence naming what to change), or None. `generation_blocker`:
+    why grpo_plus's generator cannot run, which matters without vLLM (`vllm`: the colocated engine decodes) only."""
     reasons = (
         (num_processes > 1, f"one process (this run has {num_processes}): the pool is one device's"),
         (has_tools, "no tools: a tool loop's turns are generated in several calls"),
         (has_rollout_func, "no rollout_func: it generates instead of grpo_plus's generator"),
         (
-            generation_blocker is not None,
-            f"grpo_plus's generator, which cannot run here: {generation_blocker}",
+            generation_blocker is not None and not vllm,
+            f"grpo_plus's generator (or colocated vLLM), and the generator cannot run here: {generation_blocker}",
         ),
     )
     for blocked, needs in reasons:

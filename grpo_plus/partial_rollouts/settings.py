@@ -1,11 +1,20 @@
-"""GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator (the
-code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in async_generation)."""
+"""GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator or
+colocated vLLM (the code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in
+async_generation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..settings import SettingsGroup, not_allowed, setting
+
+# Sampling settings whose meaning depends on which tokens are the completion: each chunk sends a row's tokens so far as
+# part of its prompt, so the sampler would count only the chunk's own (vLLM's presence / frequency penalties,
+# min_tokens and structured outputs; transformers' min_new_tokens). Repetition penalties, n-gram bans and
+# transformers' min_length cover the prompt as well: unchanged by chunks.
+COMPLETION_SCOPED_GENERATION_KWARGS = (
+    "presence_penalty", "frequency_penalty", "min_tokens", "structured_outputs", "min_new_tokens",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -14,7 +23,8 @@ class PartialRolloutSettings(SettingsGroup):
 
     tokens: int | None = setting(
         None,
-        "Partial rollouts for the long tail, one device, grpo_plus's own generator (zero_waste_generation, no vLLM): "
+        "Partial rollouts for the long tail, one device, grpo_plus's own generator (zero_waste_generation) or vLLM in "
+        "colocate mode: "
         "a step's generation decodes every unfinished completion by at most this many tokens at a time and stops "
         "as soon as it holds as many complete groups (all G completions ended) as the step trains; the unfinished "
         "rows keep their tokens and per-token sampler log-probs and continue in a later step under newer weights "
@@ -40,6 +50,7 @@ class PartialRolloutSettings(SettingsGroup):
         self,
         *,
         use_vllm: bool,
+        vllm_mode: str,
         zero_waste_generation: bool,
         async_generation: bool,
         speculative: bool,
@@ -47,19 +58,27 @@ class PartialRolloutSettings(SettingsGroup):
         selective_rollout: bool,
         continuous_batching: bool,
         greedy_baseline: bool = False,
+        generation_kwargs: dict | None = None,
+        structured_outputs_regex: str | None = None,
     ) -> None:
         """Refuse what partial rollouts cannot run with, naming the field and what to do instead."""
         if not self.enabled:
             return
+        scoped = [key for key in COMPLETION_SCOPED_GENERATION_KWARGS if key in (generation_kwargs or {})]
         refusals = (
             (
                 async_generation,
                 "with async_generation=True: asynchronous generation is the vLLM server's layout; partial rollouts "
                 "are the one-device one (choose one)",
             ),
-            (use_vllm, "with use_vllm=True: vLLM partial rollouts are not built yet (grpo_plus's generator only)"),
             (
-                not zero_waste_generation,
+                use_vllm and vllm_mode != "colocate",
+                f"with vllm_mode={vllm_mode!r}: vLLM partial rollouts run in colocate mode only (the server samples "
+                "a group as n completions of one prompt, and a group's carried rows hold different tokens); on one "
+                "device use vllm_mode='colocate' (or grpo_plus's generator), with a server async_generation=True",
+            ),
+            (
+                not use_vllm and not zero_waste_generation,
                 "with zero_waste_generation=False: partial rollouts run in grpo_plus's own generator, which records "
                 "each token's sampler log-prob (set zero_waste_generation=True)",
             ),
@@ -78,6 +97,17 @@ class PartialRolloutSettings(SettingsGroup):
                 continuous_batching,
                 "with use_transformers_continuous_batching=True: transformers' continuous batching generates there, "
                 "not grpo_plus's generator",
+            ),
+        )
+        refusals += (
+            (
+                bool(scoped),
+                f"with generation_kwargs {', '.join(scoped)}: each chunk sends a row's tokens so far as its prompt, so "
+                "a setting counted over the completion would see only the chunk's tokens",
+            ),
+            (
+                structured_outputs_regex is not None,
+                "with vllm_structured_outputs_regex: each chunk would restart the pattern at the row's tokens so far",
             ),
         )
         for refused, why in refusals:

@@ -47,6 +47,40 @@ class GroupRecorder:
                 yield batch["prompt_ids"][start : start + g], batch["advantages"][start : start + g]
 
 
+class PoolRecorder:
+    """Every handoff of a run's partial-rollout pool (grpo_plus.partial_rollouts), with a copy of the policy's weights
+    at each step that generated (`weights[step]`); set `trainer` once the run's trainer is built."""
+
+    def __init__(self, monkeypatch):
+        from grpo_plus.partial_rollouts.pool import PartialRollouts
+
+        self.handoffs, self.weights, self.trainer = [], {}, None
+        original, recorded = PartialRollouts.generation_batch, self
+
+        def recording(pool, inputs, step, metrics):
+            recorded.weights[step] = {k: v.detach().clone() for k, v in recorded.trainer.model.state_dict().items()}
+            handoff = original(pool, inputs, step, metrics)
+            recorded.handoffs.append(handoff)
+            return handoff
+
+        monkeypatch.setattr(PartialRollouts, "generation_batch", recording)
+
+
+def restore_rows_without_tokens(monkeypatch) -> None:
+    """A resumed pool's rows in flight lose their tokens, log-probs and versions (each restarts from its prompt): the
+    negative control of resuming with rows in flight."""
+    from grpo_plus.partial_rollouts.pool import PartialRollouts
+
+    load = PartialRollouts.load_state_dict
+
+    def without_tokens(pool, state):
+        load(pool, state)
+        for row in (row for group in pool.groups for row in group.rows if not row.finished):
+            row.tokens, row.logps, row.versions = [], [], []
+
+    monkeypatch.setattr(PartialRollouts, "load_state_dict", without_tokens)
+
+
 def record_trained_batches(trainer) -> list[tuple[int, dict]]:
     """Wraps the trainer's `_compute_loss`: the returned list receives (optimizer step being trained, the micro-batch's
     tensors, on CPU) for every micro-batch of the training pass."""

@@ -41,6 +41,11 @@ def odd_prompts_dead_reward(completions, prompts, **kwargs) -> list[float]:
     return [1.0 if starts_odd(p) else float(row % 2) for row, p in enumerate(prompts)]
 
 
+def alternating_reward(completions, **kwargs) -> list[float]:
+    """0/1 alternating by row: every group (of an even size) is informative whatever the model writes."""
+    return [float(row % 2) for row in range(len(completions))]
+
+
 def dead_rows(dataset) -> set[int]:
     """Rows of `prompt_dataset` that `odd_prompts_dead_reward` makes dead."""
     return {i for i, row in enumerate(dataset) if starts_odd(row["prompt"])}
