@@ -59,7 +59,7 @@ from .long_completions.lm_head_tiles import size_lm_head_tiles
 from .long_completions.offloading import training_step_context
 from .long_completions.tiled_mlp import tile_mlps
 from .objective import combine_rewards
-from .partial_rollouts import PartialRollouts, decoder, partial_rollouts_blocker
+from .partial_rollouts import PartialRollouts, chunk_decoder, engine_chunk_decoder, partial_rollouts_blocker
 from .rewards.runner import RewardRunner
 from .run.checkpoints import hide_local_base_model_path, without_hub_token
 from .run.distributed import check_launch, gather_rows, whole_model_for_generation
@@ -221,8 +221,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if reason := partial_rollouts_blocker(self.accelerator.num_processes, tools, rollout_func, why, self.use_vllm):
             raise ValueError(reason)
         reader = PromptLookahead(self.get_train_dataloader, self.args.steps_per_generation * self.num_iterations)
-        engine = self.vllm_generation if self.use_vllm else None  # colocated (server mode refused above)
-        decode = decoder(self._generate_single_turn, self.generation_config, self.num_generations, engine)
+        decode = (engine_chunk_decoder(self._generate_single_turn, self.vllm_generation) if self.use_vllm  # colocated
+                  else chunk_decoder(self._generate_single_turn, self.generation_config, self.num_generations))  # fmt: skip
         return PartialRollouts(self.plus.partial_rollouts, self.num_generations, self.max_completion_length,
             completion_eos_token_ids(self), reader, lambda prompts: self._tokenize_prompts(prompts)[0], decode,
             skip_data=not self.args.ignore_data_skip)  # fmt: skip

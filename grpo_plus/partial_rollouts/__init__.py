@@ -1,7 +1,7 @@
 """Partial rollouts for the long tail: a step's generation stops once it holds its groups (see `pool`); grpo_plus's
 generator or colocated vLLM."""
 
-from .pool import Chunk, Handoff, PartialRolloutError, PartialRollouts, chunk_decoder, decoder, engine_chunk_decoder
+from .pool import Chunk, Handoff, PartialRolloutError, PartialRollouts, chunk_decoder, engine_chunk_decoder
 from .pool import trainer_blocker as partial_rollouts_blocker
 from .settings import PartialRolloutSettings
 
@@ -12,7 +12,6 @@ __all__ = [
     "PartialRolloutSettings",
     "PartialRollouts",
     "chunk_decoder",
-    "decoder",
     "engine_chunk_decoder",
     "partial_rollouts_blocker",
 ]

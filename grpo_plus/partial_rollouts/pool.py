@@ -162,16 +162,6 @@ def engine_chunk_decoder(single_turn: Callable[..., tuple], vllm_generation: Any
     return decode
 
 
-def decoder(
-    single_turn: Callable[..., tuple], generation_config: Any, num_generations: int, vllm_generation: Any
-) -> Decode:
-    """The pool's `Decode`: on TRL's colocated vLLM engine when `vllm_generation` is given (`engine_chunk_decoder`),
-    else through grpo_plus's generator (`chunk_decoder`)."""
-    if vllm_generation is not None:
-        return engine_chunk_decoder(single_turn, vllm_generation)
-    return chunk_decoder(single_turn, generation_config, num_generations)
-
-
 def trainer_blocker(
     num_processes: int, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None, vllm: bool = False
 ) -> str | None:
