@@ -38,64 +38,18 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from harness.evaluation import HeldOutEval
 from harness.flags import arguments
 from harness.report import ROOT, start_report, write_report
 from harness.trainers import SIDES, demo_settings, demo_trainer, model_path, run_in_lockstep
-from transformers import PrinterCallback, TrainerCallback
+from transformers import PrinterCallback
 
 RESULTS = ROOT / "docs" / "guide" / "results"
 LABELS = {"trl": "stock TRL", "ours": "grpo_plus"}
 PRECISIONS = ("float32", "bf16")
 EVAL_MAX_NEW_TOKENS = 24  # the demo config's eval_max_new_tokens
-
-
-class HeldOutEval(TrainerCallback):
-    """Greedy held-out accuracy of one trainer before training and every `every` steps, against the summed step
-    times of its `timer` (harness.timing.StepTimer). Added after the timer, so it runs outside the timed step; the
-    random state is put back after each evaluation (the timer's RngStates), so evaluating changes nothing the trainer
-    draws."""
-
-    def __init__(self, name: str, timer, dataset, tokenizer, every: int, scorers: tuple):
-        self.name, self.timer, self.rng, self.dataset, self.tokenizer = name, timer, timer.rng, dataset, tokenizer
-        self.every, self.scorers, self.points = every, scorers, []
-
-    def _evaluate(self, model, step: int) -> None:
-        from grpo_plus.app import tasks
-
-        key = f"{self.name}/eval"
-        self.rng.save(key)
-        start = time.perf_counter()
-        correctness, format_reward = self.scorers
-        result = tasks.evaluate(
-            model, self.tokenizer, self.dataset, max_new_tokens=EVAL_MAX_NEW_TOKENS, progress=False,
-            correctness=correctness, format=format_reward,
-        )  # fmt: skip
-        self.rng.restore(key)
-        self.points.append(
-            {
-                "step": step,
-                "train_seconds": sum(self.timer.step),
-                "accuracy": result["accuracy"],
-                "format_rate": result["format_rate"],
-                "eval_seconds": time.perf_counter() - start,
-                "load_average": os.getloadavg()[0],  # the machine's 1-minute load (shared machine)
-            }
-        )
-        print(
-            f"  {LABELS[self.name]:9s} step {step:3d}  training {sum(self.timer.step) / 60:5.2f} min  "
-            f"held-out accuracy {result['accuracy']:.3f}",
-            flush=True,
-        )
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._evaluate(model, 0)
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
-            self._evaluate(model, state.global_step)
 
 
 def accuracy_at(points: list[dict], seconds: float) -> dict:
@@ -249,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, side in built.items():
             trainer = side["trainer"]
             side["evals"] = HeldOutEval(
-                name, side["timer"], held_out, trainer.processing_class, args.eval_every, rewards
-            )
+                name, side["timer"], held_out, trainer.processing_class, args.eval_every, rewards,
+                max_new_tokens=EVAL_MAX_NEW_TOKENS, label=LABELS[name],
+            )  # fmt: skip
             trainer.add_callback(side["evals"])  # after the StepTimer: outside the timed step
             trainer.remove_callback(PrinterCallback)  # every step's log dict, twice over: the JSON has what matters
 

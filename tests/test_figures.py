@@ -818,6 +818,68 @@ QUOTES += [
     )
 ]
 
+SPECULATIVE_ACCURACY = "speculative_accuracy.json"
+
+
+def speculative_accuracy_row(index: int) -> Callable[[dict], tuple]:
+    """One evaluated step of the accuracy part: each side's accuracy per seed and mean, and whether each side's mean
+    lies within the other side's seeds (recomputed from the per-seed accuracies)."""
+
+    def figures(data: dict) -> tuple:
+        row = data["summary"]["per_step"][index]
+        plain, ours = row["plain"]["per_seed"], row["speculative"]["per_seed"]
+
+        def within(value: float, seeds: list[float]) -> str:
+            return "yes" if min(seeds) - 1e-12 <= value <= max(seeds) + 1e-12 else "**no**"
+
+        return (
+            row["step"], " / ".join(f"{a:.3f}" for a in plain), " / ".join(f"{a:.3f}" for a in ours),
+            f"{statistics.fmean(plain):.3f}", f"{statistics.fmean(ours):.3f}",
+            within(statistics.fmean(ours), plain), within(statistics.fmean(plain), ours),
+        )  # fmt: skip
+
+    return figures
+
+
+QUOTES += [
+    Quote(
+        "docs/guide/speculative-rollouts.md",
+        "| {} | {} | {} | {} | {} | {} | {} |",
+        SPECULATIVE_ACCURACY,
+        speculative_accuracy_row(index),
+    )  # fmt: skip
+    for index in range(len(results(SPECULATIVE_ACCURACY)["summary"]["per_step"]))
+]
+QUOTES.append(
+    Quote(
+        "docs/guide/speculative-rollouts.md",
+        "the speculative side kept {} of its drafted tokens ({} tokens per row forward); the mean training reward was"
+        " {} plain, {} speculative",
+        SPECULATIVE_ACCURACY,
+        lambda data: (
+            f"{data['summary']['speculative_acceptance_rate']:.2f}",
+            f"{data['summary']['speculative_tokens_per_row_forward']:.2f}",
+            *(f"{data['summary']['mean_reward'][side]:.3f}" for side in ("plain", "speculative")),
+        ),
+    )
+)
+
+
+def step_4_outside(data: dict) -> tuple:
+    row = data["summary"]["per_step"][1]
+    ours = row["speculative"]["per_seed"]
+    return row["step"], f"{statistics.fmean(row['plain']['per_seed']):.3f}", f"{min(ours):.3f}", f"{max(ours):.3f}"
+
+
+QUOTES.append(
+    Quote(
+        "docs/guide/speculative-rollouts.md",
+        "but not at step {} ({} against speculation's {}-{})",
+        SPECULATIVE_ACCURACY,
+        step_4_outside,
+    )
+)
+
 # ---- the checks --------------------------------------------------------------------------------------------------------
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.histograms import homogeneity_p_values
 from helpers.models import make_tokenizer, tiny_config
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
 
@@ -229,20 +230,6 @@ def histograms(model, speculation, seed: int) -> tuple[torch.Tensor, Speculation
     return counts, totals
 
 
-def homogeneity_p_values(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """Chi-squared test that two samples' (positions, categories) histograms come from one distribution: the p-value
-    of each position (categories empty on both sides dropped)."""
-    p_values = []
-    for a, b in zip(first.double(), second.double(), strict=True):
-        seen = (a + b) > 0
-        table = torch.stack([a[seen], b[seen]])
-        expected = table.sum(1, keepdim=True) * table.sum(0, keepdim=True) / table.sum()
-        statistic = ((table - expected) ** 2 / expected).sum()
-        dof = int(seen.sum()) - 1
-        p_values.append(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2) if dof > 0 else 1.0)
-    return torch.tensor(p_values)
-
-
 def keep_every_draft(draft_probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """The negative control's acceptance rule: keeps every drafted token, whatever its probability."""
     return torch.ones_like(draft_probs, dtype=torch.bool)
@@ -438,6 +425,56 @@ def test_the_benchmark_smoke_run_reports_both_sides(tmp_path, benchmark_in_this_
         plain, ours = case["plain"], case["speculative"]
         assert plain["fallback"] is None and ours["fallback"] is None
         assert 0 < plain["mean_length"] <= 16 and 0 < ours["mean_length"] <= 16 and ours["tokens_per_row_forward"] >= 1
+
+
+@needs_loop
+@pytest.mark.engine  # two trainers in lock-step, a few steps each
+def test_the_benchmark_accuracy_part_reports_both_sides_per_evaluated_step(tmp_path, benchmark_in_this_process):
+    """benchmarks/speculative_rollouts.py --part accuracy cannot rot: its --smoke run (the random tiny model, chain_sum)
+    trains the plain and the speculative side in lock-step and reports held-out accuracy per evaluated step and
+    seed, each side's mean against the other's seeds, and the speculative side's acceptance."""
+    import json
+
+    import speculative_rollouts
+
+    output = tmp_path / "accuracy.json"
+    speculative_rollouts.main(["--part", "accuracy", "--smoke", "--json", str(output)])
+    report = json.loads(output.read_text())
+    (run,) = report["runs"]
+    for side in ("plain", "speculative"):
+        assert [point["step"] for point in run[side]["evals"]] == [0, 1, 2]
+        assert len(run[side]["rewards"]) == 2
+    assert len(run["speculative"]["acceptance_rate"]) == 2 and "acceptance_rate" not in run["plain"]
+    summary = report["summary"]
+    assert [row["step"] for row in summary["per_step"]] == [0, 1, 2]
+    # before training both sides are the same model (LoRA starts as the identity): the same held-out accuracy
+    first = summary["per_step"][0]
+    assert first["plain"]["per_seed"] == first["speculative"]["per_seed"]
+    assert first["speculative_mean_within_plain_seeds"] and first["plain_mean_within_speculative_seeds"]
+    assert summary["speculative_tokens_per_row_forward"] >= 1
+
+
+def test_the_accuracy_summary_says_where_a_sides_mean_leaves_the_other_sides_seeds(benchmark_in_this_process):
+    """Step 0: the speculative mean (0.5) inside plain's seeds (0.4-0.6) and the reverse; step 4: the speculative
+    side's seeds all at 0.1, far below plain's 0.5-0.7: both means outside the other side's range."""
+    import speculative_rollouts
+
+    def side(accuracies, speculative=False):
+        evals = [{"step": step, "accuracy": accuracy} for step, accuracy in zip((0, 4), accuracies, strict=True)]
+        extra = {"acceptance_rate": [0.25], "tokens_per_row_forward": [1.5]} if speculative else {}
+        return {"evals": evals, "rewards": [0.1], **extra}
+
+    runs = [
+        {"plain": side(plain), "speculative": side(ours, speculative=True)}
+        for plain, ours in (((0.4, 0.5), (0.5, 0.1)), ((0.6, 0.7), (0.5, 0.1)), ((0.5, 0.6), (0.5, 0.1)))
+    ]
+    summary = speculative_rollouts.accuracy_summary(runs)
+    first, second = summary["per_step"]
+    assert first["speculative_mean_within_plain_seeds"] and first["plain_mean_within_speculative_seeds"]
+    assert not second["speculative_mean_within_plain_seeds"] and not second["plain_mean_within_speculative_seeds"]
+    assert second["plain"] == {"per_seed": [0.5, 0.7, 0.6], "mean": pytest.approx(0.6), "min": 0.5, "max": 0.7}
+    assert not summary["speculative_within_plain_at_every_step"]
+    assert summary["speculative_acceptance_rate"] == 0.25 and summary["speculative_tokens_per_row_forward"] == 1.5
 
 
 def test_the_gsm8k_format_file_is_gsm8k_shaped_and_its_steps_add_up(benchmark_in_this_process):

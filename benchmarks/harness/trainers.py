@@ -89,22 +89,24 @@ def build_trainers(make, sides=SIDES, baton=None, rng=None, seed: int = 0) -> di
     return built
 
 
-def run_in_lockstep(make, sides=SIDES, prepare=None) -> dict[str, dict]:
+def run_in_lockstep(make, sides=SIDES, prepare=None, seed: int = 0) -> dict[str, dict]:
     """Build the sides (build_trainers) and train them in one process in lock-step (harness.lockstep: the first side's
     step 1, the next side's, ..., then step 2), each with its own random state, so that in float32 they sample the same
-    completions and machine load hits them alike; `prepare(built)` runs once all are built. Returns the sides."""
+    completions and machine load hits them alike; `prepare(built)` runs once all are built; `seed` seeds the building
+    and the training. Returns the sides."""
     baton, rng = Baton(list(sides)), RngStates()
-    built = build_trainers(make, sides, baton, rng)
+    built = build_trainers(make, sides, baton, rng, seed=seed)
     if prepare is not None:
         prepare(built)
-    train_in_lockstep({name: side["trainer"] for name, side in built.items()}, baton)
+    train_in_lockstep({name: side["trainer"] for name, side in built.items()}, baton, seed=seed)
     return built
 
 
-def demo_trainer(settings: dict, dataset=None, reward_funcs=None, model_dir=None):
+def demo_trainer(settings: dict, dataset=None, reward_funcs=None, model_dir=None, side_settings=None):
     """A `make` for build_trainers: the demo's run (the embedded SmolLM2-135M-Instruct in float32 + demo_lora(),
     one-digit sums, correctness + format rewards) with GRPOConfig `settings`, unless given a `dataset`, `reward_funcs`
-    and a model directory (`model_dir`, with its tokenizer)."""
+    and a model directory (`model_dir`, with its tokenizer); `side_settings` (side name -> GRPOConfig fields) adds a
+    side's own fields to `settings`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -119,7 +121,7 @@ def demo_trainer(settings: dict, dataset=None, reward_funcs=None, model_dir=None
         return package.GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
             reward_funcs=reward_funcs,
-            args=package.GRPOConfig(**settings),
+            args=package.GRPOConfig(**settings | (side_settings or {}).get(name, {})),
             train_dataset=dataset,
             processing_class=tokenizer,
             peft_config=demo_lora(),
