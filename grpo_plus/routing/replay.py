@@ -141,13 +141,11 @@ class RouteReplay:
 
     @contextlib.contextmanager
     def hooks_held(self, model: torch.nn.Module) -> Iterator[None]:
-        """Within the block, `model`'s routers follow the plan any forward hands them (installed on the first entry,
-        removed at the last exit)."""
-        stack, layers = self._layout(model)
-        key = id(stack)  # one install per model, whatever wrapper (PEFT, DDP) is handed in
+        """Within the block, `model`'s routers follow the plan any forward hands them: the hooks, installed by the
+        first `planned` block inside it, stay until the last exit (a training step: its generation runs before any
+        plan, without them; the recompute in backward, after the plans, with them)."""
+        key = id(self._layout(model)[0])  # one install per model, whatever wrapper (PEFT, DDP) is handed in
         count, handles = self._held.get(key, (0, None))
-        if handles is None:
-            handles = _install(layers)
         self._held[key] = (count + 1, handles)
         try:
             yield
@@ -155,9 +153,16 @@ class RouteReplay:
             count, handles = self._held.pop(key)
             if count > 1:
                 self._held[key] = (count - 1, handles)
-            else:
+            elif handles is not None:
                 for handle in handles:
                     handle.remove()
+
+    def _install_held(self, model: torch.nn.Module) -> None:
+        """Install `model`'s hooks inside a `hooks_held` block, unless they are."""
+        stack, layers = self._layout(model)
+        count, handles = self._held[id(stack)]
+        if handles is None:
+            self._held[id(stack)] = (count, _install(layers))
 
     @contextlib.contextmanager
     def planned(self, model: torch.nn.Module, plan: torch.Tensor, tally: RouteTally | None = None) -> Iterator[None]:
@@ -188,6 +193,7 @@ class RouteReplay:
         handle = stack.register_forward_pre_hook(hand_plan, with_kwargs=True)
         try:
             with self.hooks_held(model):
+                self._install_held(model)
                 yield
         finally:
             handle.remove()
