@@ -46,10 +46,13 @@ class RouteTally:
     route_flips: int | torch.Tensor = 0  # the experts the experts modules received differ in some layer
 
     def log(self, metrics: dict[str, list]) -> None:
-        tokens = int(self.tokens)
+        counts = (self.tokens, self.route_flips, self.router_flips)
+        if isinstance(self.tokens, torch.Tensor):  # one read from the device, not three
+            counts = torch.stack([torch.as_tensor(count, device=self.tokens.device) for count in counts]).tolist()
+        tokens, route_flips, router_flips = (int(count) for count in counts)
         if tokens:
-            metrics["routing/route_flips"].append(float(self.route_flips) / tokens)
-            metrics["routing/router_flips"].append(float(self.router_flips) / tokens)
+            metrics["routing/route_flips"].append(route_flips / tokens)
+            metrics["routing/router_flips"].append(router_flips / tokens)
 
 
 @dataclass
