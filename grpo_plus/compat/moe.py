@@ -221,14 +221,24 @@ class MoeLayer(NamedTuple):
 
 def moe_layers(model: torch.nn.Module) -> list[MoeLayer]:
     """Every MoE decoder layer of `model` (wrappers looked through), in order; [] for a model without them."""
+    # One walk (pre-order: a decoder layer's modules follow it): each layer's first router and first module named
+    # "...experts" below it. Routing replay looks for them at every training step.
     found = []
-    for module in model.modules():
-        if not hasattr(module, "self_attn"):
-            continue
-        routers = [m for m in module.modules() if type(m).__name__ in ROUTER_COMBINE_WEIGHTS]
-        experts = [m for name, m in module.named_modules() if name.endswith("experts") and m is not module]
-        if routers and experts:
-            found.append(MoeLayer(module.self_attn, routers[0], experts[0]))
+    layer, prefix, router, experts = None, "", None, None
+    for name, module in [*model.named_modules(), ("", None)]:
+        if layer is not None and (module is None or hasattr(module, "self_attn") or not name.startswith(prefix)):
+            if router is not None and experts is not None:
+                found.append(MoeLayer(layer.self_attn, router, experts))
+            layer = None
+        if module is None:
+            break
+        if hasattr(module, "self_attn"):
+            layer, prefix, router, experts = module, f"{name}." if name else "", None, None
+        elif layer is not None:
+            if router is None and type(module).__name__ in ROUTER_COMBINE_WEIGHTS:
+                router = module
+            if experts is None and name.endswith("experts"):
+                experts = module
     return found
 
 

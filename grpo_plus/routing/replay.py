@@ -23,6 +23,7 @@ least one layer, as a share of the recorded completion tokens.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -45,38 +46,52 @@ class RouteTally:
     route_flips: int | torch.Tensor = 0  # the experts the experts modules received differ in some layer
 
     def log(self, metrics: dict[str, list]) -> None:
-        tokens = int(self.tokens)
+        counts = (self.tokens, self.route_flips, self.router_flips)
+        if isinstance(self.tokens, torch.Tensor):  # one read from the device, not three
+            counts = torch.stack([torch.as_tensor(count, device=self.tokens.device) for count in counts]).tolist()
+        tokens, route_flips, router_flips = (int(count) for count in counts)
         if tokens:
-            metrics["routing/route_flips"].append(float(self.route_flips) / tokens)
-            metrics["routing/router_flips"].append(float(self.router_flips) / tokens)
+            metrics["routing/route_flips"].append(route_flips / tokens)
+            metrics["routing/router_flips"].append(router_flips / tokens)
 
 
 @dataclass
 class RoutePlan:
     """One model call's recorded experts, flattened as the routers see the tokens (row-major (rows x columns))."""
 
-    experts: torch.Tensor  # (layers, tokens, k) int16 (a layer's is made long when it routes), NO_ROUTE: none
+    experts: torch.Tensor  # (layers, tokens, k) long (made so once per call, not per layer), NO_ROUTE: none
     replay: bool
     tally: RouteTally | None = None
     recorded: torch.Tensor = field(init=False)  # (tokens,) bool
     router_flips: torch.Tensor = field(init=False)
     route_flips: torch.Tensor = field(init=False)
+    _sorted: torch.Tensor | None = field(default=None, init=False)  # the records sorted along k (the receipt's)
     _seen: set = field(default_factory=set, init=False)  # (part, layer) already tallied: a recompute is not counted
 
     def __post_init__(self) -> None:
         self.recorded = (self.experts >= 0).all(dim=-1).all(dim=0)
-        self.router_flips = torch.zeros_like(self.recorded)
-        self.route_flips = torch.zeros_like(self.recorded)
+        if self.tally is not None:
+            self.router_flips = torch.zeros_like(self.recorded)
+            self.route_flips = torch.zeros_like(self.recorded)
+            self._sorted = self.experts.sort(dim=-1).values  # every layer's at once
 
-    def note(self, part: str, layer: int, chosen: torch.Tensor) -> None:
-        """OR into `part`'s flips where `chosen` (tokens, k) is another set of experts than the recorded one."""
+    def note(self, part: str, layer: int, chosen: torch.Tensor) -> torch.Tensor | None:
+        """OR into `part`'s flips where `chosen` (tokens, k) is another set of experts than the recorded one; returns
+        where it is (None: not tallied, a recompute or no tally)."""
+        if self.tally is None or (part, layer) in self._seen:
+            return None
+        differs = (chosen.sort(dim=-1).values != self._sorted[layer]).any(dim=-1) & self.recorded
+        self.noted(part, layer, differs)
+        return differs
+
+    def noted(self, part: str, layer: int, differs: torch.Tensor | None) -> None:
+        """OR `differs` (tokens,) bool, known without comparing (None: differs nowhere), into `part`'s flips."""
         if self.tally is None or (part, layer) in self._seen:
             return
         self._seen.add((part, layer))
-        recorded = self.experts[layer].long()
-        differs = (chosen.sort(dim=-1).values != recorded.sort(dim=-1).values).any(dim=-1) & self.recorded
-        flips = self.router_flips if part == "router" else self.route_flips
-        flips |= differs
+        if differs is not None:
+            flips = self.router_flips if part == "router" else self.route_flips
+            flips |= differs
 
     def close(self) -> None:
         """Add this call's counts to its tally."""
@@ -112,6 +127,16 @@ class RouteReplay:
     def __init__(self, replay: bool):
         self.replay = replay
         self._held: dict[int, tuple[int, list]] = {}
+        self._layouts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _layout(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[MoeLayer]]:
+        """`model`'s decoder stack and MoE layers, found on its first use (a walk over its modules, which every
+        training step would repeat otherwise): a run's model keeps its modules (PEFT wraps it before training)."""
+        layout = self._layouts.get(model)
+        if layout is None:
+            layers = moe_layers(model)
+            layout = self._layouts[model] = (_decoder_stack(model, layers), layers)
+        return layout
 
     @staticmethod
     def blocker(model: torch.nn.Module) -> str | None:
@@ -119,12 +144,11 @@ class RouteReplay:
 
     @contextlib.contextmanager
     def hooks_held(self, model: torch.nn.Module) -> Iterator[None]:
-        """Within the block, `model`'s routers follow the plan any forward hands them (installed on the first entry,
-        removed at the last exit)."""
-        key = id(_decoder_stack(model))  # one install per model, whatever wrapper (PEFT, DDP) is handed in
+        """Within the block, `model`'s routers follow the plan any forward hands them: the hooks, installed by the
+        first `planned` block inside it, stay until the last exit (a training step: its generation runs before any
+        plan, without them; the recompute in backward, after the plans, with them)."""
+        key = id(self._layout(model)[0])  # one install per model, whatever wrapper (PEFT, DDP) is handed in
         count, handles = self._held.get(key, (0, None))
-        if handles is None:
-            handles = _install(moe_layers(model))
         self._held[key] = (count + 1, handles)
         try:
             yield
@@ -132,16 +156,23 @@ class RouteReplay:
             count, handles = self._held.pop(key)
             if count > 1:
                 self._held[key] = (count - 1, handles)
-            else:
+            elif handles is not None:
                 for handle in handles:
                     handle.remove()
+
+    def _install_held(self, model: torch.nn.Module) -> None:
+        """Install `model`'s hooks inside a `hooks_held` block, unless they are."""
+        stack, layers = self._layout(model)
+        count, handles = self._held[id(stack)]
+        if handles is None:
+            self._held[id(stack)] = (count, _install(layers))
 
     @contextlib.contextmanager
     def planned(self, model: torch.nn.Module, plan: torch.Tensor, tally: RouteTally | None = None) -> Iterator[None]:
         """Within the block, each call of `model`'s decoder stack routes the next rows of `plan` (rows, width, layers,
         k): a call of n rows of `width` tokens takes n rows, in order (TRL's no-grad passes chunk the rows so). Fails
         at exit if the calls did not take every row (a layout the plan does not describe)."""
-        stack = _decoder_stack(model)
+        stack, _ = self._layout(model)
         taken = 0
         plans: list[RoutePlan] = []
 
@@ -156,7 +187,7 @@ class RouteReplay:
                     f"routing replay: a model call of {rows} x {width} tokens after {taken} of the plan's "
                     f"{plan.shape[0]} x {plan.shape[1]}: the forward's layout is not the plan's"
                 )
-            part = plan[taken : taken + rows].to(ids.device)
+            part = plan[taken : taken + rows].to(ids.device, torch.long)
             taken += rows
             experts = part.permute(2, 0, 1, 3).reshape(part.shape[2], rows * width, part.shape[3])
             plans.append(RoutePlan(experts, self.replay, tally))
@@ -165,6 +196,7 @@ class RouteReplay:
         handle = stack.register_forward_pre_hook(hand_plan, with_kwargs=True)
         try:
             with self.hooks_held(model):
+                self._install_held(model)
                 yield
         finally:
             handle.remove()
@@ -174,9 +206,9 @@ class RouteReplay:
             raise RuntimeError(f"routing replay: the model calls took {taken} of the plan's {plan.shape[0]} rows")
 
 
-def _decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward runs the decoder layers (its keyword arguments reach each of them)."""
-    layers = moe_layers(model)
+def _decoder_stack(model: torch.nn.Module, layers: list[MoeLayer]) -> torch.nn.Module:
+    """The module whose forward runs the decoder layers (its keyword arguments reach each of them); `layers`: its
+    `moe_layers`."""
     first = next(module for module in model.modules() if hasattr(module, "self_attn") and
                  module.self_attn is layers[0].attention)  # fmt: skip
     for module in model.modules():
@@ -190,7 +222,8 @@ def _install(layers: list[MoeLayer]) -> list:
     """The hooks that carry a plan from each layer's attention to its router and experts module."""
     handles = []
     for index, layer in enumerate(layers):
-        slot: dict[str, RoutePlan | None] = {"router": None, "experts": None}
+        # "handed": the experts tensor the router's forward gave the block, and where it differs from the records
+        slot: dict = {"router": None, "experts": None, "handed": None}
 
         def take_plan(module, args, kwargs, slot=slot):
             slot["router"] = kwargs.pop(REPLAY_ARGUMENT, None)
@@ -207,17 +240,24 @@ def _install(layers: list[MoeLayer]) -> list:
                     f"routing replay: layer {index}'s router saw {logits.shape[0]} tokens, the plan has "
                     f"{plan.experts.shape[1]}"
                 )
-            plan.note("router", index, chosen)
+            differs = plan.note("router", index, chosen)
             if not plan.replay:
+                slot["handed"] = None if differs is None else (chosen, differs)
                 return None
             recorded = plan.recorded[:, None]
             experts = torch.where(recorded, plan.experts[index].to(chosen.dtype), chosen)
             replayed = combine_weights_at(router, logits, experts, weights.dtype)
-            return logits, torch.where(recorded, replayed, weights), experts.to(chosen.dtype)
+            slot["handed"] = (experts, None)  # the records wherever there is one: differs nowhere
+            return logits, torch.where(recorded, replayed, weights), experts
 
         def received(module, args, slot=slot, index=index):
             plan, slot["experts"] = slot["experts"], None
-            if plan is not None and len(args) > 1:
+            handed, slot["handed"] = slot["handed"] or (None, None), None
+            if plan is None or len(args) <= 1:
+                return
+            if args[1] is handed[0]:  # the very tensor the router gave: its comparison is known
+                plan.noted("experts", index, handed[1])
+            else:
                 plan.note("experts", index, args[1])
 
         handles.append(layer.attention.register_forward_pre_hook(take_plan, with_kwargs=True))
@@ -227,13 +267,13 @@ def _install(layers: list[MoeLayer]) -> list:
 
 
 @contextlib.contextmanager
-def recorded_experts(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+def recorded_experts(model: torch.nn.Module, layers: list[MoeLayer] | None = None) -> Iterator[list[torch.Tensor]]:
     """Within the block, every forward of `model` appends each MoE layer's chosen experts ((tokens, k), in layer
-    order) to the yielded list (the generator clears it after each step)."""
+    order) to the yielded list (the generator clears it after each step); `layers`: its `moe_layers`, if known."""
     chosen: list[torch.Tensor] = []
     handles = [
         layer.router.register_forward_hook(lambda module, args, output: chosen.append(output[2].detach()))
-        for layer in moe_layers(model)
+        for layer in (moe_layers(model) if layers is None else layers)
     ]
     try:
         yield chosen
@@ -245,8 +285,8 @@ def recorded_experts(model: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
 class StepRoutes:
     """The experts of each decoding step of one `generate` call, assembled into (B, completion width, layers, k)."""
 
-    def __init__(self, model: torch.nn.Module, batch_size: int):
-        layers = moe_layers(model)
+    def __init__(self, layers: list[MoeLayer], batch_size: int):
+        """`layers`: the model's `moe_layers`."""
         self.shape = (batch_size, len(layers), layers[0].router.top_k if layers else 0)
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
 

@@ -43,6 +43,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..compat.model import cache_argument_name
+from ..compat.moe import moe_layers
 from ..compat.versions import version_gap
 from ..routing.replay import StepRoutes, recorded_experts
 from .images import IMAGE_KEYS, PER_TOKEN_KEYS, RowImages, image_prompts_blocker
@@ -368,8 +369,9 @@ def decode_rows(
     # MoE models switch expert kernels for decoding on accelerators, as transformers' loop does.
     optimized_for_decode = getattr(model, "_optimize_model_for_decode", contextlib.nullcontext)
     # routing replay: decoding step j feeds in completion token j of the live rows; its experts are that token's
-    steps = StepRoutes(model, batch_size) if stats.record_routes else None
-    recording = recorded_experts(model) if steps is not None else contextlib.nullcontext()
+    layers = moe_layers(model) if stats.record_routes else None
+    steps = StepRoutes(layers, batch_size) if layers is not None else None
+    recording = recorded_experts(model, layers) if layers is not None else contextlib.nullcontext()
     logps: list[torch.Tensor] | None = [] if stats.record_logps else None
     with optimized_for_decode(), recording as chosen:
         while True:
