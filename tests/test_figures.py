@@ -763,6 +763,34 @@ QUOTES += [
 ]
 
 
+ASYNC_MISMATCH = "async_generation_mismatch.json"
+MISMATCH_KEYS = ("sampling_logp_difference/mean", "sampling_logp_difference/max", "importance_sampling_ratio/min",
+                 "importance_sampling_ratio/mean", "importance_sampling_ratio/max")  # fmt: skip
+
+
+def mismatch_row(side: str):
+    def gap(x: float) -> str:
+        return f"{x:.2g}" if abs(x) < 0.01 else f"{x:.3g}"
+
+    def ratio(x: float) -> str:
+        return f"{x:.5f}" if abs(x - 1) < 1e-3 else f"{x:.3f}"
+
+    def figures(data: dict) -> tuple:
+        metrics = data["summary"]["0"]["mismatch"][side]
+        values = [metrics[f"sampling/{key}"] for key in MISMATCH_KEYS]
+        return (*map(gap, values[:2]), *map(ratio, values[2:]))
+
+    return figures
+
+
+QUOTES += [
+    Quote("docs/guide/async-generation.md", "| TRL's loop (on-policy) | {} | {} | {} | {} | {} |", ASYNC_MISMATCH,
+          mismatch_row("sync")),
+    Quote("docs/guide/async-generation.md", "| asynchronous, `max_staleness=1` | {} | {} | {} | {} | {} |",
+          ASYNC_MISMATCH, mismatch_row("async")),
+]  # fmt: skip
+
+
 def partial_row(data: dict) -> tuple:
     run = data["summary"]["0"]
     medians, accuracy = run["medians"], run["held_out_accuracy"]
