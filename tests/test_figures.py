@@ -791,6 +791,41 @@ QUOTES += [
 ]  # fmt: skip
 
 
+PARTIAL_LEARNING = "partial_rollouts_learning.json"
+
+
+def partial_learning_row(step: int):
+    def figures(data: dict) -> tuple:
+        sides = data["learning"]["sides"]
+        return tuple(
+            figure
+            for side in ("ours", "partial")
+            for figure in (
+                f"{sides[side]['reward_mean'][step]:.3f}",
+                f"{sides[side]['reward_low'][step]:.2f}",
+                f"{sides[side]['reward_high'][step]:.2f}",
+            )
+        )
+
+    return figures
+
+
+def partial_learning_accuracy(data: dict) -> tuple:
+    sides = data["learning"]["sides"]
+    return tuple(f"{accuracy:.3f}" for side in ("ours", "partial") for accuracy in sides[side]["held_out_accuracy"])
+
+
+QUOTES += [
+    Quote("docs/guide/async-generation.md", f"| {step} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |", PARTIAL_LEARNING,
+          partial_learning_row(step))
+    for step in (0, 4, 8, 12, 15)
+] + [
+    Quote("docs/guide/async-generation.md",
+          "| held-out accuracy after step 16, seeds 0 / 1 / 2 | {} / {} / {} | {} / {} / {} |", PARTIAL_LEARNING,
+          partial_learning_accuracy),
+]  # fmt: skip
+
+
 def partial_row(data: dict) -> tuple:
     run = data["summary"]["0"]
     medians, accuracy = run["medians"], run["held_out_accuracy"]
