@@ -195,10 +195,9 @@ def transformers_samples(model, temperature: float, seed: int) -> list[list[int]
 def test_speculation_while_sampling_is_refused_on_the_cpu_build(tmp_path, top_k):
     """What the test below shows, at construction: on the CPU build a trainer that samples (anything but top_k=1)
     with vllm_speculative_config is refused, naming the field, what happens and what is allowed; top_k=1 builds."""
-    cpu = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=4, vllm_speculative_config=NGRAM)
     with pytest.raises(ValueError, match="(?s)vllm_speculative_config.*CPU build while sampling.*top_k=1"):
-        grpo_plus.GRPOConfig(**cpu, **{**VLLM, "top_k": top_k})
-    assert grpo_plus.GRPOConfig(**cpu, **VLLM).top_k == 1
+        grpo_plus.GRPOConfig(output_dir=str(tmp_path), **{**VLLM, "top_k": top_k}, vllm_speculative_config=NGRAM)
+    assert grpo_plus.GRPOConfig(output_dir=str(tmp_path), **VLLM, vllm_speculative_config=NGRAM).top_k == 1
 
 
 def test_ngram_drafts_change_what_the_cpu_engine_samples_at_temperature_1(
