@@ -75,15 +75,31 @@ def torch_seeded_per_test(request):
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
+# torch.distributed's rendezvous, as the session started with it. TRL's colocated vLLM exports RANK, WORLD_SIZE and
+# MASTER_PORT (its first free candidate, 23456) for the engine it starts in the pytest process, which then listens on
+# that port; a module-scoped fixture's engine sets them before any test's snapshot, so a later subprocess (a one-process
+# train_tiny.py) would inherit them and fail to rendezvous: EADDRINUSE.
+RENDEZVOUS_AT_SESSION_START = {
+    name: os.environ.get(name)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+}
+
+
 @pytest.fixture(autouse=True)
 def restore_environment():
     """Undo environment variables a test left behind: transformers 4.x's TrainingArguments exports settings such as
-    ACCELERATE_MIXED_PRECISION=bf16, which every later subprocess (accelerate launch, recipes) would inherit."""
+    ACCELERATE_MIXED_PRECISION=bf16, which every later subprocess (accelerate launch, recipes) would inherit; the
+    rendezvous variables go back to the session's start (RENDEZVOUS_AT_SESSION_START), whoever set them."""
     saved = dict(os.environ)
     yield
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+    for name, value in RENDEZVOUS_AT_SESSION_START.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)
