@@ -11,7 +11,6 @@ from contextlib import contextmanager
 import trl
 
 from .common import attribute_set
-from .versions import TRLCompatibilityError, tested_trl_versions_text
 
 __all__ = [
     "COLOCATE_SYNC_METHODS",
@@ -46,6 +45,10 @@ def colocate_weight_stream_name() -> str:
     ZeRO-3 / FSDP shards and merges PEFT adapters); raises TRLCompatibilityError if this TRL lacks it or another
     method of COLOCATE_SYNC_METHODS."""
     from trl.generation.vllm_generation import VLLMGeneration
+
+    # here, not at the top: `grpo-plus vllm-serve`'s processes import this module (the gloo plugin) and not the
+    # versions module's TRL trainer imports (~15 s per process on a CPU)
+    from .versions import TRLCompatibilityError, tested_trl_versions_text
 
     missing = [name for name in COLOCATE_SYNC_METHODS if not callable(getattr(VLLMGeneration, name, None))]
     if missing:

@@ -38,6 +38,7 @@ from . import gloo_transport
 from .receipt import StreamRecord, check_loaded, check_stream
 from .reload import ReloadReport, SyncCheckError
 from .settings import speculative_config_value
+from .speculation import EngineSpeculationError, speculation_blocker
 from .sync import SyncLog
 
 # The module `grpo-plus vllm-serve` runs vLLM's command line from (`python -m grpo_plus.engine.server serve ...`).
@@ -56,7 +57,9 @@ def serve(argv: list[str]) -> int:
     parser = vllm_serve.make_parser(prog="grpo-plus vllm-serve")
     script_args, extra_args = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
     # TRL's flag, handed to `vllm serve --speculative-config` as it is: checked as vllm_speculative_config is
-    speculative_config_value(script_args.speculative_config, "--speculative_config")
+    speculative_config = speculative_config_value(script_args.speculative_config, "--speculative_config")
+    if (reason := speculation_blocker(speculative_config, "--speculative_config")) is not None:  # before vLLM starts
+        raise EngineSpeculationError(reason)
     if cuda_transport_available():
         vllm_serve.main(script_args, extra_args)  # execs `vllm serve` with TRL's NCCL weight transfer
         return 0

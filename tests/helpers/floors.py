@@ -137,6 +137,16 @@ def _bitsandbytes_kernel_notice() -> str | None:
     return _bitsandbytes_cpu_paths()
 
 
+def _vllm_cpu_bf16_repacking() -> str | None:
+    if cpu_has_avx512_bf16():
+        return None
+    return (
+        "this CPU has no AVX512-BF16 (no avx512_bf16 flag in /proc/cpuinfo): vLLM's CPU build cannot build its "
+        "bfloat16 oneDNN matmul here (an AVX2-only CPU: 'could not create a primitive descriptor for the matmul "
+        "primitive'), so it keeps each linear weight and runs torch's linear: nothing is repacked or dropped"
+    )
+
+
 # ---- plain facts of the environment, not versions --------------------------------------------------------------
 def _lock_venv() -> str | None:
     if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
@@ -176,6 +186,7 @@ FLOORS: dict[str, Floor] = {
     },
     "bitsandbytes_cpu_repacking": Floor("bitsandbytes_cpu_repacking", VERSIONS_PAGE, _bitsandbytes_cpu_paths),
     "bitsandbytes_kernel_notice": Floor("bitsandbytes_kernel_notice", VERSIONS_PAGE, _bitsandbytes_kernel_notice),
+    "vllm_cpu_bf16_repacking": Floor("vllm_cpu_bf16_repacking", VERSIONS_PAGE, _vllm_cpu_bf16_repacking),
     "lock_venv": Floor("lock_venv", VERSIONS_PAGE, _lock_venv),
     "wheel_tools": Floor("wheel_tools", VERSIONS_PAGE, _wheel_tools),
     "embedded_model": Floor("embedded_model", VERSIONS_PAGE, _embedded_model),

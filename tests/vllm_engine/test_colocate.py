@@ -118,6 +118,7 @@ def assert_same_run(model_dir, tmp_path, **overrides):
     return our_logs, our_forwards, trl_batches
 
 
+@pytest.mark.floor("vllm_cpu_bf16_repacking")
 def test_trl_loads_into_repacked_weights_and_reload_syncs(shared_engine, model_dir, tmp_path):
     """On the CPU build TRL's own sync fails (the linear weights it loads into were repacked and dropped); through
     vLLM's reload the engine then serves the trainer's weights: bit for bit what an engine started from a checkpoint

