@@ -42,14 +42,18 @@ test-fast: $(STAMP)
 # processes (marker `engine`), kept apart so `make test` stays under 15 minutes on a 2-core machine. DeepSpeed compiles its CPU communication op on
 # first use; it is built here, once per environment, into the venv (not ~/.cache, which outlives the clone). Every
 # process that loads the op takes torch's build lock first: one killed at that moment (a timeout, Ctrl-C) leaves the
-# lock behind and every later process waits on it forever, so no engine run starts while a stale lock is there.
+# lock behind and every later process waits on it forever, so no engine run starts while a stale lock is there. One
+# folder per environment (.venvs/vllm has its own, below): an op built by another environment's Python and torch
+# paths is rebuilt from scratch (1-2 minutes) by the next process of this one, while every other process waits on
+# the lock; two lanes of CI sharing one folder rebuilt it back and forth.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 DS_ACCEL := DS_ACCELERATOR=cpu
+# torch builds an op in $(TORCH_EXTENSIONS_DIR)/<op>/, its lock file there
+DS_OP_BUILD = rm -f $(1)/*/lock && TORCH_EXTENSIONS_DIR=$(1) $(DS_ACCEL) $(2) -c \
+	"from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
 
 deepspeed-ops: $(STAMP)
-	rm -f $(TORCH_EXTENSIONS_DIR)/*/*/lock
-	$(DS_ACCEL) $(PY) -c "from deepspeed.accelerator import get_accelerator; \
-	get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	$(call DS_OP_BUILD,$(TORCH_EXTENSIONS_DIR),$(PY))
 
 test-engines: deepspeed-ops
 	$(DS_ACCEL) $(PY) -m pytest -q -m engine -rs --durations=25 $(PYTEST_ARGS)
@@ -142,10 +146,16 @@ VLLM_PY      := $(VLLM_ENV)/bin/python
 # Its lock, as constraints.txt is .venv's (make lock refreshes both); empty: resolve the newest releases.
 VLLM_LOCK    ?= constraints-vllm.txt
 # GiB of KV cache the CPU engine reserves (its default, 4, is more than a 2-core CI machine wants per engine).
-VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1
+# Its own DeepSpeed op folder (its ZeRO-3 tests build the op against its own torch: see deepspeed-ops above)
+VLLM_EXTENSIONS := $(abspath $(VLLM_ENV))/torch_extensions
+VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1 \
+                TORCH_EXTENSIONS_DIR=$(VLLM_EXTENSIONS)
 
-.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async
-test-vllm: $(VLLM_ENV)/.installed
+.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async vllm-deepspeed-ops
+vllm-deepspeed-ops: $(VLLM_ENV)/.installed
+	$(call DS_OP_BUILD,$(VLLM_EXTENSIONS),$(VLLM_PY))
+
+test-vllm: vllm-deepspeed-ops
 	$(VLLM_RUN) $(VLLM_PY) -m pytest -p no:cacheprovider -q -rs --durations=25 -m vllm tests/vllm_engine $(PYTEST_ARGS)
 
 bench-vllm: $(VLLM_ENV)/.installed
