@@ -92,14 +92,14 @@ def restore_environment():
     rendezvous variables go back to the session's start (RENDEZVOUS_AT_SESSION_START), whoever set them."""
     saved = dict(os.environ)
     yield
+    for name, value in RENDEZVOUS_AT_SESSION_START.items():
+        if value is None:
+            saved.pop(name, None)
+        else:
+            saved[name] = value
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
-    for name, value in RENDEZVOUS_AT_SESSION_START.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -124,10 +124,13 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
+NO_AVX512_BF16 = "this CPU has no AVX512-BF16 (no avx512_bf16 flag in /proc/cpuinfo)"
+
+
 def _bitsandbytes_cpu_paths() -> str | None:
     gap = BNB_CPU_PATHS.gap()
     if gap is None and not cpu_has_avx512_bf16():
-        return "this CPU has no AVX512-BF16 (no avx512_bf16 flag in /proc/cpuinfo): bitsandbytes takes neither path"
+        return f"{NO_AVX512_BF16}: bitsandbytes takes neither path"
     return gap
 
 
@@ -141,9 +144,9 @@ def _vllm_cpu_bf16_repacking() -> str | None:
     if cpu_has_avx512_bf16():
         return None
     return (
-        "this CPU has no AVX512-BF16 (no avx512_bf16 flag in /proc/cpuinfo): vLLM's CPU build cannot build its "
-        "bfloat16 oneDNN matmul here (an AVX2-only CPU: 'could not create a primitive descriptor for the matmul "
-        "primitive'), so it keeps each linear weight and runs torch's linear: nothing is repacked or dropped"
+        f"{NO_AVX512_BF16}: vLLM's CPU build cannot build its bfloat16 oneDNN matmul here (an AVX2-only CPU: "
+        "'could not create a primitive descriptor for the matmul primitive'), so it keeps each linear weight and "
+        "runs torch's linear: nothing is repacked or dropped"
     )
 
 
