@@ -16,6 +16,7 @@ import trl
 from helpers.models import prompt_dataset, tiny_trainer
 from helpers.probes import max_weight_diff
 from helpers.rewards import digit_reward, half_dead_reward, length_reward
+from helpers.tolerances import float32_bound
 from test_train_pass_trainer import assert_same_gradient, loss_and_grads, make_trainer, micro_batch, set_zero_waste
 from test_trainer_parity import train
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,6 +30,11 @@ from grpo_plus.objective import POLICY_LOSSES, ZERO_ADVANTAGE_ROWS_CONTRIBUTE_NO
 
 pytestmark = pytest.mark.floor("cpu_logps")
 G = 4
+# The zero-waste pass against the full pass in a float32 model, per policy loss: worst gradient gap over threads 1-2
+# and eight input seeds 1.9e-8 on AVX-512 (gmpo), 7.5e-8 on AVX2 (sapo); the losses bit for bit on AVX-512, up to one
+# float32 ulp apart on AVX2 (relative 1.1e-7): docs/notes.md, Tolerances
+ALGORITHM_GRADIENT_BOUND = float32_bound(avx512=6e-8, avx2=2e-7)
+ALGORITHM_LOSS_BOUND = float32_bound(avx512=0.0, avx2=3e-7)
 
 
 def trainer_on(tiny_model_dir, tmp_path, rewards=(length_reward, digit_reward), **settings):
@@ -156,7 +162,7 @@ def test_zero_waste_pass_is_exact_for_each_policy_loss_that_declares_it(micro_ba
     skipped = trainer._metrics["train"]["zero_waste/rows_computed_frac"][-1] < 1
     assert skipped == declared
     if declared:
-        assert_same_gradient(full, saved, tol=6e-8)  # worst 1.9e-8 (gmpo): 3.2x
+        assert_same_gradient(full, saved, tol=ALGORITHM_GRADIENT_BOUND, loss_rel_tol=ALGORITHM_LOSS_BOUND)
     else:
         assert f"policy_loss={policy_loss!r} reads zero-advantage rows" in trainer._zero_waste.row_skip_blocker
     with_algorithm(trainer, policy_loss="ppo_clip")

@@ -13,6 +13,7 @@ import trl
 from helpers.models import prompt_dataset, tiny_run_kwargs
 from helpers.probes import max_weight_diff
 from helpers.rewards import digit_reward, length_reward
+from helpers.tolerances import float32_bound
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
@@ -28,6 +29,11 @@ needs_cpu_logps = pytest.mark.floor("cpu_logps")
 # logits, whose values a fake pass does not have, so branches on them are guessed and the count is not exact there.
 needs_fused_lm_head = pytest.mark.floor("fused_lm_head")
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+# The tiled MLP's LoRA gradient against the whole MLP's, float32 (the tiles sum the down projection's weight gradient
+# in slices): worst over threads 1-2 and input seeds 3.3e-9 on AVX-512, 4.2e-8 on AVX2 (Qwen2); Gemma 2, which
+# normalizes the MLP's output, 3.3e-9 and 7.5e-9 (docs/notes.md, Tolerances)
+TILED_BOUND = float32_bound(avx512=1e-8, avx2=1.2e-7)
+NORMALIZED_TILED_BOUND = float32_bound(avx512=1e-8, avx2=2.5e-8)
 
 
 def train(tiny_model_dir, tmp_path, package, **overrides):
@@ -181,7 +187,7 @@ def test_tiled_mlp_auto_default_tiles_long_micro_batches_with_the_same_gradient(
     assert all(w.tiled_calls > 0 for w in wrappers), "the default did not tile a long micro-batch"
     assert caplog.text.count("tiled_mlp_tokens='auto'") == 1 and "turns it off" in caplog.text
     assert f"{tiled_norm:.6g}" == f"{whole_norm:.6g}"
-    assert max((a - b).abs().max().item() for a, b in zip(tiled, whole, strict=True)) < 1e-8  # worst 2.8e-9: 3.6x
+    assert max((a - b).abs().max().item() for a, b in zip(tiled, whole, strict=True)) < TILED_BOUND
     calls = [w.tiled_calls for w in wrappers]
     model.zero_grad()
     lora_grad_norm(model, ids[:, : tiled_mlp.AUTO_MIN_TOKENS // rows])  # exactly the threshold: whole
@@ -209,7 +215,7 @@ def test_tiled_mlp_under_checkpointing_runs_each_mlp_twice_per_step_as_whole_doe
     gap, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
     assert [(w.output_only_added, w.tiled_calls, w.skipped_recomputes) for w in wrappers] == [(True, 2, 1)] * 2
     assert calls == 2 * 5 * len(wrappers)
-    assert gap < 1e-8  # worst 2.8e-9 (threads 1-2, input seeds): 3.6x
+    assert gap < TILED_BOUND
     monkeypatch.setattr(tiled_mlp, "output_only_added", lambda output, layer_input: False)
     _, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
     assert calls == 3 * 5 * len(wrappers) and not any(w.skipped_recomputes for w in wrappers)
@@ -225,7 +231,7 @@ def test_tiled_mlp_recomputes_the_output_a_layer_normalizes(monkeypatch):
     gap, wrappers, calls = tiled_against_whole(lora_gemma2, ids, 64)
     assert [(w.output_only_added, w.skipped_recomputes) for w in wrappers] == [(False, 0)] * 2
     assert calls == 3 * 7 * len(wrappers)  # 400 positions: 7 tiles
-    assert gap < 1e-8  # worst 3.3e-9 (threads 1-2, input seeds): 3.1x
+    assert gap < NORMALIZED_TILED_BOUND
     monkeypatch.setattr(tiled_mlp, "output_only_added", lambda output, layer_input: True)
     gap, wrappers, _ = tiled_against_whole(lora_gemma2, ids, 64)
     assert all(w.skipped_recomputes for w in wrappers)
@@ -243,7 +249,7 @@ def test_tiled_mlp_with_still_sharded_weights_runs_nested_checkpoints(monkeypatc
     monkeypatch.setattr(tiled_mlp._TiledMLPFunction, "apply", None)  # the autograd function is not reached
     gap, wrappers, calls = tiled_against_whole(lora_qwen2, ids, 512)
     assert calls == (5 + 4 + 5) * len(wrappers) and all(w.tiled_calls == 2 for w in wrappers)
-    assert gap < 1e-8  # worst 3.3e-9: 3.1x
+    assert gap < TILED_BOUND
 
 
 def test_tiled_mlp_stands_aside_under_zero3(caplog):

@@ -15,6 +15,7 @@ from datasets import Dataset
 from helpers.models import make_tokenizer, save_tiny_model, tiny_config, tiny_trainer
 from helpers.probes import ForwardLog, max_weight_diff
 from helpers.rewards import half_dead_reward
+from helpers.tolerances import float32_bound
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
@@ -28,8 +29,9 @@ from grpo_plus.zero_waste.rows import weighted_load_balancing_loss
 
 pytestmark = pytest.mark.floor("cpu_logps")
 # Weights after two SGD steps in float32: the worst gap measured over the four families, aux loss on and off, full
-# and LoRA, is 1.7e-8 (gpt-oss, ragged prompts); one float32 ulp of a weight in [0.25, 0.5) is 3.0e-8.
-WEIGHTS_BOUND = 3e-8
+# and LoRA, is 1.7e-8 on AVX-512 (gpt-oss, ragged prompts; one float32 ulp of a weight in [0.25, 0.5) is 3.0e-8) and
+# 1.2e-7 on AVX2 (threads 1-2, eight training seeds; 6.0e-8 at the tests' seed), docs/notes.md, Tolerances.
+WEIGHTS_BOUND = float32_bound(avx512=3e-8, avx2=3e-7)
 # The aux loss grpo_plus computes over packed rows against TRL's over every row: worst measured 2.4e-7 (one float32 ulp
 # of 2.0 is 2.4e-7: the sums run in another order); 4 ulps.
 AUX_BOUND = 1e-6

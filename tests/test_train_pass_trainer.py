@@ -12,6 +12,7 @@ import torch
 import trl
 from helpers.models import make_tokenizer, prompt_dataset, tiny_config, tiny_trainer
 from helpers.probes import ForwardLog
+from helpers.tolerances import float32_bound
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
@@ -129,10 +130,17 @@ def loss_and_grads(trainer: GRPOTrainer, inputs: dict) -> tuple[float, dict[str,
     return loss.item(), grads
 
 
-def assert_same_gradient(full: tuple[float, dict], saved: tuple[float, dict], tol: float = 8e-9) -> None:
-    """The same loss (bit for bit in every run measured) and gradients within `tol` (float32: the zero-waste pass
-    sums the rows in another layout; worst 2.4e-9 over threads 1-2 and input seeds, docs/notes.md, Tolerances)."""
-    assert saved[0] == full[0]
+# float32: the zero-waste pass sums the rows in another layout; the worst gap over threads 1-2 and input seeds is
+# 2.4e-9 on AVX-512 and 6.0e-8 on AVX2 (two ulps of a gradient in [0.25, 0.5)), docs/notes.md, Tolerances
+GRADIENT_BOUND = float32_bound(avx512=8e-9, avx2=1.5e-7)
+
+
+def assert_same_gradient(
+    full: tuple[float, dict], saved: tuple[float, dict], tol: float = GRADIENT_BOUND, loss_rel_tol: float = 0.0
+) -> None:
+    """The same loss (bit for bit in every run measured of a float64 model; `loss_rel_tol` where the rows' sum is a
+    float32 one) and gradients within `tol`."""
+    assert abs(saved[0] - full[0]) <= loss_rel_tol * abs(full[0]), f"losses {saved[0]} and {full[0]}"
     assert full[1].keys() == saved[1].keys()
     moved = max(g.abs().max().item() for g in full[1].values())
     assert moved > 1e-3, "the full pass has no gradient: the comparison would be vacuous"
