@@ -456,3 +456,23 @@ def test_a_checkpoint_inside_a_generation_batch_resumes_with_its_records(tiny_mo
 
 def logged_run(run, key: str) -> list:
     return [entry.get(key) for entry in run.log_history if "loss" in entry]
+
+
+def test_the_step_time_benchmark_reports_the_median_of_its_runs(tmp_path, benchmark_in_this_process):
+    """benchmarks/routing_replay.py --smoke --part steps --repeats 3, in process: three lock-step runs of the three
+    settings, each figure of the table the median over the runs; replay trains with no route flip in any run."""
+    import json
+
+    import routing_replay as benchmark
+
+    output = tmp_path / "steps.json"
+    assert benchmark.main(["--smoke", "--part", "steps", "--repeats", "3", "--json", str(output)]) == 0
+    report = json.loads(output.read_text())
+    runs, summary = report["step_time_runs"], report["step_time"]
+    assert len(runs) == 3 and set(summary) == {"off", "receipt", "replay"}
+    for name, figures in summary.items():
+        for key, value in figures.items():
+            assert value == sorted(run[name][key] for run in runs)[1], (name, key)
+    assert summary["off"]["wall_over_off"] == 1.0
+    assert all(flips == 0 for run in runs for flips in run["replay"]["route_flips"])
+    assert "wall vs off, each run" in output.with_suffix(".md").read_text()

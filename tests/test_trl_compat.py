@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 import torch
 import trl
 import trl.trainer.utils as trl_utils
@@ -266,12 +267,29 @@ def test_the_record_of_hooked_methods_is_what_grpo_plus_overrides():
 )
 def test_a_floor_with_a_hole_is_off_only_inside_it(monkeypatch, installed, off):
     """`cpu_logps`: TRL computes log-probs on CPU before 1.15 (full logits) and from 1.16 (a torch fallback) only."""
-    monkeypatch.setattr("importlib.metadata.version", lambda package: installed)
+    monkeypatch.setattr(trl_versions, "installed_version", lambda package: Version(installed))
     gap = trl_versions.CAPABILITY_FLOORS["cpu_logps"].gap()
     assert (gap is not None) == off
     assert gap is None or gap.startswith(f"trl 1.15.0 <= {installed} < 1.16.0: TRL 1.15 computes")
     plain = VersionFloor("plain", "trl", "1.15.0", "because").gap()
     assert plain == (None if installed >= "1.15" else f"trl {installed} < 1.15.0: because")
+
+
+def test_the_floors_read_each_packages_metadata_once_per_process(monkeypatch):
+    """The floors are asked every training step; each read of a package's metadata parses the installed
+    distributions' files (5 ms), so the installed version is read once. Negative control: the cache cleared, it is
+    read again."""
+    reads = []
+    monkeypatch.setattr("importlib.metadata.version", lambda package: reads.append(package) or "1.16.0")
+    trl_versions.installed_version.cache_clear()
+    try:
+        gaps = [trl_versions.CAPABILITY_FLOORS["cpu_logps"].gap() for _ in range(3)]
+        assert gaps == [None] * 3 and reads == ["trl"]
+        trl_versions.installed_version.cache_clear()
+        trl_versions.CAPABILITY_FLOORS["cpu_logps"].gap()
+        assert reads == ["trl", "trl"]
+    finally:
+        trl_versions.installed_version.cache_clear()  # the real versions again for the tests after this one
 
 
 def test_logps_unavailable_reason_follows_trl(monkeypatch):

@@ -69,6 +69,15 @@ TESTED_TRL_MINORS = ("1.14", "1.15", "1.16")
 
 
 # ---- What the installed versions allow: what the docs promise ----------------------------------------------------
+@functools.cache
+def installed_version(package: str) -> Version:
+    """`package`'s installed version, read from its metadata once per process (the floors are asked every training
+    step, and each read parses the installed distributions' metadata files: 5 ms a time)."""
+    from importlib.metadata import version
+
+    return Version(version(package))
+
+
 @dataclass(frozen=True)
 class VersionFloor:
     """A saving or capability the docs (Tested versions) say is on from `package` >= `minimum` on, and off below it,
@@ -86,9 +95,7 @@ class VersionFloor:
 
     def gap(self) -> str | None:
         """Why the installed `package` is below the floor, or None when the saving must be on."""
-        from importlib.metadata import version
-
-        installed = Version(version(self.package))
+        installed = installed_version(self.package)
         if installed >= Version(self.minimum) or (self.since is not None and installed < Version(self.since)):
             return None
         if self.since is None:

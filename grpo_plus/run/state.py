@@ -120,8 +120,11 @@ def stateful_parts(trainer: Any) -> list[StatefulPart]:
 
 
 def _is_part(value: Any) -> bool:
-    """An object (not a class) with the protocol; `checkpoint_name = None` opts a subclass out."""
-    return isinstance(value, StatefulPart) and not isinstance(value, type) and isinstance(value.checkpoint_name, str)
+    """An object (not a class) with the protocol; `checkpoint_name = None` opts a subclass out. The name is looked at
+    first: the crash checkpoint asks this of every trainer attribute each step, and a protocol check costs 40 us."""
+    if not isinstance(getattr(value, "checkpoint_name", None), str) or isinstance(value, type):
+        return False
+    return isinstance(value, StatefulPart)
 
 
 class GenerationBuffer:
