@@ -53,7 +53,6 @@ class PartialRolloutSettings(SettingsGroup):
         vllm_mode: str,
         zero_waste_generation: bool,
         async_generation: bool,
-        speculative: bool,
         dynamic_sampling: bool,
         selective_rollout: bool,
         continuous_batching: bool,
@@ -82,7 +81,6 @@ class PartialRolloutSettings(SettingsGroup):
                 "with zero_waste_generation=False: partial rollouts run in grpo_plus's own generator, which records "
                 "each token's sampler log-prob (set zero_waste_generation=True)",
             ),
-            (speculative, "with speculative_rollouts=True: the speculative loop records no sampler log-probs yet"),
             (
                 dynamic_sampling or selective_rollout,
                 "with dynamic sampling or selective rollout: they choose a step's prompts from its own generation "

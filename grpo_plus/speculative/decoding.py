@@ -211,6 +211,12 @@ class _Rollout:
         # each row's drafted and kept tokens so far, for its adaptive draft length
         self.row_drafted = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self.row_kept = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        # asked by partial rollouts: each token's log-prob under the processed distribution it is distributed as
+        self.logps = (
+            torch.zeros(self.batch_size, self.max_new, dtype=torch.float32, device=self.device)
+            if stats.record_logps
+            else None
+        )
         self.input_ids = input_ids
         split = len(logits_processor)  # the id-free tail runs on every position at once
         while split > 0 and _known(logits_processor[split - 1], logits_process, _ID_FREE):
@@ -272,6 +278,8 @@ class _Rollout:
             next_position = next_position + 1 + kept
         generated = int(self.lengths.max())
         stats.full_positions += self.batch_size * max(generated - 1, 0)
+        if self.logps is not None:
+            stats.sampler_logps = self.logps[:, :generated]
         return self.sequences[:, : self.prompt_width + generated]
 
     def draft_lengths(self, live: torch.Tensor) -> torch.Tensor:
@@ -330,8 +338,19 @@ class _Rollout:
         after = (pairs[None] >= total[:, None]) & (pairs[None] < new_tokens[:, None])
         rows, cols = after.nonzero(as_tuple=True)
         self.sequences[live[rows], base[rows] + cols] = pad
+        if self.logps is not None:
+            self.record_logps(live, scores, base, total)
         self.lengths[live] += total
         return kept, next_tokens, stopped
+
+    def record_logps(self, live, scores, base, total) -> None:
+        """Each of the `total` new tokens of rows `live`: log p(token) under the processed scores of its position.
+        A kept draft and the token drawn after it (from the residual on a refusal) are each distributed as p
+        (grpo_plus.speculative.acceptance), the distribution one-token decoding draws from and logs."""
+        rows, cols = (torch.arange(scores.shape[1], device=self.device)[None] < total[:, None]).nonzero(as_tuple=True)
+        tokens = self.sequences[live[rows], base[rows] + cols]
+        chosen = torch.log_softmax(scores[rows, cols], dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        self.logps[live[rows], base[rows] - self.prompt_width + cols] = chosen
 
     def process(self, live, logits, base, draft_lengths) -> torch.Tensor:
         """The processed scores (n, m + 1, V) of each row's positions 0..draft_lengths (later ones: zeros), each

@@ -144,7 +144,9 @@ class ZeroWastePass:
         if stats.fallback is not None:
             self.note_fallback("generation", stats.fallback)
         if stats.turns_blocker is not None:
-            self.note_fallback("each tool turn's history in generation", stats.turns_blocker)
+            self.note_fallback(
+                "each tool turn's (or partial-rollout chunk's) history in generation", stats.turns_blocker
+            )
         if generation_round is not None and generation_round.routes is not None:
             generation_round.routes.add(stats.routes, stats.fallback)
         metrics["zero_waste/generation_positions_frac"].append(stats.positions_frac)
