@@ -33,6 +33,7 @@ from .algorithms.settings import (
 )
 from .async_generation.settings import AsyncGenerationSettings
 from .compat.loss import TRL_SAMPLER_CORRECTION, trl_sampler_correction_changes
+from .compat.model import single_turn_arguments
 from .compat.versions import ignore_renames_trl_still_uses
 from .engine.settings import VLLMSettings
 from .fit.settings import FitSettings
@@ -204,6 +205,7 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         continuous_batching=_continuous_batching(config),
         greedy_baseline="reward_baselines" in ADVANTAGE_ESTIMATORS.entry(algorithms.advantage_estimator).requires,
         generation_kwargs=config.generation_kwargs,
+        trl_takes_num_generations=bool(single_turn_arguments(1)),
         structured_outputs_regex=config.vllm_structured_outputs_regex,
     )  # fmt: skip
     routing = RoutingSettings.from_config(config)

@@ -221,7 +221,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if reason := partial_rollouts_blocker(self.accelerator.num_processes, tools, rollout_func, why, self.use_vllm):
             raise ValueError(reason)
         reader = PromptLookahead(self.get_train_dataloader, self.args.steps_per_generation * self.num_iterations)
-        decode = (engine_chunk_decoder(self._generate_single_turn, self.vllm_generation) if self.use_vllm  # colocated
+        decode = (engine_chunk_decoder(self._generate_single_turn, self.vllm_generation) if self.use_vllm  # either mode
                   else chunk_decoder(self._generate_single_turn, self.generation_config, self.num_generations))  # fmt: skip
         return PartialRollouts(self.plus.partial_rollouts, self.num_generations, self.max_completion_length,
             completion_eos_token_ids(self), reader, lambda prompts: self._tokenize_prompts(prompts)[0], decode,

@@ -265,9 +265,10 @@ def test_the_pool_state_is_versioned_and_checked():
         (dict(partial_rollout_tokens=0), "partial_rollout_tokens must be None or an integer >= 1"),
         (dict(partial_rollout_tokens=2.5), "partial_rollout_tokens must be an integer or null/None"),
         (
-            dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server"),
-            "vLLM partial rollouts run in colocate mode only",
+            dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server", generation_kwargs={"seed": 0}),
+            "with generation_kwargs seed: each chunk sends every row as its own request",
         ),
+        (dict(partial_rollout_tokens=4, use_vllm=True, generation_kwargs={"seed": 3}), "with generation_kwargs seed"),
         (dict(partial_rollout_tokens=4, zero_waste_generation=False), "set zero_waste_generation=True"),
         (
             dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server", async_generation=True),
@@ -291,6 +292,20 @@ def test_the_pool_state_is_versioned_and_checked():
 def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings, message):
     with pytest.raises(ConfigError, match=message):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **settings)
+
+
+def test_a_vllm_server_is_accepted_where_trl_takes_the_group_size_per_call(tmp_path, monkeypatch):
+    """Server mode: each row its own request needs TRL's `num_generations` argument (1.14.2 on); without it TRL would
+    send one prompt per group and the carried rows would be lost, so the config refuses."""
+    import grpo_plus.config
+
+    config = GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, partial_rollout_tokens=4, use_vllm=True, vllm_mode="server"
+    )
+    assert (config.partial_rollout_tokens, config.vllm_mode) == (4, "server")
+    monkeypatch.setattr(grpo_plus.config, "single_turn_arguments", lambda num_generations: ())
+    with pytest.raises(ConfigError, match="TRL 1.14.2 or later takes the group size per call"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, partial_rollout_tokens=4, use_vllm=True, vllm_mode="server")
 
 
 def test_colocated_vllm_is_accepted_without_grpo_plus_generator(tmp_path):

@@ -3,8 +3,8 @@
 TRL's step waits for its longest completion. Here a step's generation works on a pool: the groups carried from earlier
 steps plus the step's own (TRL's generation batch). Every unfinished row is decoded by at most `partial_rollout_tokens`
 tokens at a time (one call of TRL's `_generate_single_turn` on all of them, each row's prompt followed by the tokens it
-already has, under the current weights: grpo_plus's generator inside it, `chunk_decoder`, or TRL's colocated vLLM
-engine, `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete
+already has, under the current weights: grpo_plus's generator inside it, `chunk_decoder`, or TRL's vLLM
+(colocated or a server), `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete
 groups (all G rows ended: EOS or max_completion_length) as the step trains, generation stops and the oldest complete
 groups are handed to TRL's scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the
 sampler drew it with (the processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the
@@ -140,12 +140,14 @@ def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num
 
 
 def engine_chunk_decoder(single_turn: Callable[..., tuple], vllm_generation: Any) -> Decode:
-    """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's) on TRL's colocated vLLM engine
-    (`vllm_generation`, TRL's `VLLMGeneration`): every row is its own request, its prompt ids and the tokens it has
-    sent as token ids, `max_tokens` the chunk's; each new token's log-prob is the one vLLM sampled it with (TRL asks
-    for the sampled token's, processed: `compat.vllm`). TRL syncs the weights into the engine at the step's first call.
-    Within a step the weights are the same and vLLM's prefix cache keeps what the step's earlier chunks computed
-    (`turns` is grpo_plus's generator's; the engine's own cache takes its place here)."""
+    """`Decode` through TRL's own `_generate_single_turn` (`single_turn`: the trainer's) on TRL's vLLM, colocated or a
+    server (`vllm_generation`, TRL's `VLLMGeneration`): every row is its own request (a group size of 1, so a server
+    is sent every row, not one prompt per group), its prompt ids and the tokens it has sent as token ids, `max_tokens`
+    the chunk's; each new token's log-prob is the one vLLM sampled it with (TRL asks for the sampled token's,
+    processed: `compat.vllm`; `trl vllm-serve` and `grpo-plus vllm-serve` start the server so). TRL syncs the weights
+    into the engine at the step's first call. Within a step the weights are the same and vLLM's prefix cache keeps
+    what the step's earlier chunks computed (`turns` is grpo_plus's generator's; the engine's own cache takes its
+    place here)."""
     extra_arguments = single_turn_arguments(1)  # a group's rows hold different tokens: never n copies of one prompt
 
     def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None):
@@ -166,14 +168,14 @@ def trainer_blocker(
     num_processes: int, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None, vllm: bool = False
 ) -> str | None:
     """Why a trainer cannot run partial rollouts (a sentence naming what to change), or None. `generation_blocker`:
-    why grpo_plus's generator cannot run, which matters without vLLM (`vllm`: the colocated engine decodes) only."""
+    why grpo_plus's generator cannot run, which matters without vLLM (`vllm`: vLLM decodes) only."""
     reasons = (
         (num_processes > 1, f"one process (this run has {num_processes}): the pool is one device's"),
         (has_tools, "no tools: a tool loop's turns are generated in several calls"),
         (has_rollout_func, "no rollout_func: it generates instead of grpo_plus's generator"),
         (
             generation_blocker is not None and not vllm,
-            f"grpo_plus's generator (or colocated vLLM), and the generator cannot run here: {generation_blocker}",
+            f"grpo_plus's generator (or vLLM), and the generator cannot run here: {generation_blocker}",
         ),
     )
     for blocked, needs in reasons:

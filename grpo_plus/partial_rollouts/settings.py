@@ -1,5 +1,5 @@
 """GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator or
-colocated vLLM (the code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in
+vLLM, colocated or a server (the code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in
 async_generation)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ class PartialRolloutSettings(SettingsGroup):
 
     tokens: int | None = setting(
         None,
-        "Partial rollouts for the long tail, one device, grpo_plus's own generator (zero_waste_generation) or vLLM in "
-        "colocate mode: "
+        "Partial rollouts for the long tail, one trainer process, grpo_plus's own generator (zero_waste_generation) "
+        "or vLLM (colocated or a server): "
         "a step's generation decodes every unfinished completion by at most this many tokens at a time and stops "
         "as soon as it holds as many complete groups (all G completions ended) as the step trains; the unfinished "
         "rows keep their tokens and per-token sampler log-probs and continue in a later step under newer weights "
@@ -58,6 +58,7 @@ class PartialRolloutSettings(SettingsGroup):
         continuous_batching: bool,
         greedy_baseline: bool = False,
         generation_kwargs: dict | None = None,
+        trl_takes_num_generations: bool = True,
         structured_outputs_regex: str | None = None,
     ) -> None:
         """Refuse what partial rollouts cannot run with, naming the field and what to do instead."""
@@ -67,14 +68,20 @@ class PartialRolloutSettings(SettingsGroup):
         refusals = (
             (
                 async_generation,
-                "with async_generation=True: asynchronous generation is the vLLM server's layout; partial rollouts "
-                "are the one-device one (choose one)",
+                "with async_generation=True: asynchronous generation overlaps a server's generation with training, "
+                "partial rollouts cut the long tail of each step's generation; the two are alternatives (choose one)",
             ),
             (
-                use_vllm and vllm_mode != "colocate",
-                f"with vllm_mode={vllm_mode!r}: vLLM partial rollouts run in colocate mode only (the server samples "
-                "a group as n completions of one prompt, and a group's carried rows hold different tokens); on one "
-                "device use vllm_mode='colocate' (or grpo_plus's generator), with a server async_generation=True",
+                use_vllm and "seed" in (generation_kwargs or {}),
+                "with generation_kwargs seed: each chunk sends every row as its own request, and one seed for every "
+                "request draws the same tokens for a group's rows (which share their prompt); leave the seed out "
+                "(vLLM seeds its engine once, from GRPOConfig's seed in colocate mode)",
+            ),
+            (
+                use_vllm and vllm_mode == "server" and not trl_takes_num_generations,
+                "with vllm_mode='server' on this TRL: its server requests send each prompt once for a group "
+                "(n completions of one prompt), and a group's carried rows hold different tokens; TRL 1.14.2 or later "
+                "takes the group size per call (or use vllm_mode='colocate')",
             ),
             (
                 not use_vllm and not zero_waste_generation,

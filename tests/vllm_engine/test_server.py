@@ -148,6 +148,51 @@ def test_stock_trl_in_server_mode_trains_the_same_completions_to_the_same_weight
     assert max_weight_diff(plus.weights[-1], stock.weights[-1]) <= 1e-6
 
 
+def test_partial_rollouts_carry_rows_across_steps_with_the_servers_log_probs(server, model_dir, tmp_path, monkeypatch):
+    """Partial rollouts against a server (chunks of 3 tokens, completions of at most 8, 2 groups a step): every row is
+    its own request, rows carry into the next step and continue under the weights synced then, each handoff is TRL's
+    batch of complete groups whose rows differ, and each token's sampler log-prob is the server's under the weights of
+    its recorded version: the oracle, the float32 model loaded with those weights, within the server's float32 floor
+    (the negative control: the weights of the step that trains the token, a step's SGD away)."""
+    from helpers.probes import PoolRecorder
+    from helpers.rewards import alternating_reward
+
+    pool = PoolRecorder(monkeypatch)
+    config = server_config(server, tmp_path / "partial", partial_rollout_tokens=3, per_device_train_batch_size=8,
+                           max_steps=4, learning_rate=0.05)  # fmt: skip
+    config["generation_kwargs"] = None  # one seed for every request would draw one completion per group
+    trainer = server_trainer(grpo_plus, float32_model(model_dir), model_dir, config, num_prompts=8,
+                             reward=alternating_reward)  # fmt: skip
+    pool.trainer = trainer
+    trainer.train()
+    assert len(pool.handoffs) == 4
+    ages = [age for handoff in pool.handoffs for age in handoff.token_ages()]
+    assert max(ages) == 1 and min(ages) == 0, "no row carried across steps: the chunk did not bite"
+    assert any(len(set(row.versions)) > 1 for handoff in pool.handoffs for row in handoff.rows)
+    for handoff in pool.handoffs:
+        assert len(handoff.rows) == 8
+        for start in (0, 4):
+            group = handoff.rows[start : start + 4]
+            assert len({str(row.prompt_ids) for row in group}) == 1 and len({str(row.tokens) for row in group}) > 1
+    model = float32_model(model_dir)
+    gap, wrong_gap = 0.0, 0.0
+    for handoff in pool.handoffs:
+        for row in handoff.rows:
+            logps, versions = torch.tensor(row.logps), torch.tensor(row.versions)
+            for version in set(row.versions):
+                model.load_state_dict(pool.weights[version])
+                oracle = model_logps(model, row.prompt_ids + row.tokens)[-len(row.tokens) :]  # temperature 1
+                mine = versions == version
+                gap = max(gap, (oracle - logps)[mine].abs().max().item())
+            if (versions != handoff.step).any():
+                model.load_state_dict(pool.weights[handoff.step])
+                wrong = model_logps(model, row.prompt_ids + row.tokens)[-len(row.tokens) :]
+                wrong_gap = max(wrong_gap, (wrong - logps)[versions != handoff.step].abs().max().item())
+    print(f"server log-probs against the oracle {gap:.3g}; with the training step's weights {wrong_gap:.3g}")
+    assert gap <= FLOAT32_FLOOR, gap
+    assert wrong_gap > 10 * FLOAT32_FLOOR, wrong_gap
+
+
 def test_two_processes_against_one_server_match_one_process(server, model_dir, tmp_path):
     """train_tiny.py against the server on 2 gloo processes (accelerate launch) and on 1: the same weights."""
     weights = {}
