@@ -9,12 +9,12 @@ import warnings
 from pathlib import Path
 
 import pytest
-from packaging.version import Version
 import torch
 import trl
 import trl.trainer.utils as trl_utils
 from helpers.models import prompt_dataset, tiny_trainer
 from helpers.rewards import length_reward
+from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 import grpo_plus
