@@ -295,10 +295,12 @@ def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings,
 
 
 def test_a_vllm_server_is_accepted_where_trl_takes_the_group_size_per_call(tmp_path, monkeypatch):
-    """Server mode: each row its own request needs TRL's `num_generations` argument (1.14.2 on); without it TRL would
-    send one prompt per group and the carried rows would be lost, so the config refuses."""
+    """Server mode: each row its own request needs TRL's `num_generations` argument (1.14.2 on); without it (1.14.0,
+    the oldest TRL the matrix runs) TRL would send one prompt per group and the carried rows would be lost, so the
+    config refuses. Both TRLs stood in for by the argument list the config reads."""
     import grpo_plus.config
 
+    monkeypatch.setattr(grpo_plus.config, "single_turn_arguments", lambda num_generations: (num_generations,))
     config = GRPOConfig(
         output_dir=str(tmp_path), use_cpu=True, partial_rollout_tokens=4, use_vllm=True, vllm_mode="server"
     )
