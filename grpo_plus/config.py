@@ -201,8 +201,8 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     partial_rollouts = PartialRolloutSettings.from_config(config, max_staleness=async_generation.max_staleness)
     partial_rollouts.check_combinations(
         use_vllm=bool(config.use_vllm), vllm_mode=config.vllm_mode, zero_waste_generation=zero_waste.generation,
-        async_generation=async_generation.enabled, dynamic_sampling=dynamic_sampling.enabled, selective_rollout=selective_rollout.enabled,
-        continuous_batching=_continuous_batching(config),
+        async_generation=async_generation.enabled, dynamic_sampling=dynamic_sampling.enabled,
+        selective_rollout=selective_rollout.enabled, continuous_batching=_continuous_batching(config),
         greedy_baseline="reward_baselines" in ADVANTAGE_ESTIMATORS.entry(algorithms.advantage_estimator).requires,
         generation_kwargs=config.generation_kwargs,
         trl_takes_num_generations=bool(single_turn_arguments(1)),

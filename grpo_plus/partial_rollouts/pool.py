@@ -3,8 +3,8 @@
 TRL's step waits for its longest completion. Here a step's generation works on a pool: the groups carried from earlier
 steps plus the step's own (TRL's generation batch). Every unfinished row is decoded by at most `partial_rollout_tokens`
 tokens at a time (one call of TRL's `_generate_single_turn` on all of them, each row's prompt followed by the tokens it
-already has, under the current weights: grpo_plus's generator inside it, `chunk_decoder`, or TRL's vLLM
-(colocated or a server), `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete
+already has, under the current weights: grpo_plus's generator inside it, `chunk_decoder`, or TRL's vLLM, colocated
+or a server, `engine_chunk_decoder`, each row its own request); after each chunk, once the pool holds as many complete
 groups (all G rows ended: EOS or max_completion_length) as the step trains, generation stops and the oldest complete
 groups are handed to TRL's scoring, in pool order; the rest stay in the pool. Each kept token keeps the log-prob the
 sampler drew it with (the processed distribution, as vLLM's `processed_logprobs`) and the optimizer step of the

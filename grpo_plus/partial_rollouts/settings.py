@@ -1,6 +1,6 @@
 """GRPOConfig's `partial_rollout_tokens` field: partial rollouts for the long tail in grpo_plus's own generator or
-vLLM, colocated or a server (the code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared once, in
-async_generation)."""
+vLLM, colocated or a server (the code: grpo_plus.partial_rollouts). The staleness bound is `max_staleness` (declared
+once, in async_generation)."""
 
 from __future__ import annotations
 
