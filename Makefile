@@ -151,7 +151,7 @@ VLLM_EXTENSIONS := $(abspath $(VLLM_ENV))/torch_extensions
 VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1 \
                 TORCH_EXTENSIONS_DIR=$(VLLM_EXTENSIONS)
 
-.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async vllm-deepspeed-ops
+.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async bench-partial-vllm vllm-deepspeed-ops
 vllm-deepspeed-ops: $(VLLM_ENV)/.installed
 	$(call DS_OP_BUILD,$(VLLM_EXTENSIONS),$(VLLM_PY))
 
@@ -176,6 +176,12 @@ bench-vllm-divergence: $(VLLM_ENV)/.installed
 # reasoning-gym chain_sum, step times and held-out accuracy per training minute (docs/guide/async-generation.md).
 bench-async: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/async_generation.py
+
+# Partial rollouts in colocated vLLM against grpo_plus's synchronous vLLM generation, on one engine: generation seconds
+# per step on a long tail, held-out accuracy (docs/guide/async-generation.md).
+BENCH_PARTIAL_VLLM_ARGS ?= --seeds 1 --steps 8 --warmup 2
+bench-partial-vllm: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/partial_rollouts.py --vllm --sides ours,partial $(BENCH_PARTIAL_VLLM_ARGS)
 
 $(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
 	rm -rf $(VLLM_ENV)

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/partial_rollouts.py [--steps 30] [--seeds 3] [--max-completion-length 256]
                                                    [--chunk 64] [--eval-size 48] [--smoke] [--json out.json]
+    .venvs/vllm/bin/python benchmarks/partial_rollouts.py --vllm --sides ours,partial ...    (make bench-partial-vllm)
 
 Issue 51 part 5's case: a long-tailed length distribution (max_completion_length raised), generation seconds per step
 at most 0.7x the synchronous run's, accuracy per step within the seeds' spread. The run: the demo config
@@ -17,11 +18,15 @@ generator's calls: TRL's `_generate_single_turn` on the first two sides, the poo
 against both other sides, in the same run. Learning: the rewards of each step, and greedy held-out accuracy after the last step
 (--eval-size questions, not timed). The partial side's `partial_rollouts/*` metrics (the share of trained tokens
 sampled by older weights and their age) are kept per step. Writes --json (and the Markdown table beside it).
+--vllm: both grpo_plus sides generate with vLLM in colocate mode, on one engine for the run
+(grpo_plus.app.testing.shared_vllm_engine; each trainer's first sync loads its own weights), the partial side's chunks
+as one request per row; stock TRL's side is not offered there (its in-place LoRA sync would need the engine reloaded).
 Timings on a busy machine mean little: run it alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import tempfile
@@ -36,6 +41,7 @@ from harness.timing import StepTimer  # noqa: E402
 from harness.trainers import demo_lora, demo_settings, model_path, package  # noqa: E402
 
 SIDES = ("trl", "ours", "partial")
+VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
 EVAL_MAX_NEW_TOKENS = 64
 STALENESS = (
     "partial_rollouts/stale_token_frac",
@@ -86,6 +92,8 @@ def train_side(side: str, seed: int, model_dir: str, data, args, output_dir: Pat
     settings.update(output_dir=str(output_dir), seed=seed, max_completion_length=args.max_completion_length)
     if side == "partial":
         settings.update(partial_rollout_tokens=args.chunk, rollout_correction="decoupled_token_is")
+    if args.vllm:
+        settings.update(VLLM_SETTINGS)
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     library = package(side)
@@ -195,6 +203,8 @@ def table(summary: dict, sides: tuple[str, ...]) -> str:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from grpo_plus.app.testing import shared_vllm_engine
+
     parser = arguments(
         __doc__, smoke="the random tiny model, 3 steps, one seed", steps=30, warmup=2, threads=1,
         json=ROOT / "outputs" / "bench-partial-rollouts" / "partial_rollouts.json",
@@ -205,25 +215,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-size", type=int, default=512)
     parser.add_argument("--eval-size", type=int, default=48)
     parser.add_argument("--sides", default=",".join(SIDES), help="which of trl,ours,partial to train (partial always)")
+    parser.add_argument("--vllm", action="store_true", help="generate with colocated vLLM (sides ours,partial)")
     args = parser.parse_args(argv)
     sides = tuple(side for side in SIDES if side in args.sides.split(","))
     if "partial" not in sides or len(sides) < 2 or set(args.sides.split(",")) - set(SIDES):
         parser.error(f"--sides: partial and at least one of trl, ours (comma-separated), not {args.sides!r}")
+    if args.vllm and "trl" in sides:
+        parser.error(
+            "--vllm: the sides are ours,partial (stock TRL's in-place LoRA sync is not offered on one engine)"
+        )
     if args.smoke:
         args.steps, args.seeds, args.warmup, args.eval_size, args.train_size = 3, 1, 0, 4, 32
         args.max_completion_length, args.chunk = 16, 4
     torch.set_num_threads(args.threads)
     report, started = start_report(args, versions=("torch", "transformers", "trl"))
     folder = Path(tempfile.mkdtemp(prefix="bench-partial-"))
-    model_dir = model_path(args.smoke, folder)
+    model_dir = model_path(args.smoke, folder, **(dict(hidden_size=128) if args.vllm else {}))
     data = task_data(args.smoke, args.train_size, args.eval_size)
     runs = []
-    for seed in range(args.seeds):
-        order = sides[seed % len(sides) :] + sides[: seed % len(sides)]
-        seed_run = {"seed": seed, "order": list(order)}
-        for side in order:
-            seed_run[side] = train_side(side, seed, model_dir, data, args, folder / f"{side}-{seed}")
-        runs.append(seed_run)
+    with shared_vllm_engine() if args.vllm else contextlib.nullcontext():
+        for seed in range(args.seeds):
+            order = sides[seed % len(sides) :] + sides[: seed % len(sides)]
+            seed_run = {"seed": seed, "order": list(order)}
+            for side in order:
+                seed_run[side] = train_side(side, seed, model_dir, data, args, folder / f"{side}-{seed}")
+            runs.append(seed_run)
     summary = summarize(runs, args.warmup, sides)
     markdown = table(summary, sides)
     print(markdown)

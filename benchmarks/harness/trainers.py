@@ -41,14 +41,15 @@ def demo_settings(steps: int) -> dict:
     return settings
 
 
-def model_path(smoke: bool, folder, model: str | None = None) -> str:
+def model_path(smoke: bool, folder, model: str | None = None, **tiny) -> str:
     """The model a benchmark runs: with `smoke`, grpo_plus.app.testing's random tiny model saved into `folder` (the
-    numbers then mean nothing: the script runs); else `model` (a name or a path), by default the embedded
+    numbers then mean nothing: the script runs; `tiny`: its sizes, e.g. hidden_size=128 for vLLM's CPU attention,
+    which takes heads of 32 and wider); else `model` (a name or a path), by default the embedded
     SmolLM2-135M-Instruct."""
     if smoke:
         from grpo_plus.app.testing import save_tiny_model
 
-        return str(save_tiny_model(Path(folder) / "tiny"))
+        return str(save_tiny_model(Path(folder) / "tiny", **tiny))
     from grpo_plus.app.embedded import resolve_model
 
     return resolve_model(model or "smollm2-135m-instruct")
