@@ -757,8 +757,16 @@ def routing_step_row(setting: str):
     return figures
 
 
+def routing_step_runs(setting: str):
+    def figures(data: dict) -> tuple:
+        return (*routing_step_row(setting)(data), " ".join(f"{run[setting]['wall_over_off']:.3f}x"
+                                                            for run in data["step_time_runs"]))  # fmt: skip
+
+    return figures
+
+
 QUOTES += [
-    Quote("docs/guide/moe.md", "| {} | {} | {}x | {} | {}x |", ROUTING_STEPS, routing_step_row(setting))
+    Quote("docs/guide/moe.md", "| {} | {} | {}x | {} | {}x | {} |", ROUTING_STEPS, routing_step_runs(setting))
     for setting in ("off", "receipt", "replay")
 ]
 
@@ -845,6 +853,36 @@ QUOTES.append(
         partial_row,
     )
 )
+PARTIAL_VLLM = "partial_rollouts_vllm.json"
+
+
+def partial_vllm_row(data: dict) -> tuple:
+    run = data["summary"]["0"]
+    medians, accuracy = run["medians"], run["held_out_accuracy"]
+    return (
+        0, f"{medians['ours']['generation']:.2f}", f"{medians['partial']['generation']:.2f}",
+        f"{run['generation_ratio_vs_ours']:.2f}", f"{medians['ours']['step']:.2f}", f"{medians['partial']['step']:.2f}",
+        f"{accuracy['ours']:.3f}", f"{accuracy['partial']:.3f}",
+    )  # fmt: skip
+
+
+def partial_vllm_totals(data: dict) -> tuple:
+    (run,) = data["runs"]
+    partial, ours = (sum(run[side]["generation_seconds"]) for side in ("partial", "ours"))
+    return (
+        f"{data['summary']['0']['generation_ratio_vs_ours']:.2f}",
+        f"{partial / ours:.2f}",
+        f"{partial:.0f}",
+        f"{ours:.0f}",
+    )
+
+
+QUOTES += [
+    Quote("docs/guide/async-generation.md", "| {} | {} | {} | **{}x** | {} | {} | {} / {} |", PARTIAL_VLLM,
+          partial_vllm_row),
+    Quote("docs/guide/async-generation.md", "partial rollouts there take {}x the synchronous generation (median per "
+          "step), {}x in total over the 8 steps ({} s against {} s)", PARTIAL_VLLM, partial_vllm_totals),
+]  # fmt: skip
 QUOTES.append(
     Quote(
         "README.md",
