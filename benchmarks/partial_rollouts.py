@@ -38,10 +38,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from harness.flags import arguments  # noqa: E402
 from harness.report import ROOT, markdown_table, start_report, write_report  # noqa: E402
 from harness.timing import StepTimer  # noqa: E402
-from harness.trainers import demo_lora, demo_settings, model_path, package  # noqa: E402
+from harness.trainers import VLLM_SETTINGS, demo_lora, demo_settings, model_path, package  # noqa: E402
 
 SIDES = ("trl", "ours", "partial")
-VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
 EVAL_MAX_NEW_TOKENS = 64
 STALENESS = (
     "partial_rollouts/stale_token_frac",

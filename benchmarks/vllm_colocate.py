@@ -39,9 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from harness.flags import arguments  # noqa: E402
 from harness.report import ROOT, start_report, write_report  # noqa: E402
-from harness.trainers import SIDES, demo_settings, run_demo_steps  # noqa: E402
-
-VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+from harness.trainers import SIDES, VLLM_SETTINGS, demo_settings, run_demo_steps  # noqa: E402
 
 
 def check_cost(trainer, repeats: int = 8) -> dict:

@@ -35,9 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from harness.flags import arguments  # noqa: E402
 from harness.report import ROOT, write_report  # noqa: E402
-from harness.trainers import build_trainers, demo_lora, demo_settings  # noqa: E402
+from harness.trainers import VLLM_SETTINGS, build_trainers, demo_lora, demo_settings  # noqa: E402
 
-VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
 PROBE = "What is 7 + 5? The answer is 12, because seven plus five makes twelve."
 BASES = ("float32", "bfloat16", "nf4")
 

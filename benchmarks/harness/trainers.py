@@ -27,6 +27,10 @@ def package(side: str):
     return importlib.import_module("trl" if side == "trl" else "grpo_plus")
 
 
+# The colocated vLLM every benchmark that runs the engine uses (vllm_colocate, vllm_lora_sync, partial_rollouts --vllm).
+VLLM_SETTINGS = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+
+
 def demo_settings(steps: int) -> dict:
     """GRPOConfig fields of the demo config, for a `steps`-step run that saves nothing."""
     import yaml
