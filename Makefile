@@ -151,7 +151,7 @@ VLLM_EXTENSIONS := $(abspath $(VLLM_ENV))/torch_extensions
 VLLM_RUN     := GRPO_PLUS_REQUIRE_VLLM=1 HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 OMP_NUM_THREADS=1 \
                 TORCH_EXTENSIONS_DIR=$(VLLM_EXTENSIONS)
 
-.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async bench-partial-vllm vllm-deepspeed-ops
+.PHONY: test-vllm bench-vllm bench-vllm-lora bench-vllm-divergence bench-async bench-partial-vllm bench-vllm-decode vllm-deepspeed-ops
 vllm-deepspeed-ops: $(VLLM_ENV)/.installed
 	$(call DS_OP_BUILD,$(VLLM_EXTENSIONS),$(VLLM_PY))
 
@@ -182,6 +182,10 @@ bench-async: $(VLLM_ENV)/.installed
 BENCH_PARTIAL_VLLM_ARGS ?= --seeds 1 --steps 8 --warmup 2
 bench-partial-vllm: $(VLLM_ENV)/.installed
 	$(VLLM_RUN) $(VLLM_PY) benchmarks/partial_rollouts.py --vllm --sides ours,partial $(BENCH_PARTIAL_VLLM_ARGS)
+
+# What a decode step and a re-sent row cost in the engine, by its dtype and KV-cache block size
+bench-vllm-decode: $(VLLM_ENV)/.installed
+	$(VLLM_RUN) $(VLLM_PY) benchmarks/vllm_decode_cost.py $(BENCH_VLLM_DECODE_ARGS)
 
 $(VLLM_ENV)/.installed: pyproject.toml $(STAMP) $(VLLM_LOCK)
 	rm -rf $(VLLM_ENV)

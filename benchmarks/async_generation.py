@@ -23,12 +23,15 @@ questions, not counted in the steps' time), against each side's summed step time
 accuracy per training minute, accuracy per step within the seeds' spread. Sampling is seeded per request (the run's seed; --no-seeded-sampling
 leaves it to the server), so each step's completion ids of the two sides can be compared (equal at step 0, then apart:
 the async side samples from weights one step old), and so are the final weights. TRL's sampler/trainer mismatch
-metrics (`sampling/*`) are kept per step: what staleness costs. Writes --json (and the Markdown table beside it).
+metrics (`sampling/*`) are kept per step: what staleness costs. Writes --json (and the Markdown table beside it) and
+--png: held-out accuracy against each side's training minutes and against the step, every seed (`--plot-from JSON`
+draws it again from a report this script wrote, without training).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -46,6 +49,7 @@ from harness.timing import StepTimer  # noqa: E402
 from harness.trainers import demo_lora, demo_settings, model_path  # noqa: E402
 
 SIDES = ("sync", "async")
+LABELS = {"sync": "TRL's loop", "async": "asynchronous"}
 SERVER_CORE, TRAINER_CORE = 0, 1
 EVAL_MAX_NEW_TOKENS = 24  # the demo config's
 # What staleness costs: TRL's sampler/trainer mismatch metrics, per step (the sampler's log-probs against the trainer's)
@@ -213,6 +217,36 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     return summary
 
 
+def plot(report: dict, path: Path) -> None:
+    """Two panels: held-out accuracy against each side's summed step time, and against the optimizer step; one line
+    per side and seed (TRL's loop solid, asynchronous dashed, a marker per seed)."""
+    from harness.plots import accuracy_panels
+
+    from grpo_plus.app.plotting import series
+
+    fig, by_minutes, by_step = accuracy_panels(
+        report["settings"]["eval_size"], "training minutes (each side's steps summed; evaluation excluded)"
+    )
+    colors, lines, markers = {"sync": "C1", "async": "C0"}, {"sync": "-", "async": "--"}, "oxs^dv"
+    for run in report["runs"]:
+        seed = run["seed"]
+        for side in SIDES:
+            history = [dict(point, train_minutes=point["train_seconds"] / 60) for point in run[side]["evals"]]
+            style = dict(color=colors[side], linestyle=lines[side], marker=markers[seed % len(markers)])
+            by_minutes.plot(*series(history, "accuracy", x="train_minutes"), label=f"{LABELS[side]}, seed {seed}",
+                            **style)  # fmt: skip
+            by_step.plot(*series(history, "accuracy", x="step"), **style)
+    by_minutes.legend(fontsize="small", loc="lower right", ncols=2)
+    fig.suptitle(
+        "reasoning-gym chain_sum, the embedded SmolLM2-135M-Instruct + LoRA, float32; a vLLM server on one core, the "
+        "trainer on the other",
+        fontsize="medium",
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, format="png")
+    print(f"plot in {path}")
+
+
 def _number(value: float | None) -> str:
     return "-" if value is None else f"{value:.2g}"
 
@@ -250,7 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         "from the same weights, so each step's completion ids can be compared (--no-seeded-sampling: the server's "
         "own random state).",
     )
+    parser.add_argument("--png", type=Path, default=None, help="the plot (default: --json with .png)")
+    parser.add_argument("--plot-from", type=Path, default=None, help="draw --png from this report; train nothing")
     args = parser.parse_args(argv)
+    if args.plot_from is not None:
+        plot(json.loads(args.plot_from.read_text()), args.png or args.plot_from.with_suffix(".png"))
+        return 0
     os.sched_setaffinity(0, {TRAINER_CORE})
     torch.set_num_threads(1)
     report, started = start_report(args, versions=("torch", "transformers", "trl", "vllm"))
@@ -287,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown)
     write_report({**report, "settings": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
                   "summary": summary}, args.json, markdown, started=started)  # fmt: skip
+    plot(json.loads(Path(args.json).read_text()), args.png or Path(args.json).with_suffix(".png"))
     return 0
 
 

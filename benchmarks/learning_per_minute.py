@@ -113,13 +113,14 @@ def _cumulative(values: list[float]) -> list[float]:
 def plot(report: dict, path: Path) -> None:
     """Two panels: held-out accuracy against each side's training minutes (equal wall-clock marked), and against the
     optimizer step."""
-    from matplotlib.figure import Figure
+    from harness.plots import accuracy_panels
 
     from grpo_plus.app.plotting import series
 
     summary = report["summary"]
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    by_minutes, by_step = fig.subplots(1, 2)
+    fig, by_minutes, by_step = accuracy_panels(
+        report["settings"]["eval_size"], "training minutes (each trainer's own steps summed; evaluation excluded)"
+    )
     styles = {"trl": dict(color="C1", marker="o", linestyle="-"), "ours": dict(color="C0", marker="x", linestyle="--")}
     for name in SIDES:
         history = [dict(p, train_minutes=p["train_seconds"] / 60) for p in report["sides"][name]["evals"]]
@@ -140,14 +141,7 @@ def plot(report: dict, path: Path) -> None:
         color="0.3",
     )
     settings = report["settings"]
-    by_minutes.set_title("held-out accuracy against training time")
-    by_minutes.set_xlabel("training minutes (each trainer's own steps summed; evaluation excluded)")
-    by_step.set_title("held-out accuracy against the optimizer step")
-    by_step.set_xlabel("optimizer step")
     for ax in (by_minutes, by_step):
-        ax.set_ylabel(f"greedy accuracy, {settings['eval_size']} held-out questions")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="upper left")  # the bottom holds the equal-wall-clock note
     fig.suptitle(
         f"reasoning-gym {settings['task']} ({settings['task_config']}), {report['model']} + LoRA,\n"

@@ -40,6 +40,8 @@ from harness.report import ROOT, markdown_table, start_report, write_report  # n
 from harness.timing import StepTimer  # noqa: E402
 from harness.trainers import VLLM_SETTINGS, demo_lora, demo_settings, model_path, package  # noqa: E402
 
+from grpo_plus.engine.precision import VLLM_DTYPES  # noqa: E402
+
 SIDES = ("trl", "ours", "partial")
 EVAL_MAX_NEW_TOKENS = 64
 STALENESS = (
@@ -92,7 +94,7 @@ def train_side(side: str, seed: int, model_dir: str, data, args, output_dir: Pat
     if side == "partial":
         settings.update(partial_rollout_tokens=args.chunk, rollout_correction="decoupled_token_is")
     if args.vllm:
-        settings.update(VLLM_SETTINGS)
+        settings.update(VLLM_SETTINGS, vllm_dtype=args.vllm_dtype, vllm_block_size=args.vllm_block_size)
     set_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     library = package(side)
@@ -215,6 +217,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-size", type=int, default=48)
     parser.add_argument("--sides", default=",".join(SIDES), help="which of trl,ours,partial to train (partial always)")
     parser.add_argument("--vllm", action="store_true", help="generate with colocated vLLM (sides ours,partial)")
+    parser.add_argument(
+        "--vllm-dtype", default="float32", choices=VLLM_DTYPES,
+        help="the engine's dtype (vllm_dtype): the trainer's float32 by default; vLLM's 'auto' serves a float32 "
+        "checkpoint in bfloat16, which a CPU without AVX512-BF16 computes several times slower per row",
+    )  # fmt: skip
+    parser.add_argument(
+        "--vllm-block-size", type=int, default=32,
+        help="the engine's KV-cache block size (vllm_block_size): vLLM's CPU build takes 128 by default, and its "
+        "prefix cache reuses whole blocks only (each chunk re-sends every row)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     sides = tuple(side for side in SIDES if side in args.sides.split(","))
     if "partial" not in sides or len(sides) < 2 or set(args.sides.split(",")) - set(SIDES):
@@ -232,17 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = model_path(args.smoke, folder, **(dict(hidden_size=128) if args.vllm else {}))
     data = task_data(args.smoke, args.train_size, args.eval_size)
     runs = []
-    with shared_vllm_engine() if args.vllm else contextlib.nullcontext():
+    engine = None  # with --vllm: the engine's dtype and KV-cache block size, as vLLM built it
+    with shared_vllm_engine() if args.vllm else contextlib.nullcontext() as shared:
         for seed in range(args.seeds):
             order = sides[seed % len(sides) :] + sides[: seed % len(sides)]
             seed_run = {"seed": seed, "order": list(order)}
             for side in order:
                 seed_run[side] = train_side(side, seed, model_dir, data, args, folder / f"{side}-{seed}")
             runs.append(seed_run)
+        if shared is not None:
+            built = shared.llm.llm_engine.vllm_config
+            engine = {"dtype": str(built.model_config.dtype), "block_size": built.cache_config.block_size}
     summary = summarize(runs, args.warmup, sides)
     markdown = table(summary, sides)
     print(markdown)
-    write_report({**report, "settings": {k: str(v) for k, v in vars(args).items()}, "runs": runs,
+    write_report({**report, "settings": {k: str(v) for k, v in vars(args).items()}, "engine": engine, "runs": runs,
                   "summary": summary, "learning": learning(runs, sides)}, args.json, markdown, started=started)  # fmt: skip
     return 0
 

@@ -96,7 +96,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             # the colocated engine's precision (a 4-bit base: not TRL's "bitsandbytes") and speculative decoding; a
             # server reached over the transport it reports (grpo_plus.engine.server: gloo off CUDA)
             with (
-                engine_precision(args, plus.vllm.quantization, plus.vllm.dtype),
+                engine_precision(args, plus.vllm.quantization, plus.vllm.dtype, plus.vllm.block_size),
                 engine_speculation(args, plus.vllm.speculative_config), server_client(args),
             ):  # fmt: skip
                 super().__init__(model, reward_funcs, plus.trl_config(args), *pos_args, **kwargs)

@@ -6,6 +6,7 @@ The pipeline itself runs on the real engine: tests/vllm_engine/test_async_genera
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,3 +126,22 @@ def test_the_request_thread_keeps_nothing_of_a_finished_request():
         gc.collect()
         assert (alive() is not None) == keep
     requests.close()
+
+
+def test_the_benchmarks_plot_is_drawn_from_its_results_file(tmp_path, benchmark_in_this_process):
+    """benchmarks/async_generation.py --plot-from: the committed report's held-out accuracy curves drawn again into a
+    PNG, without training (the plot beside the docs' table); a report without its runs' evaluations is refused."""
+    import json
+
+    import async_generation
+
+    results = Path(__file__).resolve().parents[1] / "docs" / "guide" / "results" / "async_generation.json"
+    png = tmp_path / "async.png"
+    assert async_generation.main(["--plot-from", str(results), "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    broken = json.loads(results.read_text())
+    for side in async_generation.SIDES:
+        del broken["runs"][0][side]["evals"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    with pytest.raises(KeyError, match="evals"):
+        async_generation.main(["--plot-from", str(tmp_path / "broken.json"), "--png", str(tmp_path / "b.png")])

@@ -67,6 +67,7 @@ def test_every_trl_field_keeps_name_and_default(tmp_path):
         "fit_check",
         "vllm_quantization",
         "vllm_dtype",
+        "vllm_block_size",
         "vllm_sync_check",
         "vllm_speculative_config",
         "async_generation",
@@ -128,6 +129,10 @@ def test_aliases_are_canonical_in_the_settings_and_the_config_keeps_them(tmp_pat
         (dict(dual_clip=0.5), "dual_clip=0.5 is not allowed"),
         (dict(vllm_quantization="bitsandbytes"), "vllm_quantization='bitsandbytes' is not allowed"),
         (dict(vllm_dtype="fp32"), "vllm_dtype='fp32' is not allowed"),
+        (dict(use_vllm=True, vllm_block_size=0), "vllm_block_size=0 is not allowed"),
+        # the block size of the engine the trainer builds: none without vLLM, a server builds its own
+        (dict(vllm_block_size=32), "vllm_block_size must be None without a colocated engine"),
+        (dict(use_vllm=True, vllm_mode="server", vllm_block_size=32), "a server builds its own"),
         (dict(vllm_sync_check="always"), "vllm_sync_check='always' is not allowed"),
         (dict(reward_workers=-1), "reward_workers=-1 is not allowed"),
         (dict(reward_workers=2, reward_timeout=0), "reward_timeout=0 is not allowed"),
@@ -316,8 +321,8 @@ def test_every_grpo_plus_field_is_declared_once_beside_its_settings():
         assert own[name].metadata["help"].strip() and own[name].metadata["help"] == setting.metadata["help"], name
         assert set(own[name].metadata) <= {"help", "choices"}, name
     # grpo_plus's fields when they were gathered into groups (53: none lost on the way), asynchronous generation's 3,
-    # speculative rollouts' 5, vllm_speculative_config, routing replay's 2, partial_rollout_tokens
-    assert len(own) == 65
+    # speculative rollouts' 5, vllm_speculative_config, routing replay's 2, partial_rollout_tokens, vllm_block_size
+    assert len(own) == 66
 
 
 def test_a_field_declared_twice_is_refused():

@@ -883,6 +883,39 @@ QUOTES += [
     Quote("docs/guide/async-generation.md", "partial rollouts there take {}x the synchronous generation (median per "
           "step), {}x in total over the 8 steps ({} s against {} s)", PARTIAL_VLLM, partial_vllm_totals),
 ]  # fmt: skip
+DECODE_COST = "vllm_decode_cost.json"
+
+
+def decode_case(index: int) -> Callable[[dict], tuple]:
+    def figures(data: dict) -> tuple:
+        case = data["cases"][index]
+        return (
+            case["case"], case["dtype"].removeprefix("torch."), case["block_size"], f"{case['decode_ms_1_row']:.0f}",
+            f"{case['decode_ms_16_rows']:.0f}", f"{case['prefill_s']:.2f}", f"{case['resend_s']:.2f}",
+        )  # fmt: skip
+
+    return figures
+
+
+def decode_cost_findings(data: dict) -> tuple:
+    auto, float32_128, float32_32 = data["cases"]
+    return (
+        f"{float32_32['decode_ms_1_row'] / float32_32['decode_ms_16_rows']:.2f}",
+        f"{float32_128['resend_s']:.2f}", f"{float32_32['resend_s']:.2f}", f"{float32_32['prefill_s']:.2f}",
+        f"{auto['decode_ms_16_rows']:.0f}", f"{float32_128['decode_ms_16_rows']:.0f}",
+    )  # fmt: skip
+
+
+QUOTES += [
+    *(Quote("docs/guide/async-generation.md", "| {} | {} | {} | {} | {} | {} | {} |", DECODE_COST, decode_case(i))
+      for i in range(3)),
+    Quote("docs/guide/async-generation.md", "in float32 a step with 1 row costs {} of a step with 16", DECODE_COST,
+          lambda data: decode_cost_findings(data)[:1]),
+    Quote("docs/guide/async-generation.md", "a chunk re-sent its rows in {} s, with 32-token blocks in {} s (a prefill "
+          "of the same rows: {} s)", DECODE_COST, lambda data: decode_cost_findings(data)[1:4]),
+    Quote("docs/guide/async-generation.md", "computes a bfloat16 step with 16 rows in {} ms against {} ms in float32",
+          DECODE_COST, lambda data: decode_cost_findings(data)[4:]),
+]  # fmt: skip
 QUOTES.append(
     Quote(
         "README.md",

@@ -199,6 +199,29 @@ def test_what_the_engine_is_asked_for(monkeypatch):
     assert engine_quantization("auto", "bitsandbytes", "unused", 0.3) is None
 
 
+@pytest.mark.parametrize(
+    ("fields", "added"),
+    [
+        ({}, {}),  # TRL's engine arguments untouched: vLLM's dtype and block size
+        ({"dtype": "float32", "block_size": 32}, {"dtype": "float32", "block_size": 32}),
+    ],
+)
+def test_the_engine_is_built_with_the_dtype_and_block_size_asked(monkeypatch, fields, added):
+    """vllm_dtype and vllm_block_size reach the colocated engine's arguments (on the real engine, the benchmark's smoke
+    test reads them back from vLLM: tests/vllm_engine/test_benchmarks.py); left at their defaults, TRL's arguments
+    go through as TRL builds them."""
+    from grpo_plus.compat.vllm import vllm_engine_factory
+    from grpo_plus.engine.precision import engine_precision
+
+    module, name = vllm_engine_factory()
+    built = []
+    monkeypatch.setattr(module, name, lambda **kwargs: built.append(kwargs), raising=False)  # no vLLM in .venv
+    trls = {"model": "unused", "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 4096}
+    with engine_precision(types.SimpleNamespace(use_vllm=True, vllm_mode="colocate"), **fields):
+        getattr(module, name)(**trls)
+    assert built == [{**trls, "quantization": None, **added}]
+
+
 @pytest.mark.parametrize("fp8_runs", [True, False])
 def test_a_4bit_base_on_a_gpu_engine_is_served_by_its_memory(tmp_path, monkeypatch, fp8_runs):
     """'auto' for a 4-bit base on a (faked) 24 GB card: Qwen2.5-7B's 15.2 GB in bfloat16 do not fit 0.3 of it, so

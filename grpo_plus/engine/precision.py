@@ -95,11 +95,14 @@ def engine_quantization(setting: str, asked: str | None, model_path: str, memory
 
 
 @contextmanager
-def engine_precision(args: Any, quantization: str = VLLM_QUANTIZATION_AUTO, dtype: str = "auto") -> Iterator[None]:
+def engine_precision(
+    args: Any, quantization: str = VLLM_QUANTIZATION_AUTO, dtype: str = "auto", block_size: int | None = None
+) -> Iterator[None]:
     """While TRL builds its trainer from `args` (TRL's vLLM fields): the colocated engine gets `engine_quantization`'s
     choice for `quantization` (vllm_quantization) instead of what TRL asks (for a 4-bit base "bitsandbytes", which vLLM
-    0.31 no longer has and whose loader cannot take the dequantized weights the out-of-place sync sends), and `dtype`
-    (vllm_dtype) where it is not "auto"."""
+    0.31 no longer has and whose loader cannot take the dequantized weights the out-of-place sync sends), `dtype`
+    (vllm_dtype) where it is not "auto", and its KV cache in blocks of `block_size` tokens (vllm_block_size) where it is
+    not None (the layout of what it computes in that precision)."""
     setting = quantization
     if not getattr(args, "use_vllm", False) or getattr(args, "vllm_mode", "colocate") != "colocate":
         yield
@@ -114,6 +117,8 @@ def engine_precision(args: Any, quantization: str = VLLM_QUANTIZATION_AUTO, dtyp
         )  # fmt: skip
         if dtype != "auto":
             kwargs["dtype"] = dtype
+        if block_size is not None:
+            kwargs["block_size"] = block_size
         with kernel_scan_guard():
             return build(**kwargs)
 

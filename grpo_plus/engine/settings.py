@@ -1,4 +1,4 @@
-"""GRPOConfig's colocated-engine fields (`vllm_quantization`, `vllm_dtype`, `vllm_sync_check`,
+"""GRPOConfig's colocated-engine fields (`vllm_quantization`, `vllm_dtype`, `vllm_block_size`, `vllm_sync_check`,
 `vllm_speculative_config`): declared and checked."""
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ class VLLMSettings(SettingsGroup):
         "trainer, 'float32' makes the engine's log-probs the trainer's to float rounding (slower generation).",
         choices=VLLM_DTYPES,
     )
+    block_size: int | None = setting(
+        None,
+        "The KV cache's block size of a colocated vLLM engine (vLLM's `block_size`, in tokens). None: vLLM's "
+        "choice (16 on GPUs, 128 on its CPU build). vLLM's prefix cache reuses whole blocks only: with "
+        "partial_rollout_tokens every row is its own request, re-sent with its tokens at each chunk, so on the CPU "
+        "build 32 reuses what 128 computes again (docs/guide/async-generation.md).",
+        config_type=int | None,
+    )
     sync_check: str = setting(
         "every",
         "After a weight sync into a colocated vLLM engine, before it generates: check that every tensor "
@@ -64,6 +72,10 @@ class VLLMSettings(SettingsGroup):
             )
         if self.dtype not in VLLM_DTYPES:
             raise not_allowed("vllm_dtype", self.dtype, f"one of {', '.join(map(repr, VLLM_DTYPES))}")
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
+        ):
+            raise not_allowed("vllm_block_size", self.block_size, "None (vLLM's choice) or an integer >= 1")
         if self.sync_check not in SYNC_CHECK_MODES:
             raise not_allowed(
                 "vllm_sync_check",
@@ -73,7 +85,15 @@ class VLLMSettings(SettingsGroup):
             )
 
     def check_combinations(self, use_vllm: bool, vllm_mode: str) -> None:
-        """vllm_speculative_config is the colocated engine's: refused where grpo_plus builds no engine."""
+        """vllm_speculative_config and vllm_block_size are the colocated engine's: refused where grpo_plus builds no
+        engine."""
+        if self.block_size is not None and not (use_vllm and vllm_mode == "colocate"):
+            raise not_allowed(
+                "vllm_block_size",
+                self.block_size,
+                "None without a colocated engine (use_vllm=True, vllm_mode='colocate'): it is the block size of the "
+                "engine the trainer builds (a server builds its own)",
+            )
         if self.speculative_config is None:
             return
         if not use_vllm:
