@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.tokens = 1, 8
     report, started = start_report(args, versions=("torch", "vllm"))
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    import tempfile
-
     model = model_path(args.smoke, tempfile.mkdtemp(prefix="bench-decode-"), hidden_size=128)
     cases = [run_case(model, case, args) for case in args.cases.split(",")]
     rows = [
