@@ -880,6 +880,8 @@ def partial_vllm_totals(data: dict) -> tuple:
 QUOTES += [
     Quote("docs/guide/async-generation.md", "| {} | {} | {} | **{}x** | {} | {} | {} / {} |", PARTIAL_VLLM,
           partial_vllm_row),
+    Quote("README.md", "with colocated vLLM on this CPU {}x (its decode steps", PARTIAL_VLLM,
+          lambda data: (f"{data['summary']['0']['generation_ratio_vs_ours']:.2f}",)),
     Quote("docs/guide/async-generation.md", "partial rollouts there take {}x the synchronous generation (median per "
           "step), {}x in total over the 8 steps ({} s against {} s)", PARTIAL_VLLM, partial_vllm_totals),
 ]  # fmt: skip
