@@ -41,7 +41,7 @@ from .long_completions.settings import LongCompletionSettings
 from .objective import ADVANTAGE_ESTIMATORS
 from .objective.common import WARNED_ONCE
 from .objective.loss import TRL_ACCEPTS, unusual_settings
-from .partial_rollouts.settings import PartialRolloutSettings
+from .partial_rollouts.settings import PartialRolloutSettings, server_request_seed
 from .plugins import PluginSettings, load_plugins
 from .rewards.settings import RewardRunnerSettings
 from .routing.settings import RoutingSettings
@@ -198,7 +198,10 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     speculative.check_combinations(
         config.use_vllm, zero_waste.generation, _continuous_batching(config), config.generation_kwargs
     )
-    partial_rollouts = PartialRolloutSettings.from_config(config, max_staleness=async_generation.max_staleness)
+    partial_rollouts = PartialRolloutSettings.from_config(
+        config, max_staleness=async_generation.max_staleness,
+        request_seed=server_request_seed(config.use_vllm, config.vllm_mode, config.generation_kwargs),
+    )  # fmt: skip
     partial_rollouts.check_combinations(
         use_vllm=bool(config.use_vllm), vllm_mode=config.vllm_mode, zero_waste_generation=zero_waste.generation,
         async_generation=async_generation.enabled, dynamic_sampling=dynamic_sampling.enabled,
@@ -207,6 +210,7 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         generation_kwargs=config.generation_kwargs,
         trl_takes_num_generations=bool(single_turn_arguments(1)),
         structured_outputs_regex=config.vllm_structured_outputs_regex,
+        tensor_parallel_size=config.vllm_tensor_parallel_size,
     )  # fmt: skip
     routing = RoutingSettings.from_config(config)
     routing.check_combinations(

@@ -218,14 +218,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         """The pool of groups in flight (grpo_plus.partial_rollouts), handed what it reads, or ValueError."""
         tools, rollout_func = bool(getattr(self, "tools", None)), getattr(self, "rollout_func", None) is not None
         why = generation_blocker(use_vllm=False, continuous_batching=uses_continuous_batching(self))  # its generator
-        if reason := partial_rollouts_blocker(self.accelerator.num_processes, tools, rollout_func, why, self.use_vllm):
+        if reason := partial_rollouts_blocker(self.accelerator, self.args, tools, rollout_func, why):
             raise ValueError(reason)
         reader = PromptLookahead(self.get_train_dataloader, self.args.steps_per_generation * self.num_iterations)
         decode = (engine_chunk_decoder(self._generate_single_turn, self.vllm_generation) if self.use_vllm  # either mode
                   else chunk_decoder(self._generate_single_turn, self.generation_config, self.num_generations))  # fmt: skip
         return PartialRollouts(self.plus.partial_rollouts, self.num_generations, self.max_completion_length,
             completion_eos_token_ids(self), reader, lambda prompts: self._tokenize_prompts(prompts)[0], decode,
-            skip_data=not self.args.ignore_data_skip)  # fmt: skip
+            skip_data=not self.args.ignore_data_skip, num_processes=self.accelerator.num_processes)  # fmt: skip
 
     def _log_sync_receipt(self, receipt: SyncReceipt) -> None:
         """A checked weight sync's figures, logged with the step that generates from it (`vllm_sync/*`)."""

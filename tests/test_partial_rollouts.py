@@ -8,6 +8,7 @@ pool is not restored does not); what cannot work is refused at construction."""
 from __future__ import annotations
 
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -188,6 +189,7 @@ class ScriptedPrompts:
 
     def __init__(self, lengths: list[int], group: int = 2):
         self.lengths, self.group, self.read = lengths, group, 0
+        self.seeds: list[list[int] | None] = []  # each chunk's request seeds
 
     def batch(self, index: int) -> list[dict]:
         return [{"prompt": f"p{index}"}] * self.group
@@ -196,10 +198,14 @@ class ScriptedPrompts:
         self.read += 1
         return self.batch(self.read - 1)
 
+    def resume_at(self, index: int, skip_data: bool) -> None:  # the PromptLookahead protocol: a resumed reader
+        self.read = index
+
     def tokenize(self, prompts: list[str]) -> list[list[int]]:
         return [[100 + int(prompt[1:])] for prompt in prompts]
 
-    def decode(self, prompt_ids: list[list[int]], max_new_tokens: int, turns=None):
+    def decode(self, prompt_ids: list[list[int]], max_new_tokens: int, turns=None, seeds=None):
+        self.seeds.append(seeds)
         tokens, logps = [], []
         for ids in prompt_ids:
             have, target = len(ids) - 1, self.lengths[ids[0] - 100]
@@ -239,6 +245,38 @@ def test_the_pool_hands_the_oldest_complete_groups_and_bounds_their_age():
         rollouts.generation_batch(script.batch(3), 1, defaultdict(list))
 
 
+def test_a_seeded_pool_gives_each_row_and_chunk_its_own_request_seed():
+    """With a server's request seed, each chunk's request of each row is seeded `row_seed(seed, serial, tokens held)`:
+    the rows of one group (one prompt, no tokens yet) get different seeds, a row's next chunk another, and a pool
+    restored from a checkpoint asks for its rows' next chunks with the seeds the uninterrupted pool asks for. Without
+    the seed (the negative control for what a server would draw) no seeds are sent."""
+    settings = pool.PartialRolloutSettings(tokens=2, max_staleness=2, request_seed=11)
+    script = ScriptedPrompts([6, 2, 2, 2], group=3)
+    rollouts = PartialRollouts(settings, 3, 12, [ScriptedPrompts.EOS], script, script.tokenize, script.decode)
+    rollouts.generation_batch(script.batch(0), 0, defaultdict(list))  # p0 (6 tokens) carried, p1 read ahead, handed
+    first, second = script.seeds[:2]
+    assert len(set(first)) == 3, "the rows of one prompt asked with one seed"
+    assert first == [pool.row_seed(11, serial, 0) for serial in range(3)]
+    assert second == [pool.row_seed(11, serial, 2) for serial in range(3)] + [
+        pool.row_seed(11, serial, 0) for serial in range(3, 6)
+    ]
+    assert not set(first) & set(second) and all(0 <= seed < 2**63 for seed in first + second)
+    state = rollouts.state_dict()
+    assert [row["serial"] for g in state["groups"] for row in g["rows"]] == [0, 1, 2]
+    script.seeds.clear()
+    rollouts.generation_batch(script.batch(1), 1, defaultdict(list))
+    uninterrupted = list(script.seeds)
+    resumed_script = ScriptedPrompts([6, 2, 2, 2], group=3)
+    resumed = PartialRollouts(settings, 3, 12, [1], resumed_script, resumed_script.tokenize, resumed_script.decode)
+    resumed.load_state_dict(state)
+    resumed.generation_batch(resumed_script.batch(1), 1, defaultdict(list))
+    assert resumed_script.seeds == uninterrupted and uninterrupted
+    unseeded = ScriptedPrompts([6, 2, 2, 2], group=3)
+    PartialRollouts(pool.PartialRolloutSettings(tokens=2, max_staleness=2), 3, 12, [1], unseeded, unseeded.tokenize,
+                    unseeded.decode).generation_batch(unseeded.batch(0), 0, defaultdict(list))  # fmt: skip
+    assert unseeded.seeds and all(seeds is None for seeds in unseeded.seeds)
+
+
 def test_the_pool_state_is_versioned_and_checked():
     settings = pool.PartialRolloutSettings(tokens=3)
     fresh = PartialRollouts(settings, 4, 8, [1], None, lambda prompts: [[5]] * len(prompts), None)
@@ -254,6 +292,14 @@ def test_the_pool_state_is_versioned_and_checked():
         fresh._enter([{"environment": "e"}] * 4, step=0)
     with pytest.raises(ValueError, match="unknown partial-rollouts state version"):
         restored.load_state_dict({**state, "version": 99})
+    # a pool saved before rows had serials (version 1) loads; its rows get serials apart from the new rows'
+    version_1 = {**state, "version": 1, "groups": [
+        {**g, "rows": [{k: v for k, v in r.items() if k != "serial"} for r in g["rows"]]} for g in state["groups"]
+    ]}  # fmt: skip
+    del version_1["entered_rows"]
+    old = PartialRollouts(settings, 4, 8, [1], None, lambda prompts: [[5]] * len(prompts), None)
+    old.load_state_dict(version_1)
+    assert [row.serial for row in old.groups[0].rows] == [-1, -2, -3, -4] and old.entered_rows == 0
     other = PartialRollouts(settings, 2, 8, [1], None, lambda prompts: [], None)
     with pytest.raises(ValueError, match="num_generations is 2"):
         other.load_state_dict(state)
@@ -265,10 +311,13 @@ def test_the_pool_state_is_versioned_and_checked():
         (dict(partial_rollout_tokens=0), "partial_rollout_tokens must be None or an integer >= 1"),
         (dict(partial_rollout_tokens=2.5), "partial_rollout_tokens must be an integer or null/None"),
         (
-            dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server", generation_kwargs={"seed": 0}),
-            "with generation_kwargs seed: each chunk sends every row as its own request",
+            dict(partial_rollout_tokens=4, use_vllm=True, generation_kwargs={"seed": 3}),
+            "with generation_kwargs seed in vLLM's colocate mode: TRL gives every row's request the same seed",
         ),
-        (dict(partial_rollout_tokens=4, use_vllm=True, generation_kwargs={"seed": 3}), "with generation_kwargs seed"),
+        (
+            dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server", generation_kwargs={"seed": "0"}),
+            "generation_kwargs seed must be an integer",
+        ),
         (dict(partial_rollout_tokens=4, zero_waste_generation=False), "set zero_waste_generation=True"),
         (
             dict(partial_rollout_tokens=4, use_vllm=True, vllm_mode="server", async_generation=True),
@@ -286,6 +335,10 @@ def test_the_pool_state_is_versioned_and_checked():
         (
             dict(partial_rollout_tokens=4, use_vllm=True, vllm_structured_outputs_regex="[0-9]+"),
             "with vllm_structured_outputs_regex",
+        ),
+        (
+            dict(partial_rollout_tokens=4, use_vllm=True, vllm_tensor_parallel_size=2),
+            "with vllm_tensor_parallel_size=2: TRL gathers a tensor-parallel group's rows",
         ),
     ],
 )
@@ -318,15 +371,43 @@ def test_colocated_vllm_is_accepted_without_grpo_plus_generator(tmp_path):
     assert config.partial_rollout_tokens == 4
 
 
+def launched(num_processes: int = 1, distributed_type: str = "NO", zero_stage: int | None = None):
+    """A trainer's accelerator as the partial-rollouts blocker reads it."""
+    plugin = None if zero_stage is None else SimpleNamespace(zero_stage=zero_stage)
+    return SimpleNamespace(num_processes=num_processes, distributed_type=SimpleNamespace(name=distributed_type),
+                           state=SimpleNamespace(deepspeed_plugin=plugin))  # fmt: skip
+
+
+def config_of(processes: int = 1, per_device_train_batch_size: int = 8, **fields):
+    """A GRPOConfig as the partial-rollouts blocker reads it (TRL's generation batch: per device x processes)."""
+    fields = {"use_vllm": False, "vllm_mode": "colocate", "num_generations": 4, **fields}
+    return SimpleNamespace(generation_batch_size=per_device_train_batch_size * processes, **fields)
+
+
 def test_trainers_that_cannot_run_it_are_refused():
-    assert trainer_blocker(1, False, False, None) is None
-    assert "one process (this run has 2)" in trainer_blocker(2, False, False, None)
-    assert "no tools" in trainer_blocker(1, True, False, None)
-    assert "no rollout_func" in trainer_blocker(1, False, True, None)
-    assert "cannot run here: transformers 4" in trainer_blocker(1, False, False, "transformers 4.56 is too old")
-    # with the colocated vLLM engine generating the chunks, grpo_plus's generator is not needed
-    assert trainer_blocker(1, False, False, "transformers 4.56 is too old", vllm=True) is None
-    assert "one process" in trainer_blocker(2, False, False, None, vllm=True)
+    one = (launched(), config_of())
+    assert trainer_blocker(*one, False, False, None) is None
+    assert "no tools" in trainer_blocker(*one, True, False, None)
+    assert "no rollout_func" in trainer_blocker(*one, False, True, None)
+    assert "cannot run here: transformers 4" in trainer_blocker(*one, False, False, "transformers 4.56 is too old")
+    # with vLLM generating the chunks, grpo_plus's generator is not needed
+    assert trainer_blocker(launched(), config_of(use_vllm=True), False, False, "transformers 4.56 is too old") is None
+    # several processes: DDP, each process's generation batch whole groups, no server
+    ddp = launched(2, "MULTI_CPU")
+    assert trainer_blocker(ddp, config_of(2), False, False, None) is None
+    assert trainer_blocker(ddp, config_of(2, use_vllm=True), False, False, None) is None  # colocated engines
+    assert trainer_blocker(launched(2, "DEEPSPEED", zero_stage=2), config_of(2), False, False, None) is None
+    assert "DDP or DeepSpeed ZeRO-1/2 when it runs on several processes (this run: DEEPSPEED (ZeRO-3) on 2)" in (
+        trainer_blocker(launched(2, "DEEPSPEED", zero_stage=3), config_of(2), False, False, None)
+    )
+    assert "(this run: FSDP on 4)" in trainer_blocker(launched(4, "FSDP"), config_of(4), False, False, None)
+    assert "= 6 rows, groups of num_generations=4" in trainer_blocker(ddp, config_of(2, 6), False, False, None)
+    assert trainer_blocker(launched(), config_of(1, 6), False, False, None) is None  # one process: TRL's own check
+    server = config_of(2, use_vllm=True, vllm_mode="server")
+    assert "one trainer process against a vLLM server (this run has 2)" in trainer_blocker(
+        ddp, server, False, False, None
+    )
+    assert trainer_blocker(launched(), config_of(use_vllm=True, vllm_mode="server"), False, False, None) is None
 
 
 @needs_loop

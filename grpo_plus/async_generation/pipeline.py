@@ -38,14 +38,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.reload import SyncCheckError
+from ..run.distributed import DATA_PARALLEL
 from ..run.state import RandomState
 from .settings import AsyncGenerationSettings
 
 logger = logging.getLogger(__name__)
 
-# accelerate's DistributedType values for DDP (and one process): the trainer processes hold whole weights.
-DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
-                 "MULTI_HPU", "MULTI_NEURON")  # fmt: skip
 METRICS = ("staleness", "trainer_wait_seconds", "engine_wait_seconds", "dropped_batches")
 
 

@@ -10,7 +10,9 @@ CUDA. Here:
   command names the gloo transport (`gloo_transport`), registered in vLLM's weight-transfer factory by a
   `vllm.general_plugins` entry point in every process vLLM starts (`plugin_entry_point`);
 - `ServerClient` (`server_client_class()`): TRL's `VLLMClient`, which reads the server's weight-transfer backend (`/server_info`) and, for
-  "gloo", opens the group and streams over gloo; for anything else it is TRL's client unchanged;
+  "gloo", opens the group and streams over gloo; for anything else it is TRL's client unchanged; inside
+  `seeded_requests(generation, seeds)` its `generate` sends each prompt as its own request with its own seed (vLLM's
+  completions endpoint takes one seed for every prompt of a request);
 - `server_sync(generation, ...)`: TRL's `VLLMGeneration` in server mode given grpo_plus's out-of-place LoRA stream
   (`lora_stream.LoraWeightStream`, every weight at every sync as TRL streams them) and, where the server reports what
   it loaded (gloo), the sync's coverage and element checks (`receipt.check_stream` / `check_loaded`).
@@ -34,12 +36,17 @@ from typing import Any
 
 import torch
 
+from ..compat.common import attribute_set
 from . import gloo_transport
 from .receipt import StreamRecord, check_loaded, check_stream
 from .reload import ReloadReport, SyncCheckError
 from .settings import speculative_config_value
 from .speculation import EngineSpeculationError, speculation_blocker
 from .sync import SyncLog
+
+# Seeded requests sent at once (each its own HTTP request, the server batches them): a step's rows, as a server's
+# concurrent requests usually are.
+MAX_SEEDED_REQUESTS_IN_FLIGHT = 64
 
 # The module `grpo-plus vllm-serve` runs vLLM's command line from (`python -m grpo_plus.engine.server serve ...`).
 SERVER_MAIN = "grpo_plus.engine.server"
@@ -182,6 +189,31 @@ class _ServerClientMethods:
     backend: str | None = None
     last_stream: StreamRecord | None = None
     last_report: ReloadReport | None = None
+    request_seeds: list[int] | None = None  # inside `seeded_requests`: each prompt's seed
+
+    def generate(self, prompts, *args, generation_kwargs: dict | None = None, **kwargs):
+        """TRL's `generate`; inside `seeded_requests`, each prompt its own request (sent together, so the server
+        batches them) with its own seed, the answers in the prompts' order."""
+        seeds = self.request_seeds
+        if seeds is None:
+            return super().generate(prompts, *args, generation_kwargs=generation_kwargs, **kwargs)
+        if len(seeds) != len(prompts) or args or kwargs.get("n", 1) != 1 or kwargs.get("features") is not None:
+            raise ValueError(
+                f"seeded requests take one seed per prompt, one completion each and no images (got {len(seeds)} "
+                f"seeds for {len(prompts)} prompts, n={kwargs.get('n', 1)})"
+            )
+        generate = super().generate
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), MAX_SEEDED_REQUESTS_IN_FLIGHT))) as executor:
+            answers = list(
+                executor.map(
+                    lambda prompt, seed: generate(
+                        [prompt], generation_kwargs={**(generation_kwargs or {}), "seed": seed}, **kwargs
+                    ),
+                    prompts,
+                    seeds,
+                )
+            )
+        return {key: [item for answer in answers for item in answer[key]] for key in answers[0]} if answers else {}
 
     def transport(self) -> str | None:
         """The server's weight-transfer backend ("nccl", "gloo", ...; None: it has none)."""
@@ -244,6 +276,24 @@ class _ServerClientMethods:
         if self.backend != gloo_transport.BACKEND:
             return super().close_communicator()
         self.communicator = None
+
+
+@contextmanager
+def seeded_requests(generation: Any, seeds: list[int] | None) -> Iterator[None]:
+    """Inside the block, TRL's server-mode `VLLMGeneration` (`generation`) sends each prompt with its own seed from
+    `seeds` (None: as TRL sends them)."""
+    if seeds is None:
+        yield
+        return
+    if getattr(generation, "mode", None) != "server":
+        raise ValueError("a seed per request is sent to a vLLM server only (vllm_mode='server')")
+    client = generation.vllm_client
+    if not isinstance(client, _ServerClientMethods):
+        raise ValueError(
+            f"a seed per request needs grpo_plus's server client; this trainer's is {type(client).__name__}"
+        )
+    with attribute_set(client, "request_seeds", list(seeds)):
+        yield
 
 
 def _client_factory():
@@ -326,7 +376,7 @@ def _broadcast_dtype(generation: Any, client: Any) -> torch.dtype:
     return held[0]
 
 
-__all__ = ["SyncCheckError", "serve", "server_client", "server_client_class", "server_sync"]
+__all__ = ["SyncCheckError", "seeded_requests", "serve", "server_client", "server_client_class", "server_sync"]
 
 if __name__ == "__main__":
     vllm_cli_main()

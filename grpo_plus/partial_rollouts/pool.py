@@ -20,13 +20,19 @@ decoded to the end before anything else, and are the oldest: no token is trained
 steps after the weights that sampled it. With a chunk of at least max_completion_length tokens every row of the step's
 batch ends in the first chunk: nothing is read ahead, and the generation is TRL's call, token for token.
 
-The pool's state (each group's dataset rows, each row's prompt ids, tokens, sampler log-probs and versions, the reading
-position) is a stateful part (grpo_plus.run.state): saved in checkpoints atomically with the rest, restored on resume.
+Against a vLLM server with a seed in `generation_kwargs`, each row's request of each chunk carries its own seed,
+`row_seed(seed, row serial, tokens held)`: rows of one group (one prompt) draw their own tokens, and a run draws the
+same tokens whenever it asks for the same rows, resumed or not (a server's engine is seeded once, at its start).
+
+The pool's state (each group's dataset rows, each row's prompt ids, tokens, sampler log-probs, versions and serial, the
+reading position) is a stateful part (grpo_plus.run.state): saved in checkpoints atomically with the rest, restored on
+resume.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +40,13 @@ from typing import Any
 from ..compat.common import attribute_set
 from ..compat.model import single_turn_arguments
 from ..compat.vllm import engine_max_tokens
+from ..engine.server import seeded_requests
+from ..run.distributed import layout_name, whole_weights_on_every_process
 from ..zero_waste.multi_turn import TurnCache
 from .settings import PartialRolloutSettings
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: each row's serial (its request seeds); 1 loads (its rows were never seeded)
+READABLE_STATE_VERSIONS = (1, 2)
 METRIC_PREFIX = "partial_rollouts/"
 # The dataset columns TRL reads pictures from: image prompts are refused (a checkpoint holds the pool as plain data).
 IMAGE_COLUMNS = ("image", "images")
@@ -50,13 +59,23 @@ class PartialRolloutError(RuntimeError):
 @dataclass
 class Row:
     """One completion in flight: its prompt's token ids, the tokens sampled so far, each token's sampler log-prob
-    (float32 values) and the optimizer step of the weights that sampled it, and whether it ended."""
+    (float32 values) and the optimizer step of the weights that sampled it, whether it ended, and its serial (its
+    place in the order rows entered the pool: what its request seeds are drawn from)."""
 
     prompt_ids: list[int]
     tokens: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
+    serial: int = 0
+
+
+def row_seed(seed: int, serial: int, position: int) -> int:
+    """The sampling seed of the request that continues row `serial` from `position` tokens, in a run seeded with
+    `seed`: the top 63 bits of blake2b("seed:serial:position"), a fresh stream for every row and chunk (one seed for
+    every request would draw the same tokens for the rows of one prompt)."""
+    digest = hashlib.blake2b(f"{seed}:{serial}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # vLLM takes a signed 64-bit seed
 
 
 @dataclass
@@ -115,9 +134,11 @@ class Chunk:
         self.stats.append(stats)
 
 
-# decode(prompt ids of each row, max new tokens, the step's kept caches) -> (each row's new tokens, TRL's EOS cut
-# applied; their sampler log-probs)
-Decode = Callable[[list[list[int]], int, TurnCache | None], tuple[list[list[int]], list[list[float]]]]
+# decode(prompt ids of each row, max new tokens, the step's kept caches, each row's request seed or None) -> (each row's
+# new tokens, TRL's EOS cut applied; their sampler log-probs)
+Decode = Callable[
+    [list[list[int]], int, TurnCache | None, list[int] | None], tuple[list[list[int]], list[list[float]]]
+]
 
 
 def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num_generations: int) -> Decode:
@@ -126,7 +147,9 @@ def chunk_decoder(single_turn: Callable[..., tuple], generation_config: Any, num
     `generation_config` (its `max_new_tokens` the chunk's for the call), text prompts only."""
     extra_arguments = single_turn_arguments(num_generations)
 
-    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None):
+    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None, seeds: list[int] | None):
+        if seeds is not None:
+            raise PartialRolloutError("grpo_plus's generator takes no request seeds (a vLLM server's requests do)")
         chunk = Chunk(turns)
         with attribute_set(generation_config, "max_new_tokens", max_new_tokens):
             completions, _ = single_turn(prompt_ids, None, {}, *extra_arguments, chunk=chunk)
@@ -147,11 +170,11 @@ def engine_chunk_decoder(single_turn: Callable[..., tuple], vllm_generation: Any
     processed: `compat.vllm`; `trl vllm-serve` and `grpo-plus vllm-serve` start the server so). TRL syncs the weights
     into the engine at the step's first call. Within a step the weights are the same and vLLM's prefix cache keeps
     what the step's earlier chunks computed (`turns` is grpo_plus's generator's; the engine's own cache takes its
-    place here)."""
+    place here). `seeds`, a server's only: each row's request its own seed (`engine.server.seeded_requests`)."""
     extra_arguments = single_turn_arguments(1)  # a group's rows hold different tokens: never n copies of one prompt
 
-    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None):
-        with engine_max_tokens(vllm_generation, max_new_tokens):
+    def decode(prompt_ids: list[list[int]], max_new_tokens: int, turns: TurnCache | None, seeds: list[int] | None):
+        with engine_max_tokens(vllm_generation, max_new_tokens), seeded_requests(vllm_generation, seeds):
             completions, logps = single_turn(prompt_ids, None, {}, *extra_arguments)
         if logps is None:
             raise PartialRolloutError("TRL's vLLM generation returned no per-token log-probs (its `logprobs` is None)")
@@ -165,16 +188,39 @@ def engine_chunk_decoder(single_turn: Callable[..., tuple], vllm_generation: Any
 
 
 def trainer_blocker(
-    num_processes: int, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None, vllm: bool = False
+    accelerator: Any, args: Any, has_tools: bool, has_rollout_func: bool, generation_blocker: str | None
 ) -> str | None:
-    """Why a trainer cannot run partial rollouts (a sentence naming what to change), or None. `generation_blocker`:
-    why grpo_plus's generator cannot run, which matters without vLLM (`vllm`: vLLM decodes) only."""
+    """Why a trainer cannot run partial rollouts (a sentence naming what to change), or None. `accelerator`, `args`:
+    the trainer's (its processes and their kind; GRPOConfig's vLLM mode, generation batch and group size);
+    `generation_blocker`: why grpo_plus's generator cannot run, which matters without vLLM only. On several processes
+    each process runs its own pool over its own generation batch: no collective may sit inside a chunk, since each pool
+    decodes as many chunks as its own rows need."""
+    num_processes = accelerator.num_processes
+    several, vllm_mode = num_processes > 1, args.vllm_mode if args.use_vllm else None
+    process_rows, num_generations = args.generation_batch_size // num_processes, args.num_generations
     reasons = (
-        (num_processes > 1, f"one process (this run has {num_processes}): the pool is one device's"),
+        (
+            several and not whole_weights_on_every_process(accelerator),
+            f"DDP or DeepSpeed ZeRO-1/2 when it runs on several processes (this run: {layout_name(accelerator)} on "
+            f"{num_processes}): each process's pool decodes as many chunks as its own rows need, and sharded weights "
+            "(ZeRO-3, FSDP) are gathered collectively for every forward that generates",
+        ),
+        (
+            several and vllm_mode == "server",
+            f"one trainer process against a vLLM server (this run has {num_processes}): TRL's server call gathers "
+            "every process's rows into one request, while each process's pool stops after its own chunks (with "
+            "several processes use colocated vLLM or grpo_plus's generator)",
+        ),
+        (
+            several and process_rows % num_generations != 0,
+            f"each process's generation batch to be whole groups (per_device_train_batch_size x "
+            f"steps_per_generation = {process_rows} rows, groups of num_generations={num_generations}): each "
+            "process's pool hands its own groups",
+        ),
         (has_tools, "no tools: a tool loop's turns are generated in several calls"),
         (has_rollout_func, "no rollout_func: it generates instead of grpo_plus's generator"),
         (
-            generation_blocker is not None and not vllm,
+            generation_blocker is not None and vllm_mode is None,
             f"grpo_plus's generator (or vLLM), and the generator cannot run here: {generation_blocker}",
         ),
     )
@@ -189,9 +235,11 @@ class PartialRollouts:
     `eos_token_ids`: what ends a completion (TRL's); `lookahead`: the trainer's generation batches read ahead
     (`grpo_plus.async_generation.PromptLookahead`); `tokenize(prompts)`: TRL's prompt ids of dataset prompts;
     `decode`: runs a chunk (`chunk_decoder`); `skip_data`: whether a resumed run skips the batches of its epoch
-    already trained (not `ignore_data_skip`)."""
+    already trained (not `ignore_data_skip`); `num_processes`: the run's (each process runs its own pool). With `settings.request_seed` (a server's `generation_kwargs` seed) each
+    row's request of each chunk gets its own seed (`row_seed`)."""
 
     checkpoint_name = "partial_rollouts"
+    checkpoint_scope = "shared"  # grpo_plus.run.state; each process's own ("process") when there are several
 
     def __init__(
         self,
@@ -203,11 +251,15 @@ class PartialRollouts:
         tokenize: Callable[[list[Any]], list[list[int]]],
         decode: Decode,
         skip_data: bool = True,
+        num_processes: int = 1,
     ):
         self.settings, self.num_generations = settings, num_generations
         self.max_completion_length, self.eos_token_ids = max_completion_length, set(eos_token_ids)
         self._lookahead, self._tokenize, self._decode_chunk, self._skip_data = lookahead, tokenize, decode, skip_data
+        if num_processes > 1:  # each process's pool holds its own rows: saved per process
+            self.checkpoint_scope = "process"
         self.groups: list[Group] = []
+        self.entered_rows = 0  # rows that entered the pool: the next row's serial
         self.entered_batches = 0  # generation batches that entered the pool (TRL's or read ahead)
         self.handed_batches = 0  # generation batches handed to TRL's scoring
         self.read_ahead: dict[int, list[dict[str, Any]]] = {}  # batches entered ahead of TRL's loop, until it comes
@@ -271,9 +323,13 @@ class PartialRollouts:
         prompt_ids = self._tokenize([row["prompt"] for row in inputs])
         size = self.num_generations
         for start in range(0, len(inputs), size):
-            rows = [Row(list(ids)) for ids in prompt_ids[start : start + size]]
+            rows = [
+                Row(list(ids), serial=self.entered_rows + start + i)
+                for i, ids in enumerate(prompt_ids[start : start + size])
+            ]
             self.groups.append(Group(list(inputs[start : start + size]), rows, step, self.entered_batches))
         self.entered_batches += 1
+        self.entered_rows += len(inputs)
 
     def _next_batch_ahead(self) -> list[dict[str, Any]]:
         if self._resume_at is not None:  # a restored pool: the reader restarts where the resumed loop does
@@ -295,7 +351,9 @@ class PartialRollouts:
             return
         limit = self.max_completion_length
         chunk = min(budget, max(limit - len(row.tokens) for row in live))
-        tokens, logps = self._decode_chunk([row.prompt_ids + row.tokens for row in live], chunk, turns)
+        seed = self.settings.request_seed
+        seeds = None if seed is None else [row_seed(seed, row.serial, len(row.tokens)) for row in live]
+        tokens, logps = self._decode_chunk([row.prompt_ids + row.tokens for row in live], chunk, turns, seeds)
         for row, new, new_logps in zip(live, tokens, logps, strict=True):
             new, new_logps = new[: limit - len(row.tokens)], new_logps[: limit - len(row.tokens)]
             row.tokens += new
@@ -326,6 +384,7 @@ class PartialRollouts:
             "version": STATE_VERSION,
             "num_generations": self.num_generations,
             "entered_batches": self.entered_batches,
+            "entered_rows": self.entered_rows,
             "handed_batches": self.handed_batches,
             "read_ahead": [[index, [dict(row) for row in rows]] for index, rows in sorted(self.read_ahead.items())],
             "groups": [
@@ -340,6 +399,7 @@ class PartialRollouts:
                             "logps": list(r.logps),
                             "versions": list(r.versions),
                             "finished": r.finished,
+                            "serial": r.serial,
                         }
                         for r in g.rows
                     ],
@@ -349,20 +409,23 @@ class PartialRollouts:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in READABLE_STATE_VERSIONS:
             found = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ValueError(
-                f"unknown partial-rollouts state version {found!r} (this grpo_plus writes {STATE_VERSION})"
+                f"unknown partial-rollouts state version {found!r} (this grpo_plus reads {READABLE_STATE_VERSIONS})"
             )
         if state["num_generations"] != self.num_generations:
             raise ValueError(
                 f"its pool holds groups of {state['num_generations']} completions; this run's num_generations is "
                 f"{self.num_generations}. Resume with the same num_generations."
             )
+        # a version-1 pool's rows were never seeded (a seed was refused then): serials below 0, apart from new rows'
+        unsaved = iter(range(-1, -(1 << 62), -1))
         self.groups = [
             Group(
                 [dict(row) for row in g["inputs"]],
-                [Row(list(r["prompt_ids"]), list(r["tokens"]), list(r["logps"]), list(r["versions"]), r["finished"])
+                [Row(list(r["prompt_ids"]), list(r["tokens"]), list(r["logps"]), list(r["versions"]), r["finished"],
+                     r["serial"] if "serial" in r else next(unsaved))
                  for r in g["rows"]],
                 g["entered"],
                 g["batch"],
@@ -370,5 +433,6 @@ class PartialRollouts:
             for g in state["groups"]
         ]  # fmt: skip
         self.entered_batches, self.handed_batches = state["entered_batches"], state["handed_batches"]
+        self.entered_rows = state.get("entered_rows", 0)
         self.read_ahead = {index: [dict(row) for row in rows] for index, rows in state["read_ahead"]}
         self._resume_at, self._read_ahead, self.handing = self.handed_batches, 0, None

@@ -23,8 +23,8 @@ class PartialRolloutSettings(SettingsGroup):
 
     tokens: int | None = setting(
         None,
-        "Partial rollouts for the long tail, one trainer process, grpo_plus's own generator (zero_waste_generation) "
-        "or vLLM (colocated or a server): "
+        "Partial rollouts for the long tail, grpo_plus's own generator (zero_waste_generation) or vLLM (colocated, "
+        "or a server with one trainer process); on several processes (DDP, ZeRO-1/2) a pool per process: "
         "a step's generation decodes every unfinished completion by at most this many tokens at a time and stops "
         "as soon as it holds as many complete groups (all G completions ended) as the step trains; the unfinished "
         "rows keep their tokens and per-token sampler log-probs and continue in a later step under newer weights "
@@ -35,12 +35,18 @@ class PartialRolloutSettings(SettingsGroup):
     # GRPOConfig's `max_staleness` (declared by async_generation), given by the caller: the most optimizer steps a
     # group waits in the pool before it is decoded to the end
     max_staleness: int = field(default=1)
+    # TRL's `generation_kwargs` seed against a vLLM server (`server_request_seed`), given by the caller: each row's
+    # request of each chunk is seeded from it (`pool.row_seed`); None: requests unseeded
+    request_seed: int | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int)):
             raise not_allowed("partial_rollout_tokens", self.tokens, "None or an integer >= 1")
         if self.tokens is not None and self.tokens < 1:
             raise not_allowed("partial_rollout_tokens", self.tokens, "None or an integer >= 1")
+        seed = self.request_seed
+        if self.enabled and seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise not_allowed("generation_kwargs seed", seed, "an integer (each row's request is seeded from it)")
 
     @property
     def enabled(self) -> bool:
@@ -60,6 +66,7 @@ class PartialRolloutSettings(SettingsGroup):
         generation_kwargs: dict | None = None,
         trl_takes_num_generations: bool = True,
         structured_outputs_regex: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """Refuse what partial rollouts cannot run with, naming the field and what to do instead."""
         if not self.enabled:
@@ -72,10 +79,11 @@ class PartialRolloutSettings(SettingsGroup):
                 "partial rollouts cut the long tail of each step's generation; the two are alternatives (choose one)",
             ),
             (
-                use_vllm and "seed" in (generation_kwargs or {}),
-                "with generation_kwargs seed: each chunk sends every row as its own request, and one seed for every "
-                "request draws the same tokens for a group's rows (which share their prompt); leave the seed out "
-                "(vLLM seeds its engine once, from GRPOConfig's seed in colocate mode)",
+                use_vllm and vllm_mode != "server" and "seed" in (generation_kwargs or {}),
+                "with generation_kwargs seed in vLLM's colocate mode: TRL gives every row's request the same seed, "
+                "which draws the same tokens for a group's rows (which share their prompt); leave the seed out (the "
+                "colocated engine is seeded once, from GRPOConfig's seed, and a resumed run draws the same tokens "
+                "without it)",
             ),
             (
                 use_vllm and vllm_mode == "server" and not trl_takes_num_generations,
@@ -114,7 +122,20 @@ class PartialRolloutSettings(SettingsGroup):
                 structured_outputs_regex is not None,
                 "with vllm_structured_outputs_regex: each chunk would restart the pattern at the row's tokens so far",
             ),
+            (
+                use_vllm and vllm_mode == "colocate" and tensor_parallel_size > 1,
+                f"with vllm_tensor_parallel_size={tensor_parallel_size}: TRL gathers a tensor-parallel group's rows "
+                "into each call, while each process's pool stops after its own chunks (set it to 1)",
+            ),
         )
         for refused, why in refusals:
             if refused:
                 raise not_allowed("partial_rollout_tokens", self.tokens, f"None {why}")
+
+
+def server_request_seed(use_vllm: bool, vllm_mode: str, generation_kwargs: dict | None) -> int | None:
+    """The seed in TRL's `generation_kwargs` when a vLLM server generates, else None: with partial rollouts, each
+    row's request is seeded from it."""
+    if not use_vllm or vllm_mode != "server":
+        return None
+    return (generation_kwargs or {}).get("seed")

@@ -19,6 +19,28 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# accelerate's DistributedType values for DDP (and one process): every trainer process holds whole weights, and
+# generating or syncing them takes no collective (sharded weights, DeepSpeed and FSDP, are gathered collectively).
+DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA",
+                 "MULTI_HPU", "MULTI_NEURON")  # fmt: skip
+
+
+def whole_weights_on_every_process(accelerator: Any) -> bool:
+    """Whether every process holds whole weights, so generating from them takes no collective: one process, DDP, or
+    DeepSpeed ZeRO-1/2 (which shard optimizer states and gradients only); not ZeRO-3 or FSDP (sharded weights)."""
+    kind = accelerator.distributed_type.name
+    if kind == "DEEPSPEED":
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        return plugin is not None and plugin.zero_stage < 3
+    return kind in DATA_PARALLEL
+
+
+def layout_name(accelerator: Any) -> str:
+    """accelerate's distributed type, with DeepSpeed's ZeRO stage ("MULTI_GPU", "DEEPSPEED (ZeRO-3)", ...)."""
+    kind = accelerator.distributed_type.name
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None) if kind == "DEEPSPEED" else None
+    return kind if plugin is None else f"{kind} (ZeRO-{plugin.zero_stage})"
+
 
 class LaunchError(RuntimeError):
     """accelerate launched several processes that would not train together."""

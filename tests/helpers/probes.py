@@ -4,6 +4,7 @@ training processes (tests/scripts/train_tiny.py, accelerate launch) and kill the
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import socket
 import subprocess
@@ -310,3 +311,67 @@ def kill_after_checkpoint(command: list[str], checkpoint: Path, timeout: float =
     output, _ = process.communicate()
     assert process.returncode == -signal.SIGKILL
     return output
+
+
+# Partial rollouts on two processes (tests/test_partial_rollouts_processes.py, tests/vllm_engine/test_partial_processes.py):
+# per process and step 2 groups of 4, completions of at most 12 tokens decoded 3 at a time, SGD: rows carry across
+# steps and every step's weights differ. 16 prompts: the 4 steps are one epoch (a resume inside an epoch is exact).
+PARTIAL_PROCESSES = dict(
+    per_device_train_batch_size=8, num_generations=4, max_completion_length=12, temperature=0.7, optim="sgd",
+    learning_rate=0.5, max_steps=4, seed=3, partial_rollout_tokens=3, save_strategy="steps", save_steps=1,
+)  # fmt: skip
+
+
+def launch_partial_rollouts(
+    model_dir, output_dir, *flags, resume: bool = False, forget: bool = False, env=None, deepspeed: Path | None = None
+):
+    """tests/scripts/train_tiny.py with PARTIAL_PROCESSES (and `flags`) on 2 processes, DDP or under the DeepSpeed
+    config `deepspeed` (its CPU accelerator over gloo): the final weights and each rank's generation batches.
+    `forget`: the resumed pools' rows in flight lose their tokens (the negative control)."""
+    from safetensors.torch import load_file
+
+    omit = ("use_cpu",) if deepspeed is not None else ()  # DeepSpeed's CPU accelerator: not accelerate's CPU mode
+    args = [*train_tiny_flags(model_dir, output_dir, omit=omit, **PARTIAL_PROCESSES), "--num_prompts", "16", *flags]
+    args += ["--dump_weights", f"{output_dir}.safetensors", "--record_generated", f"{output_dir}.generated"]
+    args += [*(["--resume"] if resume else []), *(["--forget_rows_in_flight"] if forget else [])]
+    if deepspeed is not None:
+        args, env = [*args, "--ddp_backend", "gloo"], {**(env or os.environ), "DS_ACCELERATOR": "cpu"}
+    result = run_python(TRAIN_TINY, *args, launcher=accelerate_launch(2, config_file=deepspeed), env=env, timeout=900)
+    assert result.stdout.count("FINISHED") == 2, result.stdout[-2000:]
+    if deepspeed is not None:
+        assert result.stdout.count("engine=DeepSpeedEngine") == 2, "the run did not train under DeepSpeed"
+    return {
+        "weights": load_file(f"{output_dir}.safetensors"),
+        "generated": [torch.load(f"{output_dir}.generated.rank{rank}", weights_only=True) for rank in (0, 1)],
+    }
+
+
+def check_partial_rollouts_processes(whole: dict, checkpoint: Path) -> None:
+    """Each rank's generation batches are 2 whole groups (4 rows of one prompt each), the ranks generated apart, and
+    at `checkpoint` both ranks' pools (each in its own file) hold rows in flight, and differ."""
+    from grpo_plus.run.state import PROCESS_FILE
+
+    for rank in (0, 1):
+        assert len(whole["generated"][rank]) == PARTIAL_PROCESSES["max_steps"]
+        for batch in whole["generated"][rank]:
+            groups = batch["prompt_ids"].view(2, 4, -1)
+            assert torch.equal(groups, groups[:, :1].expand_as(groups)) and not torch.equal(groups[0], groups[1])
+    first, second = whole["generated"]
+    assert not torch.equal(first[0]["completion_ids"], second[0]["completion_ids"]), "the ranks generated alike"
+    pools = [
+        torch.load(checkpoint / PROCESS_FILE.format(rank), weights_only=True)["parts"]["partial_rollouts"]
+        for rank in (0, 1)
+    ]
+    for rank, pool in enumerate(pools):
+        rows = [row for g in pool["groups"] for row in g["rows"]]
+        assert any(not row["finished"] and row["tokens"] for row in rows), f"rank {rank}: no row in flight"
+    assert pools[0]["groups"] != pools[1]["groups"], "the two processes' pools are one pool"
+
+
+def same_later_completions(whole: dict, resumed: dict, first_step: int) -> None:
+    """Each rank of `resumed` generated the completions `whole` generated from step `first_step` on."""
+    for rank in (0, 1):
+        later = whole["generated"][rank][first_step:]
+        assert len(resumed["generated"][rank]) == len(later), rank
+        for ours, theirs in zip(resumed["generated"][rank], later, strict=True):
+            assert torch.equal(ours["completion_ids"], theirs["completion_ids"]), rank

@@ -21,7 +21,13 @@ from datasets import Dataset  # noqa: E402
 from helpers.engine import StepRecorder  # noqa: E402
 from helpers.fsdp_on_cpu import force_fsdp_on_cpu  # noqa: E402
 from helpers.models import prompt_dataset  # noqa: E402
-from helpers.probes import GroupRecorder, record_draws, record_trained_batches, use_row_seeded_sampling  # noqa: E402
+from helpers.probes import (  # noqa: E402
+    GroupRecorder,
+    record_draws,
+    record_trained_batches,
+    restore_rows_without_tokens,
+    use_row_seeded_sampling,
+)
 from helpers.rewards import (  # noqa: E402
     constant_reward,
     digit_reward,
@@ -94,6 +100,11 @@ class TinyArgs:
         default=None,
         metadata={"help": "Write every generation batch's tensors (completion ids, sampler log-probs) here (torch, "
                   "per rank)."},
+    )  # fmt: skip
+    forget_rows_in_flight: bool = field(
+        default=False,
+        metadata={"help": "Negative control: a resumed partial-rollouts pool's rows in flight lose their tokens "
+                  "(helpers.probes.restore_rows_without_tokens)."},
     )  # fmt: skip
     vllm_logps: str | None = field(
         default=None,
@@ -218,6 +229,10 @@ def main() -> None:
         force_fsdp_on_cpu()
     if tiny_args.skip_dead_anchor:
         skip_dead_anchor()
+    if tiny_args.forget_rows_in_flight:
+        import pytest
+
+        restore_rows_without_tokens(pytest.MonkeyPatch())
     tokenizer = AutoTokenizer.from_pretrained(tiny_args.model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_args.model_dir, dtype=torch.float32)
     trainer_cls = GRPOTrainer
