@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import numbers
 import os
 import sys
@@ -195,19 +196,20 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
         dynamic_sampling.enabled, selective_rollout.enabled,
     )  # fmt: skip
     zero_waste, speculative = ZeroWasteSettings.from_config(config), SpeculativeSettings.from_config(config)
+    generation_kwargs = _dict_field(config.generation_kwargs)
     speculative.check_combinations(
-        config.use_vllm, zero_waste.generation, _continuous_batching(config), config.generation_kwargs
+        config.use_vllm, zero_waste.generation, _continuous_batching(config), generation_kwargs
     )
     partial_rollouts = PartialRolloutSettings.from_config(
         config, max_staleness=async_generation.max_staleness,
-        request_seed=server_request_seed(config.use_vllm, config.vllm_mode, config.generation_kwargs),
+        request_seed=server_request_seed(config.use_vllm, config.vllm_mode, generation_kwargs),
     )  # fmt: skip
     partial_rollouts.check_combinations(
         use_vllm=bool(config.use_vllm), vllm_mode=config.vllm_mode, zero_waste_generation=zero_waste.generation,
         async_generation=async_generation.enabled, dynamic_sampling=dynamic_sampling.enabled,
         selective_rollout=selective_rollout.enabled, continuous_batching=_continuous_batching(config),
         greedy_baseline="reward_baselines" in ADVANTAGE_ESTIMATORS.entry(algorithms.advantage_estimator).requires,
-        generation_kwargs=config.generation_kwargs,
+        generation_kwargs=generation_kwargs,
         trl_takes_num_generations=bool(single_turn_arguments(1)),
         structured_outputs_regex=config.vllm_structured_outputs_regex,
         tensor_parallel_size=config.vllm_tensor_parallel_size,
@@ -244,6 +246,12 @@ def build_settings(config: trl.GRPOConfig) -> PlusSettings:
     )
     _warn_about_unusual_values(config)
     return settings
+
+
+def _dict_field(value: Any) -> Any:
+    """A dict field of TRL's config as its `__post_init__` will hold it: a JSON object given as a string (a command
+    line's) parsed, as transformers parses it there (after grpo_plus's checks run)."""
+    return json.loads(value) if isinstance(value, str) and value.startswith("{") else value
 
 
 def _continuous_batching(config: trl.GRPOConfig) -> bool:

@@ -347,6 +347,25 @@ def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings,
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **settings)
 
 
+def test_a_seed_given_on_the_command_line_is_read_as_trl_parses_it(tmp_path):
+    """From a command line `generation_kwargs` arrives as a JSON string, which TRL's `__post_init__` parses after
+    grpo_plus's checks: they read it parsed (a server's request seed; the colocate refusal), not as a string."""
+    from grpo_plus.config import PlusSettings
+
+    server = dict(use_vllm=True, vllm_mode="server", partial_rollout_tokens=4)
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs='{"seed": 7}', **server)
+    assert (
+        config.generation_kwargs == {"seed": 7} and PlusSettings.from_config(config).partial_rollouts.request_seed == 7
+    )
+    with pytest.raises(ConfigError, match="generation_kwargs seed in vLLM's colocate mode"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, partial_rollout_tokens=4,
+                   generation_kwargs='{"seed": 7}')  # fmt: skip
+    # a key that only appears inside a value is no setting (read as a string, "seed" would be found in it)
+    config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, partial_rollout_tokens=4,
+                        generation_kwargs='{"stop": ["seed"]}')  # fmt: skip
+    assert config.generation_kwargs == {"stop": ["seed"]}
+
+
 def test_a_vllm_server_is_accepted_where_trl_takes_the_group_size_per_call(tmp_path, monkeypatch):
     """Server mode: each row its own request needs TRL's `num_generations` argument (1.14.2 on); without it (1.14.0,
     the oldest TRL the matrix runs) TRL would send one prompt per group and the carried rows would be lost, so the
