@@ -44,8 +44,8 @@ from .settings import speculative_config_value
 from .speculation import EngineSpeculationError, speculation_blocker
 from .sync import SyncLog
 
-# Seeded requests sent at once (each its own HTTP request, the server batches them): a step's rows, as a server's
-# concurrent requests usually are.
+# Seeded requests in flight at once (each its own HTTP request, which the server batches): TRL's own concurrency when it
+# sends one request per prompt (image prompts), and the size of its client's connection pool (connections reused).
 MAX_SEEDED_REQUESTS_IN_FLIGHT = 64
 
 # The module `grpo-plus vllm-serve` runs vLLM's command line from (`python -m grpo_plus.engine.server serve ...`).
