@@ -28,3 +28,17 @@ def homogeneity_p_values(first: torch.Tensor, second: torch.Tensor) -> torch.Ten
         dof = int(seen.sum()) - 1
         p_values.append(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2) if dof > 0 else 1.0)
     return torch.tensor(p_values)
+
+
+def goodness_of_fit_p_value(counts: torch.Tensor, probabilities: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-squared test that `counts` (categories) were drawn from `probabilities`: the categories expected fewer than
+    `min_expected` times pooled into one (the test's validity condition), then the p-value of the statistic."""
+    counts, probabilities = counts.double(), probabilities.double() / probabilities.double().sum()
+    expected = probabilities * counts.sum()
+    kept = expected >= min_expected
+    observed_bins = torch.cat([counts[kept], counts[~kept].sum().reshape(1)])
+    expected_bins = torch.cat([expected[kept], expected[~kept].sum().reshape(1)])
+    used = expected_bins > 0
+    statistic = ((observed_bins[used] - expected_bins[used]) ** 2 / expected_bins[used]).sum()
+    dof = int(used.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), statistic / 2))

@@ -225,6 +225,36 @@ def test_partial_rollouts_carry_rows_across_steps_with_the_servers_log_probs(see
     assert wrong_gap > 10 * FLOAT32_FLOOR, wrong_gap
 
 
+def test_seeded_requests_draw_from_the_models_distribution(server, model_dir):
+    """What partial rollouts send a server with a seed (`seeded_requests`: each prompt its own request and seed,
+    `row_seed` of the run's seed and the row): 300 rows of one prompt draw their first token as the model's
+    distribution says (chi-squared goodness of fit, the categories expected under 5 times pooled; p > 1e-3). The
+    negative control: TRL's one seed for every prompt draws one token 300 times and fails the test."""
+    from types import SimpleNamespace
+
+    from helpers.histograms import goodness_of_fit_p_value
+
+    from grpo_plus.engine.server import seeded_requests, server_client_class
+    from grpo_plus.partial_rollouts.pool import row_seed
+
+    ids, rows = AutoTokenizer.from_pretrained(model_dir)("I like")["input_ids"], 300  # a next token of many choices
+    client = server_client_class()(base_url=server)
+    sampling = dict(n=1, temperature=1.0, max_tokens=1, logprobs=0, generation_kwargs={"seed": 0})
+    with seeded_requests(SimpleNamespace(mode="server", vllm_client=client), [row_seed(0, r, 0) for r in range(rows)]):
+        seeded = client.generate(prompts=[ids] * rows, **sampling)["completion_ids"]
+    one_seed = client.generate(prompts=[ids] * rows, **sampling)["completion_ids"]  # TRL's request
+    model = float32_model(model_dir)
+    with torch.no_grad():
+        probabilities = model(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
+    vocab = probabilities.numel()
+    counts = [torch.bincount(torch.tensor([row[0] for row in drawn]), minlength=vocab) for drawn in (seeded, one_seed)]
+    p_seeded, p_one_seed = (goodness_of_fit_p_value(c, probabilities) for c in counts)
+    print(f"first tokens: {len(set(r[0] for r in seeded))} distinct, p = {p_seeded:.3g}; one seed: "
+          f"{len(set(r[0] for r in one_seed))} distinct, p = {p_one_seed:.3g}")  # fmt: skip
+    assert p_seeded > 1e-3, p_seeded
+    assert len({row[0] for row in one_seed}) == 1 and p_one_seed < 1e-6, p_one_seed
+
+
 def test_partial_rollouts_against_a_server_resume_with_rows_in_flight(
     seeded_partial_run, server, model_dir, tmp_path, monkeypatch
 ):
