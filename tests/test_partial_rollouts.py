@@ -347,10 +347,14 @@ def test_settings_that_cannot_work_are_refused_by_the_config(tmp_path, settings,
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, **settings)
 
 
-def test_a_seed_given_on_the_command_line_is_read_as_trl_parses_it(tmp_path):
+def test_a_seed_given_on_the_command_line_is_read_as_trl_parses_it(tmp_path, monkeypatch):
     """From a command line `generation_kwargs` arrives as a JSON string, which TRL's `__post_init__` parses after
-    grpo_plus's checks: they read it parsed (a server's request seed; the colocate refusal), not as a string."""
+    grpo_plus's checks: they read it parsed (a server's request seed; the colocate refusal), not as a string. (A TRL
+    that takes the group size per call stood in for, as below: server mode needs it.)"""
+    import grpo_plus.config
     from grpo_plus.config import PlusSettings
+
+    monkeypatch.setattr(grpo_plus.config, "single_turn_arguments", lambda num_generations: (num_generations,))
 
     server = dict(use_vllm=True, vllm_mode="server", partial_rollout_tokens=4)
     config = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, generation_kwargs='{"seed": 7}', **server)
