@@ -157,6 +157,11 @@ CAPABILITY_FLOORS = {
             "generation config",
         ),
         VersionFloor(
+            "group_size_per_call", "trl", "1.14.2",
+            "TRL 1.14.0's `_generate_single_turn` takes no group size: its server path sends one prompt per group, "
+            "so partial rollouts against a vLLM server (every row its own request) are refused there",
+        ),
+        VersionFloor(
             "offloading_count", "trl", "1.16.0",
             "TRL 1.14-1.15's activation offloading moves CUDA/XPU/NPU tensors only and makes CUDA streams, so the "
             "count's stand-in accelerator (a machine without CUDA) cannot run it; 1.16 offloads from any accelerator",

@@ -62,6 +62,12 @@ def _generation_config_eos() -> str | None:
     return f"TRL {version('trl')} ends completions at the tokenizer's eos token only"
 
 
+def _group_size_per_call() -> str | None:
+    if trl_model.single_turn_arguments(1):
+        return None
+    return f"TRL {version('trl')}'s _generate_single_turn takes no group size"
+
+
 def _generation_loop() -> str | None:
     from grpo_plus.zero_waste.generation import transformers_blocker
 
@@ -105,6 +111,7 @@ DETECTORS: dict[str, Callable[[], str | None]] = {
     "cpu_logps": _logps_on_cpu,
     "fused_lm_head": _fused_lm_head,
     "generation_config_eos": _generation_config_eos,
+    "group_size_per_call": _group_size_per_call,
 }
 
 
