@@ -167,7 +167,7 @@ def test_fsdp2_rank_skipping_a_forward_is_caught(tiny_model_dir, tmp_path):
     it with both ranks' stacks, one of them waiting in FSDP2's all-gather."""
     args = [*settings(tiny_model_dir, tmp_path / "out", max_steps=2), "--skip_dead_anchor", "--force_fsdp_on_cpu"]
     # 60 s: two steps take a few seconds alone; 20 s failed once on a machine running four other jobs, and 30 s failed
-    # twice in four runs beside `make test-vllm` (as CI runs it): neither rank's stack showed the all-gather yet
+    # twice in five runs beside `make test-vllm` (as CI runs it): neither rank's stack showed the all-gather yet
     result = launch([*args, "--watchdog", "60"], accelerate_launch(2, config_file=CONFIGS / "fsdp.yaml"))
     assert result.returncode != 0 and "FINISHED" not in result.stdout, "a rank skipped a forward and the run finished"
     assert "Timeout (0:01:00)!" in result.stderr and "foreach_all_gather" in result.stderr, result.stderr[-3000:]
