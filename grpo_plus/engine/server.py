@@ -195,7 +195,7 @@ class _ServerClientMethods:
         """TRL's `generate`; inside `seeded_requests`, each prompt its own request (sent together, so the server
         batches them) with its own seed, the answers in the prompts' order."""
         seeds = self.request_seeds
-        if seeds is None:
+        if seeds is None or not prompts:
             return super().generate(prompts, *args, generation_kwargs=generation_kwargs, **kwargs)
         if len(seeds) != len(prompts) or args or kwargs.get("n", 1) != 1 or kwargs.get("features") is not None:
             raise ValueError(
@@ -203,7 +203,7 @@ class _ServerClientMethods:
                 f"seeds for {len(prompts)} prompts, n={kwargs.get('n', 1)})"
             )
         generate = super().generate
-        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), MAX_SEEDED_REQUESTS_IN_FLIGHT))) as executor:
+        with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_SEEDED_REQUESTS_IN_FLIGHT)) as executor:
             answers = list(
                 executor.map(
                     lambda prompt, seed: generate(
@@ -213,7 +213,7 @@ class _ServerClientMethods:
                     seeds,
                 )
             )
-        return {key: [item for answer in answers for item in answer[key]] for key in answers[0]} if answers else {}
+        return {key: [item for answer in answers for item in answer[key]] for key in answers[0]}
 
     def transport(self) -> str | None:
         """The server's weight-transfer backend ("nccl", "gloo", ...; None: it has none)."""
@@ -285,12 +285,10 @@ def seeded_requests(generation: Any, seeds: list[int] | None) -> Iterator[None]:
     if seeds is None:
         yield
         return
-    if getattr(generation, "mode", None) != "server":
-        raise ValueError("a seed per request is sent to a vLLM server only (vllm_mode='server')")
-    client = generation.vllm_client
+    client = getattr(generation, "vllm_client", None)  # server mode's (colocate mode has none)
     if not isinstance(client, _ServerClientMethods):
         raise ValueError(
-            f"a seed per request needs grpo_plus's server client; this trainer's is {type(client).__name__}"
+            f"a seed per request is sent to a vLLM server by grpo_plus's client; this generation's is {client!r}"
         )
     with attribute_set(client, "request_seeds", list(seeds)):
         yield

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -420,7 +421,7 @@ class PartialRollouts:
                 f"{self.num_generations}. Resume with the same num_generations."
             )
         # a version-1 pool's rows were never seeded (a seed was refused then): serials below 0, apart from new rows'
-        unsaved = iter(range(-1, -(1 << 62), -1))
+        unsaved = itertools.count(-1, -1)
         self.groups = [
             Group(
                 [dict(row) for row in g["inputs"]],

@@ -25,21 +25,23 @@ DATA_PARALLEL = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULT
                  "MULTI_HPU", "MULTI_NEURON")  # fmt: skip
 
 
+def _zero_stage(accelerator: Any) -> int | None:
+    """DeepSpeed's ZeRO stage where accelerate runs DeepSpeed, else None."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin.zero_stage if accelerator.distributed_type.name == "DEEPSPEED" and plugin is not None else None
+
+
 def whole_weights_on_every_process(accelerator: Any) -> bool:
     """Whether every process holds whole weights, so generating from them takes no collective: one process, DDP, or
     DeepSpeed ZeRO-1/2 (which shard optimizer states and gradients only); not ZeRO-3 or FSDP (sharded weights)."""
-    kind = accelerator.distributed_type.name
-    if kind == "DEEPSPEED":
-        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        return plugin is not None and plugin.zero_stage < 3
-    return kind in DATA_PARALLEL
+    stage = _zero_stage(accelerator)
+    return stage < 3 if stage is not None else accelerator.distributed_type.name in DATA_PARALLEL
 
 
 def layout_name(accelerator: Any) -> str:
     """accelerate's distributed type, with DeepSpeed's ZeRO stage ("MULTI_GPU", "DEEPSPEED (ZeRO-3)", ...)."""
-    kind = accelerator.distributed_type.name
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None) if kind == "DEEPSPEED" else None
-    return kind if plugin is None else f"{kind} (ZeRO-{plugin.zero_stage})"
+    stage, kind = _zero_stage(accelerator), accelerator.distributed_type.name
+    return kind if stage is None else f"{kind} (ZeRO-{stage})"
 
 
 class LaunchError(RuntimeError):

@@ -22,6 +22,7 @@ from helpers.engine import StepRecorder
 from helpers.probes import TRAIN_TINY, accelerate_launch, free_port, max_weight_diff, run_python, train_tiny_flags
 from helpers.rewards import odd_prompts_dead_reward
 from helpers.server import (
+    SERVER_NOISE,
     checkout_env,
     float32_model,
     lag,
@@ -38,10 +39,6 @@ import grpo_plus
 from grpo_plus.async_generation import AsyncGenerationError
 
 STEPS = 4
-# vLLM's server splits a request for n completions into n requests, which a loaded engine may take in different steps:
-# its float32 log-probs then move at rounding level (the same tokens). The bound for that case; a wrong lag moves them
-# by ~1e-3 here (the negative control below: > 1e-4).
-SERVER_NOISE = 1e-5
 # Four prompts, two per step (one dead group, one live): two epochs of two steps, so the read-ahead crosses an
 # epoch; a learning rate at which one step moves the sampler's log-probs by ~1e-3.
 RUN = dict(max_steps=STEPS, per_device_train_batch_size=8, learning_rate=0.05)
