@@ -32,7 +32,7 @@ import torch
 import trl
 from helpers.engine import StepRecorder
 from helpers.probes import TRAIN_TINY, accelerate_launch, free_port, max_weight_diff, run_python, train_tiny_flags
-from helpers.server import checkout_env, float32_model, server_config, server_trainer
+from helpers.server import SERVER_NOISE, checkout_env, float32_model, server_config, server_trainer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -44,9 +44,6 @@ SEEDED = '{"seed": 0}'  # one seed per request: the same weights draw the same c
 # |server - transformers| of the probe's log-probs, float32 on both sides, measured on the untouched checkpoint:
 # 3.0e-5 at most (different kernels); after a sync the same, before it the training's change (~1e-2).
 FLOAT32_FLOOR = 1e-4
-# A loaded engine may batch concurrent requests otherwise from one run to the next, which moves its float32 log-probs
-# at rounding level (tests/vllm_engine/test_async_generation.py measured it): the bound for that case.
-SERVER_NOISE = 1e-5
 
 
 def probe_ids(model_dir) -> list[int]:
@@ -225,25 +222,26 @@ def test_partial_rollouts_carry_rows_across_steps_with_the_servers_log_probs(see
     assert wrong_gap > 10 * FLOAT32_FLOOR, wrong_gap
 
 
-def test_seeded_requests_draw_from_the_models_distribution(server, model_dir):
+def test_seeded_requests_draw_from_the_models_distribution(server, model_dir, tmp_path):
     """What partial rollouts send a server with a seed (`seeded_requests`: each prompt its own request and seed,
     `row_seed` of the run's seed and the row): 300 rows of one prompt draw their first token as the model's
     distribution says (chi-squared goodness of fit, the categories expected under 5 times pooled; p > 1e-3). The
-    negative control: TRL's one seed for every prompt draws one token 300 times and fails the test."""
-    from types import SimpleNamespace
-
+    negative control: TRL's one seed for every prompt draws one token 300 times and fails the test. The server
+    serves the untouched checkpoint first (a trainer's sync: other tests leave their trained weights in it)."""
     from helpers.histograms import goodness_of_fit_p_value
 
-    from grpo_plus.engine.server import seeded_requests, server_client_class
+    from grpo_plus.engine.server import seeded_requests
     from grpo_plus.partial_rollouts.pool import row_seed
 
+    model = float32_model(model_dir)
+    generation = server_trainer(grpo_plus, model, model_dir, server_config(server, tmp_path)).vllm_generation
+    generation.sync_weights()
+    client = generation.vllm_client
     ids, rows = AutoTokenizer.from_pretrained(model_dir)("I like")["input_ids"], 300  # a next token of many choices
-    client = server_client_class()(base_url=server)
     sampling = dict(n=1, temperature=1.0, max_tokens=1, logprobs=0, generation_kwargs={"seed": 0})
-    with seeded_requests(SimpleNamespace(mode="server", vllm_client=client), [row_seed(0, r, 0) for r in range(rows)]):
+    with seeded_requests(generation, [row_seed(0, r, 0) for r in range(rows)]):
         seeded = client.generate(prompts=[ids] * rows, **sampling)["completion_ids"]
     one_seed = client.generate(prompts=[ids] * rows, **sampling)["completion_ids"]  # TRL's request
-    model = float32_model(model_dir)
     with torch.no_grad():
         probabilities = model(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
     vocab = probabilities.numel()
